@@ -1,0 +1,253 @@
+//! Guest RAM backed by a memfd (or any file), so the same bytes can later be saved as a
+//! snapshot image and mapped MAP_PRIVATE by forked children.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::sync::Arc;
+
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+
+use crate::error::{Error, Result};
+use crate::layout::{MMIO_GAP_END, MMIO_GAP_START};
+
+/// Smallest guest we accept: Linux with an initramfs needs more than this anyway.
+pub const MIN_MEM_MIB: u64 = 32;
+/// Largest guest we accept; beyond this a typo is more likely than a real request.
+pub const MAX_MEM_MIB: u64 = 1 << 20;
+
+/// One contiguous guest-physical range and where it lives in the backing file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RamRange {
+    pub guest_addr: u64,
+    pub size: u64,
+    pub file_offset: u64,
+}
+
+/// How the backing file is mapped into this process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sharing {
+    /// Writes go to the file (a booting parent whose memory becomes the snapshot image).
+    Shared,
+    /// Copy-on-write: the file is never modified (a forked child).
+    Private,
+}
+
+/// Guest RAM: the backing file plus its mapping into this process.
+pub struct GuestRam {
+    file: Arc<File>,
+    ranges: Vec<RamRange>,
+    memory: GuestMemoryMmap,
+    size: u64,
+}
+
+impl GuestRam {
+    /// Split `size` bytes of RAM around the 32-bit MMIO gap.
+    pub fn ranges_for(size: u64) -> Vec<RamRange> {
+        if size <= MMIO_GAP_START {
+            return vec![RamRange {
+                guest_addr: 0,
+                size,
+                file_offset: 0,
+            }];
+        }
+        vec![
+            RamRange {
+                guest_addr: 0,
+                size: MMIO_GAP_START,
+                file_offset: 0,
+            },
+            RamRange {
+                guest_addr: MMIO_GAP_END,
+                size: size - MMIO_GAP_START,
+                file_offset: MMIO_GAP_START,
+            },
+        ]
+    }
+
+    /// Fresh, zero-filled RAM in an anonymous memfd.
+    pub fn new_memfd(mem_mib: u64) -> Result<Self> {
+        validate_mem_mib(mem_mib)?;
+        let size = mem_mib << 20;
+        // SAFETY: the name is a valid NUL-terminated string; the returned fd is checked.
+        let fd = unsafe { libc::memfd_create(c"tine-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::Memory(format!(
+                "memfd_create failed: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: fd is a freshly created descriptor that nothing else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(size)
+            .map_err(|e| Error::Memory(format!("cannot size guest RAM to {mem_mib} MiB: {e}")))?;
+        Self::map(file, size, Sharing::Shared)
+    }
+
+    /// Map an existing memory image (a snapshot) of exactly `size` bytes.
+    pub fn from_file(file: File, size: u64, sharing: Sharing) -> Result<Self> {
+        let len = file
+            .metadata()
+            .map_err(|e| Error::Memory(format!("cannot stat memory image: {e}")))?
+            .len();
+        if len != size {
+            return Err(Error::Memory(format!(
+                "memory image is {len} bytes, expected {size}: truncated or wrong file"
+            )));
+        }
+        Self::map(file, size, sharing)
+    }
+
+    fn map(file: File, size: u64, sharing: Sharing) -> Result<Self> {
+        let file = Arc::new(file);
+        let ranges = Self::ranges_for(size);
+        let flags = libc::MAP_NORESERVE
+            | match sharing {
+                Sharing::Shared => libc::MAP_SHARED,
+                Sharing::Private => libc::MAP_PRIVATE,
+            };
+        let mut regions = Vec::with_capacity(ranges.len());
+        for r in &ranges {
+            let mapping = MmapRegion::build(
+                Some(FileOffset::from_arc(file.clone(), r.file_offset)),
+                r.size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+            )
+            .map_err(|e| Error::Memory(format!("cannot map guest RAM: {e}")))?;
+            let region = GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr))
+                .ok_or_else(|| Error::Memory("guest RAM region overflows".into()))?;
+            regions.push(region);
+        }
+        let memory = GuestMemoryMmap::from_regions(regions)
+            .map_err(|e| Error::Memory(format!("bad guest RAM layout: {e}")))?;
+        Ok(Self {
+            file,
+            ranges,
+            memory,
+            size,
+        })
+    }
+
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.memory
+    }
+
+    pub fn ranges(&self) -> &[RamRange] {
+        &self.ranges
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    pub fn raw_fd(&self) -> i32 {
+        self.file.as_raw_fd()
+    }
+
+    /// The highest guest-physical address below the MMIO gap that is RAM (exclusive).
+    pub fn low_ram_end(&self) -> u64 {
+        self.ranges[0].size
+    }
+
+    /// Host address of a guest range, for KVM memory-slot registration.
+    pub fn host_address(&self, range: &RamRange) -> Result<u64> {
+        use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+        let region = self
+            .memory
+            .find_region(GuestAddress(range.guest_addr))
+            .ok_or_else(|| Error::Memory("RAM range not mapped".into()))?;
+        let ptr = region
+            .get_host_address(vm_memory::MemoryRegionAddress(0))
+            .map_err(|e| Error::Memory(format!("no host address for guest RAM: {e}")))?;
+        Ok(ptr as u64)
+    }
+}
+
+pub fn validate_mem_mib(mem_mib: u64) -> Result<()> {
+    if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&mem_mib) {
+        return Err(Error::Config(format!(
+            "memory size {mem_mib} MiB is out of range: use {MIN_MEM_MIB}..={MAX_MEM_MIB} MiB"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::Bytes;
+
+    #[test]
+    fn small_guest_is_one_range() {
+        assert_eq!(
+            GuestRam::ranges_for(256 << 20),
+            vec![RamRange {
+                guest_addr: 0,
+                size: 256 << 20,
+                file_offset: 0
+            }]
+        );
+    }
+
+    #[test]
+    fn large_guest_skips_the_mmio_gap() {
+        let r = GuestRam::ranges_for(4 << 30);
+        assert_eq!(r.len(), 2);
+        assert_eq!(r[0].size, MMIO_GAP_START);
+        assert_eq!(r[1].guest_addr, 1 << 32);
+        assert_eq!(r[1].size, (4 << 30) - MMIO_GAP_START);
+        assert_eq!(r[1].file_offset, MMIO_GAP_START);
+    }
+
+    #[test]
+    fn memfd_ram_is_shared_with_the_file() {
+        let ram = GuestRam::new_memfd(64).unwrap();
+        ram.memory()
+            .write_slice(b"tine", GuestAddress(0x1234))
+            .unwrap();
+        let mut buf = [0u8; 4];
+        std::os::unix::fs::FileExt::read_exact_at(ram.file(), &mut buf, 0x1234).unwrap();
+        assert_eq!(&buf, b"tine");
+    }
+
+    #[test]
+    fn private_mapping_never_writes_the_image() {
+        let parent = GuestRam::new_memfd(64).unwrap();
+        parent
+            .memory()
+            .write_slice(b"parent", GuestAddress(0x2000))
+            .unwrap();
+        let image = parent.file().try_clone().unwrap();
+        let child = GuestRam::from_file(image, 64 << 20, Sharing::Private).unwrap();
+        child
+            .memory()
+            .write_slice(b"child!", GuestAddress(0x2000))
+            .unwrap();
+        let mut buf = [0u8; 6];
+        parent
+            .memory()
+            .read_slice(&mut buf, GuestAddress(0x2000))
+            .unwrap();
+        assert_eq!(&buf, b"parent");
+    }
+
+    #[test]
+    fn rejects_silly_sizes() {
+        assert!(GuestRam::new_memfd(1).is_err());
+        assert!(GuestRam::new_memfd(MAX_MEM_MIB + 1).is_err());
+    }
+
+    #[test]
+    fn rejects_truncated_image() {
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(1 << 20).unwrap();
+        let err = GuestRam::from_file(f, 64 << 20, Sharing::Private)
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("truncated"), "{err}");
+    }
+}

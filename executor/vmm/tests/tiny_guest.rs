@@ -1,0 +1,124 @@
+//! Hand-made guests run on /dev/kvm directly: a few instructions that talk to our devices and
+//! stop the VM, in each CPU mode the Linux entry protocols use. They exercise VM creation,
+//! memory slots, the boot register state, port-I/O routing, the serial console, ACPI power-off,
+//! i8042 reset and the vCPU kick that stops the other vCPUs.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use tine_vmm::boot::EntryPoint;
+use tine_vmm::{GuestExit, GuestRam, Vm};
+use vm_memory::{Bytes, GuestAddress};
+
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn kvm_available() -> bool {
+    if std::path::Path::new("/dev/kvm").exists() {
+        return true;
+    }
+    eprintln!("SKIPPED: /dev/kvm is absent on this host; the tiny-guest tests need KVM");
+    false
+}
+
+const CODE_ADDR: u64 = 0x10_0000;
+
+/// `mov dx, port; mov al, byte; out dx, al` — the same bytes in 32- and 64-bit mode.
+fn out8(code: &mut Vec<u8>, port: u16, byte: u8) {
+    code.extend_from_slice(&[0x66, 0xba]);
+    code.extend_from_slice(&port.to_le_bytes());
+    code.extend_from_slice(&[0xb0, byte, 0xee]);
+}
+
+fn print(code: &mut Vec<u8>, text: &str) {
+    for b in text.bytes() {
+        out8(code, 0x3f8, b);
+    }
+}
+
+const POWER_OFF: (u16, u8) = (0x600, 0x20 | (5 << 2));
+const I8042_RESET: (u16, u8) = (0x64, 0xfe);
+
+fn run_guest(vcpus: u8, entry: EntryPoint, code: &[u8]) -> (GuestExit, String) {
+    let ram = GuestRam::new_memfd(64).unwrap();
+    ram.memory()
+        .write_slice(code, GuestAddress(CODE_ADDR))
+        .unwrap();
+    let out = Capture::default();
+    let mut vm = Vm::create(vcpus, ram, Box::new(out.clone())).unwrap();
+    vm.set_entry(entry).unwrap();
+    let exit = vm.run().unwrap();
+    let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    (exit, text)
+}
+
+#[test]
+fn long_mode_guest_prints_and_powers_off() {
+    if !kvm_available() {
+        return;
+    }
+    let mut code = Vec::new();
+    print(&mut code, "hello from long mode\n");
+    out8(&mut code, POWER_OFF.0, POWER_OFF.1);
+    code.push(0xf4); // hlt: never reached
+    let (exit, text) = run_guest(1, EntryPoint::Linux64 { rip: CODE_ADDR }, &code);
+    assert_eq!(exit, GuestExit::PowerOff);
+    assert_eq!(exit.exit_code(), 0);
+    assert_eq!(text, "hello from long mode\n");
+}
+
+#[test]
+fn protected_mode_guest_prints_and_powers_off() {
+    if !kvm_available() {
+        return;
+    }
+    let mut code = Vec::new();
+    print(&mut code, "pvh\n");
+    out8(&mut code, POWER_OFF.0, POWER_OFF.1);
+    let (exit, text) = run_guest(1, EntryPoint::Pvh { rip: CODE_ADDR }, &code);
+    assert_eq!(exit, GuestExit::PowerOff);
+    assert_eq!(text, "pvh\n");
+}
+
+#[test]
+fn i8042_reset_is_a_reboot() {
+    if !kvm_available() {
+        return;
+    }
+    let mut code = Vec::new();
+    out8(&mut code, I8042_RESET.0, I8042_RESET.1);
+    let (exit, _) = run_guest(1, EntryPoint::Linux64 { rip: CODE_ADDR }, &code);
+    assert_eq!(exit, GuestExit::Reboot);
+    assert_ne!(exit.exit_code(), 0);
+}
+
+#[test]
+fn power_off_stops_the_other_vcpus() {
+    if !kvm_available() {
+        return;
+    }
+    // vCPU 1 never gets a startup IPI: it waits inside KVM_RUN until the VMM kicks it.
+    let mut code = Vec::new();
+    print(&mut code, "bye\n");
+    out8(&mut code, POWER_OFF.0, POWER_OFF.1);
+    let (exit, text) = run_guest(4, EntryPoint::Linux64 { rip: CODE_ADDR }, &code);
+    assert_eq!(exit, GuestExit::PowerOff);
+    assert_eq!(text, "bye\n");
+}
+
+#[test]
+fn bad_vcpu_counts_are_refused() {
+    let ram = GuestRam::new_memfd(64).unwrap();
+    let err = Vm::create(0, ram, Box::new(std::io::sink())).err().unwrap();
+    assert!(err.to_string().contains("vCPUs"), "{err}");
+}
