@@ -82,6 +82,14 @@ impl VcpuRunner {
         }
     }
 
+    /// Registers at a guest crash: the first thing anyone debugging it asks for.
+    fn log_crash_state(&self) {
+        let regs = self.fd.get_regs();
+        let sregs = self.fd.get_sregs();
+        let events = self.fd.get_vcpu_events();
+        tracing::warn!(vcpu = self.index, ?regs, ?sregs, ?events, "guest triple fault");
+    }
+
     fn run_loop(&mut self) -> Result<VcpuOutcome> {
         loop {
             if self.stop.load(Ordering::Acquire) {
@@ -98,7 +106,10 @@ impl VcpuRunner {
                 Ok(VcpuExit::MmioRead(_, data)) => data.fill(0xff),
                 Ok(VcpuExit::MmioWrite(..)) => {}
                 Ok(VcpuExit::Hlt) => {}
-                Ok(VcpuExit::Shutdown) => return Ok(VcpuOutcome::Guest(GuestExit::TripleFault)),
+                Ok(VcpuExit::Shutdown) => {
+                    self.log_crash_state();
+                    return Ok(VcpuOutcome::Guest(GuestExit::TripleFault));
+                }
                 Ok(VcpuExit::SystemEvent(kind, _)) => {
                     let exit = match kind {
                         KVM_SYSTEM_EVENT_SHUTDOWN => GuestExit::PowerOff,

@@ -1,0 +1,250 @@
+//! `tine doctor`: host checks, each with what it found and how to fix it.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use tine_vmm::host::{open_kvm, KvmFlavor};
+
+#[derive(clap::Args)]
+pub struct DoctorArgs {
+    /// Directory whose free space matters (snapshots, images).
+    #[arg(long, env = "TINE_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Status {
+    Ok,
+    Warn,
+    Fail,
+}
+
+struct Check {
+    name: &'static str,
+    status: Status,
+    found: String,
+    fix: &'static str,
+}
+
+fn check(name: &'static str, status: Status, found: impl Into<String>, fix: &'static str) -> Check {
+    Check {
+        name,
+        status,
+        found: found.into(),
+        fix,
+    }
+}
+
+fn kvm_checks(out: &mut Vec<Check>) {
+    if !Path::new("/dev/kvm").exists() {
+        out.push(check(
+            "/dev/kvm",
+            Status::Fail,
+            "absent",
+            "enable VT-x/AMD-V in firmware and load kvm_intel or kvm_amd; in a cloud VM enable nested virtualization",
+        ));
+        return;
+    }
+    match open_kvm() {
+        Ok(kvm) => {
+            out.push(check(
+                "/dev/kvm",
+                Status::Ok,
+                format!("API 12, up to {} vCPUs per VM", kvm.get_max_vcpus()),
+                "",
+            ));
+        }
+        Err(e) => out.push(check(
+            "/dev/kvm",
+            Status::Fail,
+            e.to_string(),
+            "run as root or add the user to the group owning /dev/kvm",
+        )),
+    }
+    let flavor = KvmFlavor::detect();
+    out.push(check(
+        "virtualization",
+        if flavor.boots_linux() {
+            Status::Ok
+        } else {
+            Status::Fail
+        },
+        flavor.describe(),
+        "stock Linux guests need VMX or SVM; on this host use `tine lab -- ...` for anything that boots Linux",
+    ));
+}
+
+fn kernel_check(out: &mut Vec<Check>) {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let release = release.trim();
+    let mut parts = release.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty());
+    let major: u32 = parts.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let minor: u32 = parts.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let ok = (major, minor) >= (5, 10);
+    out.push(check(
+        "host kernel",
+        if ok { Status::Ok } else { Status::Fail },
+        release,
+        "use Linux 5.10 or newer (userfaultfd write-protect, memfd sealing, cgroup v2)",
+    ));
+}
+
+fn cgroup_check(out: &mut Vec<Check>) {
+    let v2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    let found = if v2 {
+        let c = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers").unwrap_or_default();
+        format!("v2 ({})", c.trim())
+    } else {
+        "not mounted as cgroup v2".to_string()
+    };
+    out.push(check(
+        "cgroup v2",
+        if v2 { Status::Ok } else { Status::Warn },
+        found,
+        "boot with systemd.unified_cgroup_hierarchy=1 (or mount cgroup2 on /sys/fs/cgroup) so each child gets memory.max",
+    ));
+}
+
+fn userfaultfd_check(out: &mut Vec<Check>) {
+    // SAFETY: plain syscall; the fd is closed right away.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+    let (status, found) = if fd >= 0 {
+        // SAFETY: fd was just returned by the kernel.
+        unsafe { libc::close(fd as i32) };
+        (Status::Ok, "userfaultfd(2) works".to_string())
+    } else if Path::new("/dev/userfaultfd").exists() {
+        (
+            Status::Warn,
+            format!("syscall refused ({}), /dev/userfaultfd present", std::io::Error::last_os_error()),
+        )
+    } else {
+        (
+            Status::Warn,
+            format!("unavailable: {}", std::io::Error::last_os_error()),
+        )
+    };
+    out.push(check(
+        "userfaultfd",
+        status,
+        found,
+        "needed for lazy restores from remote layers: run as root or set vm.unprivileged_userfaultfd=1",
+    ));
+}
+
+fn memfd_check(out: &mut Vec<Check>) {
+    let r = tine_vmm::GuestRam::new_memfd(tine_vmm::memory::MIN_MEM_MIB);
+    out.push(match r {
+        Ok(_) => check("memfd", Status::Ok, "memfd_create + mmap work", ""),
+        Err(e) => check(
+            "memfd",
+            Status::Fail,
+            e.to_string(),
+            "guest RAM lives in a memfd: check RLIMIT_MEMLOCK/seccomp policy",
+        ),
+    });
+}
+
+fn tun_check(out: &mut Vec<Check>) {
+    let ok = Path::new("/dev/net/tun").exists();
+    out.push(check(
+        "/dev/net/tun",
+        if ok { Status::Ok } else { Status::Warn },
+        if ok { "present" } else { "absent" },
+        "modprobe tun (children get their network through tap devices)",
+    ));
+}
+
+fn space_check(out: &mut Vec<Check>, dir: &Path) {
+    let probe = dir
+        .ancestors()
+        .find(|p| p.exists())
+        .unwrap_or(Path::new("/"))
+        .to_path_buf();
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    let c = std::ffi::CString::new(probe.as_os_str().as_encoded_bytes()).unwrap_or_default();
+    // SAFETY: valid C string and out-pointer.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    let free_gib = if rc == 0 {
+        (st.f_bavail as f64 * st.f_frsize as f64) / (1u64 << 30) as f64
+    } else {
+        0.0
+    };
+    out.push(check(
+        "disk space",
+        if free_gib >= 10.0 {
+            Status::Ok
+        } else if free_gib >= 2.0 {
+            Status::Warn
+        } else {
+            Status::Fail
+        },
+        format!("{free_gib:.1} GiB free at {}", probe.display()),
+        "snapshots need guest RAM size each: free space or point TINE_DATA_DIR elsewhere",
+    ));
+}
+
+fn nofile_check(out: &mut Vec<Check>) {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) };
+    out.push(check(
+        "open files",
+        if r.rlim_max >= 65536 {
+            Status::Ok
+        } else {
+            Status::Warn
+        },
+        format!("soft {} / hard {}", r.rlim_cur, r.rlim_max),
+        "raise the hard limit (LimitNOFILE=1048576 in the systemd unit) for large fan-outs",
+    ));
+}
+
+fn tool_check(out: &mut Vec<Check>, name: &'static str, path: &str, fix: &'static str) {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(path).exists()))
+        .unwrap_or(false)
+        || Path::new(path).exists();
+    out.push(check(
+        name,
+        if found { Status::Ok } else { Status::Warn },
+        if found { "found" } else { "missing" },
+        fix,
+    ));
+}
+
+pub fn run(a: DoctorArgs) -> Result<i32> {
+    let mut checks = Vec::new();
+    kvm_checks(&mut checks);
+    kernel_check(&mut checks);
+    cgroup_check(&mut checks);
+    userfaultfd_check(&mut checks);
+    memfd_check(&mut checks);
+    tun_check(&mut checks);
+    let data_dir = a.data_dir.unwrap_or_else(tine_image::default_cache_dir);
+    space_check(&mut checks, &data_dir);
+    nofile_check(&mut checks);
+    tool_check(&mut checks, "busybox-static", "/bin/busybox", "apt-get install busybox-static (guest images)");
+    tool_check(&mut checks, "dpkg-deb", "dpkg-deb", "guest kernels are unpacked from Debian packages: install dpkg");
+    tool_check(&mut checks, "qemu (lab)", "qemu-system-x86_64", "only for the nested lab: apt-get install qemu-system-x86");
+
+    let width = checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
+    for c in &checks {
+        let tag = match c.status {
+            Status::Ok => "ok  ",
+            Status::Warn => "warn",
+            Status::Fail => "FAIL",
+        };
+        println!("{tag}  {:width$}  {}", c.name, c.found);
+        if c.status != Status::Ok && !c.fix.is_empty() {
+            println!("      {:width$}  fix: {}", "", c.fix);
+        }
+    }
+    let worst = checks.iter().map(|c| c.status).max().unwrap_or(Status::Ok);
+    let fails = checks.iter().filter(|c| c.status == Status::Fail).count();
+    let warns = checks.iter().filter(|c| c.status == Status::Warn).count();
+    println!("\n{} checks: {fails} failed, {warns} warnings", checks.len());
+    Ok(if worst == Status::Fail { 1 } else { 0 })
+}

@@ -1,0 +1,58 @@
+//! `tine`: fork(2) for microVMs — the command-line interface.
+
+mod bench;
+mod defaults;
+mod doctor;
+mod run;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "tine", version, about = "fork(2) for microVMs", propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check this host for everything Tine needs, with a fix for each problem.
+    Doctor(doctor::DoctorArgs),
+    /// Boot a VM from a kernel and initramfs and stream its serial console.
+    Run(run::RunArgs),
+    /// Guest kernels and images: fetch Debian kernels, build initramfs images.
+    #[command(subcommand)]
+    Image(tine_image::cli::ImageCommand),
+    /// Run a command inside the nested KVM lab (QEMU with an emulated SVM CPU).
+    // Lab(tine_lab::cli::LabArgs),
+    /// Benchmarks that print figures and how they were measured.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Doctor(a) => doctor::run(a),
+        Command::Run(a) => run::run(a),
+        Command::Image(c) => tine_image::cli::run(c).map(|()| 0),
+        // Command::Lab(a) => tine_lab::cli::run(a),
+        Command::Bench(c) => bench::run(c),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("tine: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
