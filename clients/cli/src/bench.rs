@@ -52,7 +52,14 @@ fn one_boot(kernel: &PathBuf, initrd: &PathBuf, vcpus: u8, mem_mib: u64) -> Resu
     let exe = std::env::current_exe().context("locating the tine binary")?;
     let start = Instant::now();
     let mut child = Command::new(exe)
-        .args(["run", "--quiet", "--vcpus", &vcpus.to_string(), "--mem-mib", &mem_mib.to_string()])
+        .args([
+            "run",
+            "--quiet",
+            "--vcpus",
+            &vcpus.to_string(),
+            "--mem-mib",
+            &mem_mib.to_string(),
+        ])
         .arg("--kernel")
         .arg(kernel)
         .arg("--initrd")
@@ -72,7 +79,10 @@ fn one_boot(kernel: &PathBuf, initrd: &PathBuf, vcpus: u8, mem_mib: u64) -> Resu
     let status = child.wait()?;
     let to_exit = start.elapsed();
     let Some(to_marker) = to_marker else {
-        bail!("{} never printed {BOOT_MARKER} (exit {status})", kernel.display());
+        bail!(
+            "{} never printed {BOOT_MARKER} (exit {status})",
+            kernel.display()
+        );
     };
     if !status.success() {
         bail!("tine run exited with {status} for {}", kernel.display());
@@ -99,7 +109,8 @@ fn boot(b: BootBench) -> Result<i32> {
         None => defaults::smoke_initrd()?,
     };
     let kernels = if b.kernels.is_empty() {
-        let k = tine_image::fetch_kernel(tine_image::Flavor::Cloud, &tine_image::default_cache_dir())?;
+        let k =
+            tine_image::fetch_kernel(tine_image::Flavor::Cloud, &tine_image::default_cache_dir())?;
         vec![k.vmlinux()?, k.vmlinuz.clone()]
     } else {
         b.kernels
@@ -130,7 +141,11 @@ fn boot(b: BootBench) -> Result<i32> {
         }
         let (min, p50, max) = stats(samples.iter().map(|s| ms(s.to_marker)).collect());
         let (_, exit_p50, _) = stats(samples.iter().map(|s| ms(s.to_exit)).collect());
-        let name = k.file_name().unwrap_or_default().to_string_lossy().to_string();
+        let name = k
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string();
         println!("{name:<48} {min:>10.1} {p50:>10.1} {max:>10.1} {exit_p50:>12.1}");
         json.push(format!(
             "{{\"kernel\":{:?},\"runs\":{},\"marker_ms\":{{\"min\":{min:.3},\"p50\":{p50:.3},\"max\":{max:.3}}},\"exit_ms_p50\":{exit_p50:.3}}}",

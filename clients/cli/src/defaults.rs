@@ -11,7 +11,8 @@ use tine_image::{default_cache_dir, fetch_kernel, smoke_init_script, Flavor, Ini
 pub fn kernel() -> Result<PathBuf> {
     let cache = default_cache_dir();
     let k = fetch_kernel(Flavor::Cloud, &cache).context("fetching the default guest kernel")?;
-    k.vmlinux().context("extracting vmlinux from the cloud kernel")
+    k.vmlinux()
+        .context("extracting vmlinux from the cloud kernel")
 }
 
 /// The smoke initramfs (prints the boot marker and powers off), built if missing.

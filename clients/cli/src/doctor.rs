@@ -77,7 +77,9 @@ fn kvm_checks(out: &mut Vec<Check>) {
 fn kernel_check(out: &mut Vec<Check>) {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let release = release.trim();
-    let mut parts = release.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty());
+    let mut parts = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty());
     let major: u32 = parts.next().and_then(|s| s.parse().ok()).unwrap_or(0);
     let minor: u32 = parts.next().and_then(|s| s.parse().ok()).unwrap_or(0);
     let ok = (major, minor) >= (5, 10);
@@ -115,7 +117,10 @@ fn userfaultfd_check(out: &mut Vec<Check>) {
     } else if Path::new("/dev/userfaultfd").exists() {
         (
             Status::Warn,
-            format!("syscall refused ({}), /dev/userfaultfd present", std::io::Error::last_os_error()),
+            format!(
+                "syscall refused ({}), /dev/userfaultfd present",
+                std::io::Error::last_os_error()
+            ),
         )
     } else {
         (
@@ -226,9 +231,24 @@ pub fn run(a: DoctorArgs) -> Result<i32> {
     let data_dir = a.data_dir.unwrap_or_else(tine_image::default_cache_dir);
     space_check(&mut checks, &data_dir);
     nofile_check(&mut checks);
-    tool_check(&mut checks, "busybox-static", "/bin/busybox", "apt-get install busybox-static (guest images)");
-    tool_check(&mut checks, "dpkg-deb", "dpkg-deb", "guest kernels are unpacked from Debian packages: install dpkg");
-    tool_check(&mut checks, "qemu (lab)", "qemu-system-x86_64", "only for the nested lab: apt-get install qemu-system-x86");
+    tool_check(
+        &mut checks,
+        "busybox-static",
+        "/bin/busybox",
+        "apt-get install busybox-static (guest images)",
+    );
+    tool_check(
+        &mut checks,
+        "dpkg-deb",
+        "dpkg-deb",
+        "guest kernels are unpacked from Debian packages: install dpkg",
+    );
+    tool_check(
+        &mut checks,
+        "qemu (lab)",
+        "qemu-system-x86_64",
+        "only for the nested lab: apt-get install qemu-system-x86",
+    );
 
     let width = checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
     for c in &checks {
@@ -245,6 +265,9 @@ pub fn run(a: DoctorArgs) -> Result<i32> {
     let worst = checks.iter().map(|c| c.status).max().unwrap_or(Status::Ok);
     let fails = checks.iter().filter(|c| c.status == Status::Fail).count();
     let warns = checks.iter().filter(|c| c.status == Status::Warn).count();
-    println!("\n{} checks: {fails} failed, {warns} warnings", checks.len());
+    println!(
+        "\n{} checks: {fails} failed, {warns} warnings",
+        checks.len()
+    );
     Ok(if worst == Status::Fail { 1 } else { 0 })
 }

@@ -10,7 +10,12 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "tine", version, about = "fork(2) for microVMs", propagate_version = true)]
+#[command(
+    name = "tine",
+    version,
+    about = "fork(2) for microVMs",
+    propagate_version = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -26,7 +31,7 @@ enum Command {
     #[command(subcommand)]
     Image(tine_image::cli::ImageCommand),
     /// Run a command inside the nested KVM lab (QEMU with an emulated SVM CPU).
-    // Lab(tine_lab::cli::LabArgs),
+    Lab(tine_lab::cli::LabArgs),
     /// Benchmarks that print figures and how they were measured.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -45,7 +50,7 @@ fn main() -> ExitCode {
         Command::Doctor(a) => doctor::run(a),
         Command::Run(a) => run::run(a),
         Command::Image(c) => tine_image::cli::run(c).map(|()| 0),
-        // Command::Lab(a) => tine_lab::cli::run(a),
+        Command::Lab(a) => tine_lab::cli::run(a),
         Command::Bench(c) => bench::run(c),
     };
     match result {

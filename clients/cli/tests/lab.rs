@@ -1,0 +1,89 @@
+//! Linux boot tests: they need real KVM with VMX/SVM, so on other hosts they run inside the
+//! nested lab (`tine lab`). Slow (tens of seconds each), hence `#[ignore]`; CI runs them with
+//! `cargo test -p tine-cli --test lab -- --ignored`.
+
+use std::process::Command;
+
+const TINE: &str = env!("CARGO_BIN_EXE_tine");
+
+/// Run `tine <args>` where Linux can boot: directly on VMX/SVM hosts, else inside the lab.
+fn tine_where_linux_boots(args: &[&str]) -> (i32, String) {
+    let direct = !std::path::Path::new("/sys/module/kvm_pvm").exists()
+        && std::fs::read_to_string("/proc/cpuinfo")
+            .map(|c| c.split_whitespace().any(|w| w == "vmx" || w == "svm"))
+            .unwrap_or(false);
+    let mut cmd = if direct {
+        let mut c = Command::new(TINE);
+        c.args(args);
+        c
+    } else {
+        let mut c = Command::new(TINE);
+        c.args(["lab", "--"]).arg(TINE).args(args);
+        c
+    };
+    let out = cmd.output().expect("running tine");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
+
+fn cached_kernel(file_prefix: &str) -> String {
+    // `tine image kernel` prints the cached kernel's paths; make sure it is there.
+    let out = Command::new(TINE)
+        .args(["image", "kernel", "--flavor", "cloud", "--vmlinux"])
+        .output()
+        .expect("tine image kernel");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    text.split_whitespace()
+        .find(|w| {
+            std::path::Path::new(w)
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(file_prefix))
+        })
+        .unwrap_or_else(|| panic!("no {file_prefix}* path in: {text}"))
+        .to_string()
+}
+
+#[test]
+#[ignore = "boots Linux: needs VMX/SVM or the nested lab (slow)"]
+fn pvh_boot_with_two_vcpus_reaches_init_and_powers_off() {
+    let kernel = cached_kernel("vmlinux-");
+    let (code, out) = tine_where_linux_boots(&["run", "--vcpus", "2", "--kernel", &kernel]);
+    assert!(
+        out.contains("TINE-BOOT-OK cpus=2 "),
+        "no marker with 2 CPUs in:\n{out}"
+    );
+    assert_eq!(code, 0, "VMM exit status after guest poweroff:\n{out}");
+}
+
+#[test]
+#[ignore = "boots Linux: needs VMX/SVM or the nested lab (slow)"]
+fn bzimage_boot_reaches_init_and_powers_off() {
+    let kernel = cached_kernel("vmlinuz-");
+    let (code, out) = tine_where_linux_boots(&["run", "--kernel", &kernel]);
+    assert!(out.contains("TINE-BOOT-OK cpus=1 "), "no marker in:\n{out}");
+    assert_eq!(code, 0, "{out}");
+}
+
+#[test]
+#[ignore = "boots Linux: needs VMX/SVM or the nested lab (slow)"]
+fn guest_reboot_is_reported_in_the_exit_status() {
+    let kernel = cached_kernel("vmlinux-");
+    // rdinit=/bin/reboot: the first userspace program asks the kernel to restart at once.
+    let (code, out) = tine_where_linux_boots(&[
+        "run",
+        "--kernel",
+        &kernel,
+        "--append",
+        "rdinit=/bin/reboot -f",
+    ]);
+    assert_eq!(code, 2, "reboot must exit 2:\n{out}");
+}

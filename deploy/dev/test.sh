@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Everything CI checks: formatting, lints, unit and integration tests (including tests on
+# /dev/kvm with hand-made guests), then the Linux boot tests inside the nested KVM lab.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+bash deploy/dev/setup.sh
+export PATH="${TINE_VENV:-$HOME/.cache/tine/venv}/bin:$PATH"
+
+echo "== fmt"; cargo fmt --all -- --check
+echo "== clippy"; cargo clippy --workspace --all-targets -- -D warnings
+echo "== unit and integration tests"; cargo test --workspace
+echo "== lab tests (boot Linux under real KVM inside the nested lab)"
+cargo test -p tine-cli --test lab -- --ignored --test-threads=1
