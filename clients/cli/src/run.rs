@@ -34,6 +34,13 @@ pub struct RunArgs {
     /// Write the serial console to this file instead of standard output.
     #[arg(long)]
     console: Option<PathBuf>,
+    /// Give the guest a virtio-vsock device whose host side is this Unix socket
+    /// (`CONNECT <port>` to reach a guest port; guest connections to host port P go to `<path>_P`).
+    #[arg(long)]
+    vsock: Option<PathBuf>,
+    /// The guest's vsock context id.
+    #[arg(long, default_value_t = 3)]
+    cid: u64,
     /// Try to boot even on a PVM host (stock kernels will not get far).
     #[arg(long)]
     allow_pvm: bool,
@@ -90,6 +97,9 @@ pub fn run(a: RunArgs) -> Result<i32> {
 
     let ram = GuestRam::new_memfd(a.mem_mib)?;
     let mut vm = Vm::create(a.vcpus, ram, console)?;
+    if let Some(path) = &a.vsock {
+        vm.add_vsock(a.cid, path)?;
+    }
     let entry = vm.load_linux(&LinuxBoot {
         kernel,
         initrd: Some(initrd),

@@ -38,6 +38,9 @@ pub const MMIO_GAP_START: u64 = 0xc000_0000;
 pub const MMIO_GAP_END: u64 = 0x1_0000_0000;
 /// Where virtio-mmio windows are placed (one page each).
 pub const VIRTIO_MMIO_BASE: u64 = 0xd000_0000;
+pub const VIRTIO_MMIO_SIZE: u64 = 0x1000;
+/// GSIs for virtio devices, one each, after the ISA range our legacy devices use.
+pub const VIRTIO_FIRST_IRQ: u32 = 5;
 pub const IOAPIC_ADDR: u64 = 0xfec0_0000;
 pub const LAPIC_ADDR: u64 = 0xfee0_0000;
 /// KVM needs three pages for the TSS and one for the identity map (VMX real-mode emulation).

@@ -10,6 +10,7 @@ use kvm_bindings::kvm_run;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
 use crate::devices::bus::PioBus;
+use crate::devices::mmio::MmioBus;
 use crate::devices::GuestExit;
 use crate::error::{Error, Result};
 
@@ -62,7 +63,8 @@ pub enum VcpuOutcome {
 pub struct VcpuRunner {
     pub index: usize,
     pub fd: VcpuFd,
-    pub bus: Arc<PioBus>,
+    pub pio: Arc<PioBus>,
+    pub mmio: Arc<MmioBus>,
     pub stop: Arc<AtomicBool>,
 }
 
@@ -87,7 +89,13 @@ impl VcpuRunner {
         let regs = self.fd.get_regs();
         let sregs = self.fd.get_sregs();
         let events = self.fd.get_vcpu_events();
-        tracing::warn!(vcpu = self.index, ?regs, ?sregs, ?events, "guest triple fault");
+        tracing::warn!(
+            vcpu = self.index,
+            ?regs,
+            ?sregs,
+            ?events,
+            "guest triple fault"
+        );
     }
 
     fn run_loop(&mut self) -> Result<VcpuOutcome> {
@@ -96,15 +104,14 @@ impl VcpuRunner {
                 return Ok(VcpuOutcome::Stopped);
             }
             match self.fd.run() {
-                Ok(VcpuExit::IoIn(port, data)) => self.bus.read(port, data),
+                Ok(VcpuExit::IoIn(port, data)) => self.pio.read(port, data),
                 Ok(VcpuExit::IoOut(port, data)) => {
-                    if let Some(exit) = self.bus.write(port, data) {
+                    if let Some(exit) = self.pio.write(port, data) {
                         return Ok(VcpuOutcome::Guest(exit));
                     }
                 }
-                // No MMIO devices yet: reads float high, writes are dropped.
-                Ok(VcpuExit::MmioRead(_, data)) => data.fill(0xff),
-                Ok(VcpuExit::MmioWrite(..)) => {}
+                Ok(VcpuExit::MmioRead(addr, data)) => self.mmio.read(addr, data),
+                Ok(VcpuExit::MmioWrite(addr, data)) => self.mmio.write(addr, data),
                 Ok(VcpuExit::Hlt) => {}
                 Ok(VcpuExit::Shutdown) => {
                     self.log_crash_state();

@@ -11,7 +11,11 @@ use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_PIT_S
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::acpi::{self, AcpiConfig};
+use crate::acpi::{self, AcpiConfig, VirtioMmioSlot};
+use crate::devices::mmio::MmioBus;
+use crate::devices::virtio::mmio::VirtioMmio;
+use crate::devices::virtio::vsock::Vsock;
+use crate::devices::virtio::{IrqLine, VirtioDevice};
 use crate::boot::{self, EntryPoint};
 use crate::devices::bus::PioBus;
 use crate::devices::power::{AcpiPm, I8042};
@@ -45,7 +49,9 @@ pub struct Vm {
     vm: VmFd,
     ram: GuestRam,
     vcpus: Vec<VcpuFd>,
-    bus: Arc<PioBus>,
+    pio: PioBus,
+    mmio: MmioBus,
+    virtio_slots: Vec<VirtioMmioSlot>,
     serial: Arc<Mutex<SerialConsole>>,
 }
 
@@ -128,7 +134,9 @@ impl Vm {
             vm,
             ram,
             vcpus: fds,
-            bus: Arc::new(bus),
+            pio: bus,
+            mmio: MmioBus::default(),
+            virtio_slots: Vec::new(),
             serial,
         })
     }
@@ -145,11 +153,39 @@ impl Vm {
         &self.serial
     }
 
+    /// Attach a virtio device in the next free MMIO window, announced to the guest in the DSDT.
+    pub fn add_virtio(&mut self, device: Box<dyn VirtioDevice>) -> Result<VirtioMmioSlot> {
+        let index = self.virtio_slots.len() as u64;
+        let slot = VirtioMmioSlot {
+            base: VIRTIO_MMIO_BASE + index * VIRTIO_MMIO_SIZE,
+            size: VIRTIO_MMIO_SIZE,
+            irq: VIRTIO_FIRST_IRQ + index as u32,
+        };
+        let evt = EventFd::new(EFD_NONBLOCK)?;
+        self.vm
+            .register_irqfd(&evt, slot.irq)
+            .map_err(Error::kvm("KVM_IRQFD"))?;
+        let transport = VirtioMmio::new(device, self.ram.memory().clone(), IrqLine::new(evt));
+        self.mmio
+            .insert(slot.base, slot.size, Arc::new(Mutex::new(transport)))
+            .map_err(Error::Config)?;
+        self.virtio_slots.push(slot);
+        Ok(slot)
+    }
+
+    /// Attach a virtio-vsock device with guest CID `cid`, host side on the Unix socket `uds`.
+    pub fn add_vsock(&mut self, cid: u64, uds: &std::path::Path) -> Result<VirtioMmioSlot> {
+        let dev = Vsock::new(cid, uds).map_err(|e| {
+            Error::Config(format!("vsock socket {}: {e}", uds.display()))
+        })?;
+        self.add_virtio(Box::new(dev))
+    }
+
     /// Load a Linux kernel and point the boot vCPU at its entry.
     pub fn load_linux(&mut self, boot: &LinuxBoot) -> Result<EntryPoint> {
         let acpi_cfg = AcpiConfig {
             vcpus: self.vcpus.len() as u8,
-            virtio: Vec::new(),
+            virtio: self.virtio_slots.clone(),
         };
         let rsdp = acpi::write_tables(self.ram.memory(), &acpi_cfg)?;
         let info = boot::load(
@@ -173,13 +209,16 @@ impl Vm {
     pub fn run(self) -> Result<GuestExit> {
         install_kick_handler()?;
         let stop = Arc::new(AtomicBool::new(false));
+        let pio = Arc::new(self.pio);
+        let mmio = Arc::new(self.mmio);
         let (tx, rx) = mpsc::channel::<(usize, Result<VcpuOutcome>)>();
         let mut threads = Vec::new();
         for (index, fd) in self.vcpus.into_iter().enumerate() {
             let runner = VcpuRunner {
                 index,
                 fd,
-                bus: self.bus.clone(),
+                pio: pio.clone(),
+                mmio: mmio.clone(),
                 stop: stop.clone(),
             };
             let tx = tx.clone();

@@ -1,8 +1,10 @@
 //! Emulated devices and the port-I/O bus that routes vCPU exits to them.
 
 pub mod bus;
+pub mod mmio;
 pub mod power;
 pub mod serial;
+pub mod virtio;
 
 /// Why the guest stopped on its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

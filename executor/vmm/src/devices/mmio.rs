@@ -1,0 +1,63 @@
+//! MMIO bus: guest-physical windows mapped to devices (the virtio-mmio transports).
+
+use std::sync::{Arc, Mutex};
+
+/// A device reached through MMIO. `offset` is relative to the window base.
+pub trait MmioDevice: Send {
+    fn read(&mut self, offset: u64, data: &mut [u8]);
+    fn write(&mut self, offset: u64, data: &[u8]);
+}
+
+struct Window {
+    base: u64,
+    size: u64,
+    device: Arc<Mutex<dyn MmioDevice>>,
+}
+
+#[derive(Default)]
+pub struct MmioBus {
+    windows: Vec<Window>,
+}
+
+impl MmioBus {
+    pub fn insert(
+        &mut self,
+        base: u64,
+        size: u64,
+        device: Arc<Mutex<dyn MmioDevice>>,
+    ) -> Result<(), String> {
+        if size == 0 || base.checked_add(size).is_none() {
+            return Err(format!("bad MMIO window {base:#x}+{size:#x}"));
+        }
+        if self
+            .windows
+            .iter()
+            .any(|w| base < w.base + w.size && w.base < base + size)
+        {
+            return Err(format!("MMIO window {base:#x}+{size:#x} overlaps another"));
+        }
+        self.windows.push(Window { base, size, device });
+        Ok(())
+    }
+
+    fn find(&self, addr: u64) -> Option<(&Window, u64)> {
+        self.windows
+            .iter()
+            .find(|w| addr >= w.base && addr - w.base < w.size)
+            .map(|w| (w, addr - w.base))
+    }
+
+    /// Unclaimed addresses read as all-ones.
+    pub fn read(&self, addr: u64, data: &mut [u8]) {
+        match self.find(addr) {
+            Some((w, off)) => w.device.lock().unwrap().read(off, data),
+            None => data.fill(0xff),
+        }
+    }
+
+    pub fn write(&self, addr: u64, data: &[u8]) {
+        if let Some((w, off)) = self.find(addr) {
+            w.device.lock().unwrap().write(off, data);
+        }
+    }
+}

@@ -1,0 +1,66 @@
+//! virtio devices over the virtio-mmio transport (version 2).
+
+pub mod mmio;
+pub mod vsock;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+/// VIRTIO_F_VERSION_1: required by the version-2 MMIO transport.
+pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+/// Interrupt status bits.
+pub const INT_USED_RING: u32 = 1;
+pub const INT_CONFIG: u32 = 2;
+
+/// A device's interrupt line: status bits the driver reads, and an irqfd into the irqchip.
+#[derive(Clone)]
+pub struct IrqLine {
+    status: Arc<AtomicU32>,
+    evt: Arc<EventFd>,
+}
+
+impl IrqLine {
+    pub fn new(evt: EventFd) -> Self {
+        Self {
+            status: Arc::new(AtomicU32::new(0)),
+            evt: Arc::new(evt),
+        }
+    }
+
+    pub fn trigger(&self, bits: u32) {
+        self.status.fetch_or(bits, Ordering::SeqCst);
+        // A full eventfd counter still raises the line; nothing to do on error.
+        let _ = self.evt.write(1);
+    }
+
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    pub fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    pub fn eventfd(&self) -> &EventFd {
+        &self.evt
+    }
+}
+
+/// The device half of a virtio device; the transport owns feature negotiation and queue setup.
+pub trait VirtioDevice: Send {
+    fn device_type(&self) -> u32;
+    /// Offered feature bits (VIRTIO_F_VERSION_1 is added by the transport).
+    fn features(&self) -> u64;
+    fn queue_max_sizes(&self) -> &[u16];
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// The driver set DRIVER_OK with every queue ready.
+    fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqLine, acked_features: u64);
+    /// The driver made buffers available on `queue`.
+    fn queue_notify(&mut self, queue: u16);
+    /// The driver reset the device.
+    fn reset(&mut self);
+}
