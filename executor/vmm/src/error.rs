@@ -34,6 +34,8 @@ pub enum Error {
     Boot(String),
     #[error("vCPU {index}: {reason}")]
     Vcpu { index: usize, reason: String },
+    #[error("snapshot {0}")]
+    Snapshot(String),
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
 }

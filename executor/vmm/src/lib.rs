@@ -11,6 +11,7 @@ pub mod host;
 pub mod layout;
 pub mod memory;
 pub mod regs;
+pub mod snapshot;
 pub mod vcpu;
 pub mod vm;
 

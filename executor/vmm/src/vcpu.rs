@@ -3,8 +3,7 @@
 
 use std::cell::Cell;
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 
 use kvm_bindings::kvm_run;
 use kvm_ioctls::{VcpuExit, VcpuFd};
@@ -13,6 +12,7 @@ use crate::devices::bus::PioBus;
 use crate::devices::mmio::MmioBus;
 use crate::devices::GuestExit;
 use crate::error::{Error, Result};
+use crate::snapshot::vcpu::VcpuState;
 
 const KVM_SYSTEM_EVENT_SHUTDOWN: u32 = 1;
 const KVM_SYSTEM_EVENT_RESET: u32 = 2;
@@ -60,12 +60,111 @@ pub enum VcpuOutcome {
     Stopped,
 }
 
+/// What the VMM wants the vCPU threads to do next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Want {
+    Run,
+    /// Leave KVM_RUN and park; with `save`, each vCPU saves its own state first (KVM requires
+    /// vCPU ioctls from the vCPU's thread for a consistent picture).
+    Pause {
+        save: bool,
+    },
+    Stop,
+}
+
+struct ControlState {
+    want: Want,
+    /// Bumped on every pause request so a vCPU parks once per request.
+    epoch: u64,
+    parked: Vec<Option<u64>>,
+    saved: Vec<Option<Result<VcpuState>>>,
+    exited: Vec<bool>,
+}
+
+/// Shared between the VMM thread and the vCPU threads.
+pub struct VcpuControl {
+    state: Mutex<ControlState>,
+    cv: Condvar,
+}
+
+impl VcpuControl {
+    pub fn new(vcpus: usize) -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(ControlState {
+                want: Want::Run,
+                epoch: 0,
+                parked: vec![None; vcpus],
+                saved: (0..vcpus).map(|_| None).collect(),
+                exited: vec![false; vcpus],
+            }),
+            cv: Condvar::new(),
+        })
+    }
+
+    pub fn request(&self, want: Want) {
+        let mut s = self.state.lock().unwrap();
+        s.want = want;
+        if let Want::Pause { .. } = want {
+            s.epoch += 1;
+            s.saved.iter_mut().for_each(|v| *v = None);
+        }
+        self.cv.notify_all();
+    }
+
+    /// Wait until every live vCPU parked for the current pause request. Returns the saved
+    /// states (when asked for) in vCPU order, or an error if a vCPU exited meanwhile.
+    pub fn wait_parked(&self) -> Result<Vec<Option<Result<VcpuState>>>> {
+        let mut s = self.state.lock().unwrap();
+        loop {
+            let epoch = s.epoch;
+            if s.exited.iter().any(|e| *e) {
+                return Err(Error::Config("the guest stopped while being paused".into()));
+            }
+            if s.parked.iter().all(|p| *p == Some(epoch)) {
+                return Ok(s.saved.iter_mut().map(|v| v.take()).collect());
+            }
+            s = self.cv.wait(s).unwrap();
+        }
+    }
+
+    fn mark_exited(&self, index: usize) {
+        let mut s = self.state.lock().unwrap();
+        s.exited[index] = true;
+        self.cv.notify_all();
+    }
+
+    /// Called by a vCPU thread at the top of its loop: returns what to do now, parking while
+    /// paused.
+    fn checkpoint(&self, index: usize, fd: &VcpuFd, msrs: &[u32]) -> Want {
+        let mut s = self.state.lock().unwrap();
+        loop {
+            match s.want {
+                Want::Pause { save } if s.parked[index] != Some(s.epoch) => {
+                    let epoch = s.epoch;
+                    drop(s);
+                    // Tell KVM the guest was paused on purpose (no soft-lockup warning).
+                    let _ = fd.kvmclock_ctrl();
+                    let saved = save.then(|| crate::snapshot::vcpu::save(fd, index, msrs));
+                    s = self.state.lock().unwrap();
+                    s.saved[index] = saved;
+                    s.parked[index] = Some(epoch);
+                    self.cv.notify_all();
+                }
+                Want::Pause { .. } => s = self.cv.wait(s).unwrap(),
+                want => return want,
+            }
+        }
+    }
+}
+
 pub struct VcpuRunner {
     pub index: usize,
     pub fd: VcpuFd,
     pub pio: Arc<PioBus>,
     pub mmio: Arc<MmioBus>,
-    pub stop: Arc<AtomicBool>,
+    pub control: Arc<VcpuControl>,
+    /// MSRs to save when asked to.
+    pub msrs: Arc<Vec<u32>>,
 }
 
 impl VcpuRunner {
@@ -74,6 +173,7 @@ impl VcpuRunner {
         KVM_RUN_PTR.with(|p| p.set(run_ptr));
         let result = self.run_loop();
         KVM_RUN_PTR.with(|p| p.set(null_mut()));
+        self.control.mark_exited(self.index);
         result
     }
 
@@ -100,7 +200,7 @@ impl VcpuRunner {
 
     fn run_loop(&mut self) -> Result<VcpuOutcome> {
         loop {
-            if self.stop.load(Ordering::Acquire) {
+            if self.control.checkpoint(self.index, &self.fd, &self.msrs) == Want::Stop {
                 return Ok(VcpuOutcome::Stopped);
             }
             match self.fd.run() {

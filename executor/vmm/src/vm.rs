@@ -1,10 +1,12 @@
-//! A VM: KVM VM + irqchip + PIT, guest RAM, devices and vCPUs; boot it and run it to its end.
+//! A VM: KVM VM + irqchip + PIT, guest RAM, devices and vCPUs. Build one fresh (`create` +
+//! `load_linux`) or from a snapshot (`restore`), then `start` it; the running VM can be paused,
+//! snapshotted, resumed, stopped, or waited for.
 
 use std::io::Write;
 use std::os::unix::thread::JoinHandleExt;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_PIT_SPEAKER_DUMMY};
@@ -12,19 +14,22 @@ use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::acpi::{self, AcpiConfig, VirtioMmioSlot};
+use crate::boot::{self, EntryPoint};
+use crate::devices::bus::PioBus;
 use crate::devices::mmio::MmioBus;
+use crate::devices::power::{AcpiPm, I8042};
+use crate::devices::serial::SerialConsole;
 use crate::devices::virtio::mmio::VirtioMmio;
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqLine, VirtioDevice};
-use crate::boot::{self, EntryPoint};
-use crate::devices::bus::PioBus;
-use crate::devices::power::{AcpiPm, I8042};
-use crate::devices::serial::SerialConsole;
 use crate::devices::GuestExit;
 use crate::error::{Error, Result};
 use crate::layout::*;
-use crate::memory::GuestRam;
-use crate::vcpu::{install_kick_handler, kick_signal, VcpuOutcome, VcpuRunner};
+use crate::memory::{GuestRam, Sharing};
+use crate::snapshot::devices::{SerialSnapshot, VirtioKind};
+use crate::snapshot::file::{self as snapfile, SnapshotHeader};
+use crate::snapshot::{self, MachineState};
+use crate::vcpu::{install_kick_handler, kick_signal, VcpuControl, VcpuOutcome, VcpuRunner, Want};
 use crate::{cpuid, host, regs};
 
 /// Most vCPUs we configure: MADT local-APIC ids are one byte and 255 is broadcast.
@@ -43,15 +48,22 @@ pub struct LinuxBoot {
     pub cmdline: String,
 }
 
+/// Host-side wiring for a VM restored from a snapshot.
+pub struct RestoreOptions {
+    pub console: Box<dyn Write + Send>,
+    /// Where the vsock device (if the snapshot has one) listens on the host.
+    pub vsock_uds: Option<PathBuf>,
+}
+
 pub struct Vm {
-    // Kept alive: the VM and vCPU fds reference it.
-    _kvm: Kvm,
+    kvm: Kvm,
     vm: VmFd,
     ram: GuestRam,
     vcpus: Vec<VcpuFd>,
     pio: PioBus,
     mmio: MmioBus,
     virtio_slots: Vec<VirtioMmioSlot>,
+    virtio: Vec<Arc<Mutex<VirtioMmio>>>,
     serial: Arc<Mutex<SerialConsole>>,
 }
 
@@ -65,8 +77,14 @@ fn validate_vcpus(n: u8) -> Result<()> {
 }
 
 impl Vm {
-    /// Create the VM with `vcpus` vCPUs over `ram`, console output to `console`.
-    pub fn create(vcpus: u8, ram: GuestRam, console: Box<dyn Write + Send>) -> Result<Self> {
+    /// KVM VM, irqchip, PIT, memory slots, legacy devices and bare vCPUs: what both a fresh
+    /// boot and a restore need.
+    fn build(
+        vcpus: u8,
+        ram: GuestRam,
+        console: Box<dyn Write + Send>,
+        serial_state: Option<&SerialSnapshot>,
+    ) -> Result<Self> {
         validate_vcpus(vcpus)?;
         let kvm = host::open_kvm()?;
         let max = kvm.get_max_vcpus();
@@ -104,41 +122,95 @@ impl Vm {
         let serial_irq = EventFd::new(EFD_NONBLOCK)?;
         vm.register_irqfd(&serial_irq, COM1_IRQ)
             .map_err(Error::kvm("KVM_IRQFD"))?;
-        let serial = Arc::new(Mutex::new(SerialConsole::new(serial_irq, console)));
-        let mut bus = PioBus::default();
-        bus.insert(COM1_PORT, 8, serial.clone())
+        let serial = match serial_state {
+            Some(s) => {
+                SerialConsole::from_snapshot(serial_irq, console, s).map_err(Error::Snapshot)?
+            }
+            None => SerialConsole::new(serial_irq, console),
+        };
+        let serial = Arc::new(Mutex::new(serial));
+        let mut pio = PioBus::default();
+        pio.insert(COM1_PORT, 8, serial.clone())
             .map_err(Error::Config)?;
-        bus.insert(I8042_CMD_PORT, 1, Arc::new(Mutex::new(I8042)))
+        pio.insert(I8042_CMD_PORT, 1, Arc::new(Mutex::new(I8042)))
             .map_err(Error::Config)?;
-        bus.insert(ACPI_PM_PORT, 3, Arc::new(Mutex::new(AcpiPm)))
+        pio.insert(ACPI_PM_PORT, 3, Arc::new(Mutex::new(AcpiPm)))
             .map_err(Error::Config)?;
 
-        let base_cpuid: CpuId = cpuid::supported(&kvm)?;
-        let tsc_deadline = kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer);
         let mut fds = Vec::with_capacity(vcpus as usize);
         for i in 0..vcpus {
-            let fd = vm
-                .create_vcpu(i as u64)
-                .map_err(Error::kvm("KVM_CREATE_VCPU"))?;
-            let c = cpuid::for_vcpu(&base_cpuid, i as u32, vcpus as u32, tsc_deadline);
-            fd.set_cpuid2(&c).map_err(|e| Error::Vcpu {
-                index: i as usize,
-                reason: format!("KVM_SET_CPUID2: {e}"),
-            })?;
-            regs::setup_common(&fd, i as usize)?;
-            fds.push(fd);
+            fds.push(
+                vm.create_vcpu(i as u64)
+                    .map_err(Error::kvm("KVM_CREATE_VCPU"))?,
+            );
         }
-
         Ok(Self {
-            _kvm: kvm,
+            kvm,
             vm,
             ram,
             vcpus: fds,
-            pio: bus,
+            pio,
             mmio: MmioBus::default(),
             virtio_slots: Vec::new(),
+            virtio: Vec::new(),
             serial,
         })
+    }
+
+    /// Create a fresh VM with `vcpus` vCPUs over `ram`, console output to `console`.
+    pub fn create(vcpus: u8, ram: GuestRam, console: Box<dyn Write + Send>) -> Result<Self> {
+        let vm = Self::build(vcpus, ram, console, None)?;
+        let base_cpuid: CpuId = cpuid::supported(&vm.kvm)?;
+        let tsc_deadline = vm.kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer);
+        for (i, fd) in vm.vcpus.iter().enumerate() {
+            let c = cpuid::for_vcpu(&base_cpuid, i as u32, vcpus as u32, tsc_deadline);
+            fd.set_cpuid2(&c).map_err(|e| Error::Vcpu {
+                index: i,
+                reason: format!("KVM_SET_CPUID2: {e}"),
+            })?;
+            regs::setup_common(fd, i)?;
+        }
+        Ok(vm)
+    }
+
+    /// Recreate a VM from a snapshot directory. Guest RAM is the snapshot's memory image mapped
+    /// copy-on-write: the image is never modified, and pages stay shared until written.
+    pub fn restore(dir: &Path, opts: RestoreOptions) -> Result<Self> {
+        let t0 = Instant::now();
+        let snap = snapfile::load(dir)?;
+        let state = snap.state;
+        let ram = GuestRam::from_file(snap.memory, state.mem_size, Sharing::Private)?;
+        let mut vm = Self::build(
+            state.vcpus.len() as u8,
+            ram,
+            opts.console,
+            Some(&state.serial),
+        )?;
+        for v in &state.virtio {
+            let dev: Box<dyn VirtioDevice> = match v.kind {
+                VirtioKind::Vsock { guest_cid } => {
+                    let uds = opts.vsock_uds.as_deref().ok_or_else(|| {
+                        Error::Config(
+                            "the snapshot has a vsock device: give it a host socket path".into(),
+                        )
+                    })?;
+                    Box::new(Vsock::new(guest_cid, uds).map_err(|e| {
+                        Error::Config(format!("vsock socket {}: {e}", uds.display()))
+                    })?)
+                }
+            };
+            vm.add_virtio(dev)?;
+        }
+        for (i, (fd, s)) in vm.vcpus.iter().zip(&state.vcpus).enumerate() {
+            snapshot::vcpu::restore(fd, i, s)?;
+        }
+        snapshot::restore_vm(&vm.vm, &state.vm)?;
+        // Devices last: a restored vsock raises an interrupt for its transport reset.
+        for (t, s) in vm.virtio.iter().zip(&state.virtio) {
+            t.lock().unwrap().restore(s).map_err(Error::Snapshot)?;
+        }
+        tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), "restored");
+        Ok(vm)
     }
 
     pub fn ram(&self) -> &GuestRam {
@@ -147,10 +219,6 @@ impl Vm {
 
     pub fn vm_fd(&self) -> &VmFd {
         &self.vm
-    }
-
-    pub fn serial(&self) -> &Arc<Mutex<SerialConsole>> {
-        &self.serial
     }
 
     /// Attach a virtio device in the next free MMIO window, announced to the guest in the DSDT.
@@ -165,19 +233,23 @@ impl Vm {
         self.vm
             .register_irqfd(&evt, slot.irq)
             .map_err(Error::kvm("KVM_IRQFD"))?;
-        let transport = VirtioMmio::new(device, self.ram.memory().clone(), IrqLine::new(evt));
+        let transport = Arc::new(Mutex::new(VirtioMmio::new(
+            device,
+            self.ram.memory().clone(),
+            IrqLine::new(evt),
+        )));
         self.mmio
-            .insert(slot.base, slot.size, Arc::new(Mutex::new(transport)))
+            .insert(slot.base, slot.size, transport.clone())
             .map_err(Error::Config)?;
+        self.virtio.push(transport);
         self.virtio_slots.push(slot);
         Ok(slot)
     }
 
     /// Attach a virtio-vsock device with guest CID `cid`, host side on the Unix socket `uds`.
-    pub fn add_vsock(&mut self, cid: u64, uds: &std::path::Path) -> Result<VirtioMmioSlot> {
-        let dev = Vsock::new(cid, uds).map_err(|e| {
-            Error::Config(format!("vsock socket {}: {e}", uds.display()))
-        })?;
+    pub fn add_vsock(&mut self, cid: u64, uds: &Path) -> Result<VirtioMmioSlot> {
+        let dev = Vsock::new(cid, uds)
+            .map_err(|e| Error::Config(format!("vsock socket {}: {e}", uds.display())))?;
         self.add_virtio(Box::new(dev))
     }
 
@@ -205,12 +277,13 @@ impl Vm {
         regs::setup_boot_vcpu(&self.vcpus[0], 0, entry)
     }
 
-    /// Run every vCPU on its own thread until the guest stops or a vCPU fails.
-    pub fn run(self) -> Result<GuestExit> {
+    /// Start every vCPU on its own thread.
+    pub fn start(self) -> Result<RunningVm> {
         install_kick_handler()?;
-        let stop = Arc::new(AtomicBool::new(false));
+        let msrs = Arc::new(msr_list(&self.kvm, &self.vcpus[0])?);
         let pio = Arc::new(self.pio);
         let mmio = Arc::new(self.mmio);
+        let control = VcpuControl::new(self.vcpus.len());
         let (tx, rx) = mpsc::channel::<(usize, Result<VcpuOutcome>)>();
         let mut threads = Vec::new();
         for (index, fd) in self.vcpus.into_iter().enumerate() {
@@ -219,7 +292,8 @@ impl Vm {
                 fd,
                 pio: pio.clone(),
                 mmio: mmio.clone(),
-                stop: stop.clone(),
+                control: control.clone(),
+                msrs: msrs.clone(),
             };
             let tx = tx.clone();
             let t = std::thread::Builder::new()
@@ -230,36 +304,143 @@ impl Vm {
                 })?;
             threads.push(t);
         }
-        drop(tx);
+        Ok(RunningVm {
+            _kvm: self.kvm,
+            vm: self.vm,
+            ram: self.ram,
+            control,
+            threads,
+            outcomes: rx,
+            serial: self.serial,
+            virtio: self.virtio,
+            started: Instant::now(),
+        })
+    }
 
-        let started = Instant::now();
+    /// Run until the guest stops or a vCPU fails.
+    pub fn run(self) -> Result<GuestExit> {
+        self.start()?.wait()
+    }
+}
+
+/// The MSR list is a property of the host: probe it once per process.
+fn msr_list(kvm: &Kvm, probe: &VcpuFd) -> Result<Vec<u32>> {
+    static LIST: OnceLock<Vec<u32>> = OnceLock::new();
+    if let Some(l) = LIST.get() {
+        return Ok(l.clone());
+    }
+    let l = snapshot::vcpu::msr_list(kvm, probe)?;
+    Ok(LIST.get_or_init(|| l).clone())
+}
+
+/// A VM whose vCPUs are running (or paused).
+pub struct RunningVm {
+    _kvm: Kvm,
+    vm: VmFd,
+    ram: GuestRam,
+    control: Arc<VcpuControl>,
+    threads: Vec<JoinHandle<()>>,
+    outcomes: mpsc::Receiver<(usize, Result<VcpuOutcome>)>,
+    serial: Arc<Mutex<SerialConsole>>,
+    virtio: Vec<Arc<Mutex<VirtioMmio>>>,
+    started: Instant,
+}
+
+impl RunningVm {
+    fn kick(&self) {
+        for t in &self.threads {
+            // SAFETY: the thread is not joined yet, so its pthread_t is valid; if it already
+            // returned, the signal is harmlessly ignored.
+            unsafe { libc::pthread_kill(t.as_pthread_t(), kick_signal()) };
+        }
+    }
+
+    fn set_devices_paused(&self, paused: bool) {
+        for t in &self.virtio {
+            t.lock().unwrap().set_paused(paused);
+        }
+    }
+
+    /// Stop the guest at one instant: vCPUs parked out of KVM_RUN, devices quiet.
+    pub fn pause(&self) -> Result<()> {
+        self.control.request(Want::Pause { save: false });
+        self.kick();
+        self.control.wait_parked()?;
+        self.set_devices_paused(true);
+        Ok(())
+    }
+
+    pub fn resume(&self) {
+        self.set_devices_paused(false);
+        self.control.request(Want::Run);
+    }
+
+    /// Pause, save the whole machine into `dir` (atomically), and leave the VM paused.
+    pub fn snapshot(&self, dir: &Path) -> Result<SnapshotHeader> {
+        let t0 = Instant::now();
+        self.control.request(Want::Pause { save: true });
+        self.kick();
+        let saved = self.control.wait_parked()?;
+        self.set_devices_paused(true);
+        let paused_at = t0.elapsed();
+        let mut vcpus = Vec::with_capacity(saved.len());
+        for s in saved {
+            vcpus.push(s.ok_or_else(|| Error::Snapshot("a vCPU did not save its state".into()))??);
+        }
+        let state = MachineState {
+            vcpus,
+            vm: snapshot::save_vm(&self.vm)?,
+            serial: self.serial.lock().unwrap().snapshot(),
+            virtio: self
+                .virtio
+                .iter()
+                .map(|t| t.lock().unwrap().save())
+                .collect(),
+            mem_size: self.ram.size(),
+        };
+        let header = snapfile::write(dir, &state, self.ram.file())?;
+        tracing::info!(pause = ?paused_at, total = ?t0.elapsed(), dir = %dir.display(), "snapshot written");
+        Ok(header)
+    }
+
+    /// Wait until the guest stops on its own (or a vCPU fails), then stop every vCPU.
+    pub fn wait(self) -> Result<GuestExit> {
         let mut result: Option<Result<GuestExit>> = None;
-        let mut remaining = threads.len();
+        let mut remaining = self.threads.len();
         while remaining > 0 {
-            let Ok((index, outcome)) = rx.recv() else {
+            let Ok((index, outcome)) = self.outcomes.recv() else {
                 break;
             };
             remaining -= 1;
             if result.is_none() {
                 match outcome {
                     Ok(VcpuOutcome::Guest(exit)) => {
-                        tracing::info!(vcpu = index, ?exit, elapsed = ?started.elapsed(), "guest stopped");
+                        tracing::info!(vcpu = index, ?exit, elapsed = ?self.started.elapsed(), "guest stopped");
                         result = Some(Ok(exit));
                     }
                     Ok(VcpuOutcome::Stopped) => continue,
                     Err(e) => result = Some(Err(e)),
                 }
-                stop.store(true, Ordering::Release);
-                for t in &threads {
-                    // SAFETY: the thread is joinable (not yet joined), so its pthread_t is valid.
-                    unsafe { libc::pthread_kill(t.as_pthread_t(), kick_signal()) };
-                }
+                self.control.request(Want::Stop);
+                self.kick();
             }
         }
-        for t in threads {
+        self.finish();
+        result.unwrap_or_else(|| Err(Error::Config("no vCPU reported an outcome".into())))
+    }
+
+    /// Stop the VM now (the guest does not get a say).
+    pub fn stop(self) {
+        self.control.request(Want::Stop);
+        self.kick();
+        while self.outcomes.recv().is_ok() {}
+        self.finish();
+    }
+
+    fn finish(self) {
+        for t in self.threads {
             let _ = t.join();
         }
         let _ = self.serial.lock().map(|mut s| s.flush());
-        result.unwrap_or_else(|| Err(Error::Config("no vCPU reported an outcome".into())))
     }
 }

@@ -30,6 +30,22 @@ impl SerialConsole {
         }
     }
 
+    /// Rebuild a UART from saved registers.
+    pub fn from_snapshot(
+        irq: EventFd,
+        out: Box<dyn Write + Send>,
+        s: &crate::snapshot::devices::SerialSnapshot,
+    ) -> Result<Self, String> {
+        let state = vm_superio::serial::SerialState::from(s);
+        Serial::from_state(&state, IrqTrigger(irq), NoEvents, out)
+            .map(|uart| Self { uart })
+            .map_err(|e| format!("serial state: {e:?}"))
+    }
+
+    pub fn snapshot(&self) -> crate::snapshot::devices::SerialSnapshot {
+        (&self.uart.state()).into()
+    }
+
     /// Push buffered console output to its destination.
     pub fn flush(&mut self) {
         let _ = self.uart.writer_mut().flush();

@@ -2,11 +2,12 @@
 //! queue configuration and the device status state machine. All of it is plain data so it can be
 //! saved in a snapshot.
 
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::GuestMemoryMmap;
 
 use super::{IrqLine, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::devices::mmio::MmioDevice;
+use crate::snapshot::devices::{QueueSnapshot, VirtioMmioSnapshot};
 
 const MAGIC: u32 = 0x7472_6976; // "virt"
 const VERSION: u32 = 2;
@@ -121,7 +122,11 @@ impl VirtioMmio {
         self.status = v;
         let want = STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK | STATUS_DRIVER_OK;
         if !self.activated && v & want == want && v & STATUS_FAILED == 0 {
-            if self.queues.iter().all(|q| q.ready() && q.is_valid(&self.mem)) {
+            if self
+                .queues
+                .iter()
+                .all(|q| q.ready() && q.is_valid(&self.mem))
+            {
                 self.activated = true;
                 // The device gets its own copies; the transport's stay for register reads.
                 let queues = self
@@ -184,12 +189,24 @@ impl VirtioMmio {
                     q.set_ready(v == 1);
                 }
             }
-            reg::QUEUE_DESC_LOW if setup => self.with_queue(|q| q.set_desc_table_address(Some(v), None)),
-            reg::QUEUE_DESC_HIGH if setup => self.with_queue(|q| q.set_desc_table_address(None, Some(v))),
-            reg::QUEUE_DRIVER_LOW if setup => self.with_queue(|q| q.set_avail_ring_address(Some(v), None)),
-            reg::QUEUE_DRIVER_HIGH if setup => self.with_queue(|q| q.set_avail_ring_address(None, Some(v))),
-            reg::QUEUE_DEVICE_LOW if setup => self.with_queue(|q| q.set_used_ring_address(Some(v), None)),
-            reg::QUEUE_DEVICE_HIGH if setup => self.with_queue(|q| q.set_used_ring_address(None, Some(v))),
+            reg::QUEUE_DESC_LOW if setup => {
+                self.with_queue(|q| q.set_desc_table_address(Some(v), None))
+            }
+            reg::QUEUE_DESC_HIGH if setup => {
+                self.with_queue(|q| q.set_desc_table_address(None, Some(v)))
+            }
+            reg::QUEUE_DRIVER_LOW if setup => {
+                self.with_queue(|q| q.set_avail_ring_address(Some(v), None))
+            }
+            reg::QUEUE_DRIVER_HIGH if setup => {
+                self.with_queue(|q| q.set_avail_ring_address(None, Some(v)))
+            }
+            reg::QUEUE_DEVICE_LOW if setup => {
+                self.with_queue(|q| q.set_used_ring_address(Some(v), None))
+            }
+            reg::QUEUE_DEVICE_HIGH if setup => {
+                self.with_queue(|q| q.set_used_ring_address(None, Some(v)))
+            }
             reg::QUEUE_NOTIFY => {
                 if self.activated && (v as usize) < self.queues.len() {
                     self.device.queue_notify(v as u16);
@@ -205,6 +222,67 @@ impl VirtioMmio {
         if let Some(q) = self.selected_queue() {
             f(q);
         }
+    }
+}
+
+impl VirtioMmio {
+    pub fn save(&self) -> VirtioMmioSnapshot {
+        let queues = if self.activated {
+            self.device.queue_states()
+        } else {
+            self.queues.iter().map(|q| q.state()).collect()
+        };
+        VirtioMmioSnapshot {
+            kind: self.device.kind(),
+            status: self.status,
+            acked_features: self.acked_features,
+            device_features_sel: self.device_features_sel,
+            driver_features_sel: self.driver_features_sel,
+            queue_sel: self.queue_sel,
+            activated: self.activated,
+            interrupt_status: self.irq.status(),
+            queues: queues.iter().map(QueueSnapshot::from).collect(),
+        }
+    }
+
+    /// Recreate the transport state; an activated device is re-activated with the saved queue
+    /// positions and told it was restored.
+    pub fn restore(&mut self, s: &VirtioMmioSnapshot) -> Result<(), String> {
+        if s.kind != self.device.kind() || s.queues.len() != self.queues.len() {
+            return Err(format!("virtio device mismatch: snapshot has {:?}", s.kind));
+        }
+        let mut queues = Vec::with_capacity(s.queues.len());
+        for q in &s.queues {
+            let st = QueueState::from(q);
+            queues.push(Queue::try_from(st).map_err(|e| format!("bad queue in snapshot: {e:?}"))?);
+        }
+        self.status = s.status;
+        self.acked_features = s.acked_features;
+        self.device_features_sel = s.device_features_sel;
+        self.driver_features_sel = s.driver_features_sel;
+        self.queue_sel = s.queue_sel;
+        self.irq.set_status(s.interrupt_status);
+        if s.activated {
+            let dev_queues = s
+                .queues
+                .iter()
+                .map(|q| Queue::try_from(QueueState::from(q)).expect("validated above"))
+                .collect();
+            self.device.activate(
+                self.mem.clone(),
+                dev_queues,
+                self.irq.clone(),
+                self.acked_features,
+            );
+            self.activated = true;
+            self.device.after_restore();
+        }
+        self.queues = queues;
+        Ok(())
+    }
+
+    pub fn set_paused(&mut self, paused: bool) {
+        self.device.set_paused(paused);
     }
 }
 

@@ -6,7 +6,9 @@ pub mod vsock;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use virtio_queue::Queue;
+use virtio_queue::{Queue, QueueState};
+
+use crate::snapshot::devices::VirtioKind;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -41,6 +43,10 @@ impl IrqLine {
         self.status.load(Ordering::SeqCst)
     }
 
+    pub fn set_status(&self, bits: u32) {
+        self.status.store(bits, Ordering::SeqCst);
+    }
+
     pub fn ack(&self, bits: u32) {
         self.status.fetch_and(!bits, Ordering::SeqCst);
     }
@@ -58,9 +64,24 @@ pub trait VirtioDevice: Send {
     fn queue_max_sizes(&self) -> &[u16];
     fn read_config(&self, offset: u64, data: &mut [u8]);
     /// The driver set DRIVER_OK with every queue ready.
-    fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqLine, acked_features: u64);
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        irq: IrqLine,
+        acked_features: u64,
+    );
     /// The driver made buffers available on `queue`.
     fn queue_notify(&mut self, queue: u16);
     /// The driver reset the device.
     fn reset(&mut self);
+    /// Stop (or resume) touching guest memory from device threads: while paused, the memory
+    /// image and the vCPU state can be saved as one instant.
+    fn set_paused(&mut self, paused: bool);
+    /// Live queue positions of an activated device.
+    fn queue_states(&self) -> Vec<QueueState>;
+    /// What a snapshot needs to recreate this device.
+    fn kind(&self) -> VirtioKind;
+    /// Called once after an activated device was restored from a snapshot.
+    fn after_restore(&mut self);
 }

@@ -15,17 +15,20 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use super::{IrqLine, VirtioDevice, INT_USED_RING};
+use crate::snapshot::devices::VirtioKind;
 
 pub const DEVICE_ID: u32 = 19;
 pub const HOST_CID: u64 = 2;
 const QUEUE_SIZE: u16 = 256;
 const RX: usize = 0;
 const TX: usize = 1;
+const EVT: usize = 2;
+const EVENT_TRANSPORT_RESET: u32 = 0;
 
 const HDR_LEN: usize = 44;
 const TYPE_STREAM: u16 = 1;
@@ -151,6 +154,8 @@ struct Inner {
     ctrl: VecDeque<Header>,
     next_token: u64,
     next_local_port: u32,
+    /// Set while the VM is paused for a snapshot: no guest memory is touched.
+    paused: bool,
 }
 
 impl Inner {
@@ -174,7 +179,13 @@ impl Inner {
         self.ctrl.push_back(r);
     }
 
-    fn add_conn(&mut self, stream: UnixStream, state: ConnState, local: u32, peer: u32) -> Option<u64> {
+    fn add_conn(
+        &mut self,
+        stream: UnixStream,
+        state: ConnState,
+        local: u32,
+        peer: u32,
+    ) -> Option<u64> {
         let token = self.next_token;
         self.next_token += 1;
         let ev = EpollEvent::new(
@@ -365,7 +376,9 @@ impl Inner {
             (OP_REQUEST, None) => self.guest_connect(h),
             (OP_REQUEST, Some(_)) => self.rst_for(&h),
             (OP_RESPONSE, Some(t)) => {
-                let Some(c) = self.conns.get_mut(&t) else { return };
+                let Some(c) = self.conns.get_mut(&t) else {
+                    return;
+                };
                 if c.state != ConnState::Requested {
                     self.reset_conn(t);
                     return;
@@ -381,7 +394,9 @@ impl Inner {
                 }
             }
             (OP_RW, Some(t)) => {
-                let Some(c) = self.conns.get_mut(&t) else { return };
+                let Some(c) = self.conns.get_mut(&t) else {
+                    return;
+                };
                 if c.state != ConnState::Established
                     || c.to_host.len() + payload.len() > BUF_ALLOC as usize
                 {
@@ -445,12 +460,12 @@ impl Inner {
 
     /// Drain the guest's transmit queue.
     fn process_tx(&mut self) {
+        if self.paused {
+            return;
+        }
         let Some(mem) = self.mem.clone() else { return };
         let mut used = false;
-        loop {
-            let Some(chain) = self.queues[TX].pop_descriptor_chain(&mem) else {
-                break;
-            };
+        while let Some(chain) = self.queues[TX].pop_descriptor_chain(&mem) {
             let head = chain.head_index();
             let packet = chain.reader(&mem).ok().and_then(|mut r| {
                 let mut hb = [0u8; HDR_LEN];
@@ -487,14 +502,14 @@ impl Inner {
 
     /// Fill the guest's receive queue: control packets first, then stream data within credit.
     fn process_rx(&mut self) {
+        if self.paused {
+            return;
+        }
         let Some(mem) = self.mem.clone() else { return };
         let mut used = false;
         let mut buf = vec![0u8; MAX_PKT as usize];
         let cid = self.guest_cid;
-        'chains: loop {
-            let Some(chain) = self.queues[RX].pop_descriptor_chain(&mem) else {
-                break;
-            };
+        'chains: while let Some(chain) = self.queues[RX].pop_descriptor_chain(&mem) {
             let head = chain.head_index();
             let Ok(mut w) = chain.writer(&mem) else {
                 let _ = self.queues[RX].add_used(&mem, head, 0);
@@ -576,7 +591,9 @@ impl Inner {
     }
 
     fn on_stream_event(&mut self, token: u64, events: EventSet) {
-        let Some(c) = self.conns.get_mut(&token) else { return };
+        let Some(c) = self.conns.get_mut(&token) else {
+            return;
+        };
         if events.contains(EventSet::IN) || events.contains(EventSet::READ_HANG_UP) {
             c.readable = true;
         }
@@ -649,6 +666,7 @@ impl Vsock {
             ctrl: VecDeque::new(),
             next_token: TOKEN_LISTENER + 1,
             next_local_port: FIRST_LOCAL_PORT,
+            paused: false,
         }));
         let worker = inner.clone();
         std::thread::Builder::new()
@@ -718,6 +736,51 @@ impl VirtioDevice for Vsock {
         }
         // New receive buffers, or answers queued by the packets just read.
         g.process_rx();
+    }
+
+    fn set_paused(&mut self, paused: bool) {
+        let mut g = self.inner.lock().unwrap();
+        g.paused = paused;
+        if !paused {
+            // Work that arrived while paused.
+            g.process_tx();
+            g.process_rx();
+        }
+    }
+
+    fn queue_states(&self) -> Vec<QueueState> {
+        self.inner
+            .lock()
+            .unwrap()
+            .queues
+            .iter()
+            .map(|q| q.state())
+            .collect()
+    }
+
+    fn kind(&self) -> VirtioKind {
+        VirtioKind::Vsock {
+            guest_cid: self.inner.lock().unwrap().guest_cid,
+        }
+    }
+
+    /// Connections did not survive the snapshot: tell the guest so it drops its side (its
+    /// listeners stay). Needs one of the event buffers the guest keeps posted.
+    fn after_restore(&mut self) {
+        let mut g = self.inner.lock().unwrap();
+        let Some(mem) = g.mem.clone() else { return };
+        let Some(chain) = g.queues[EVT].pop_descriptor_chain(&mem) else {
+            tracing::warn!("vsock: no event buffer for the transport reset");
+            return;
+        };
+        let head = chain.head_index();
+        let ok = chain
+            .writer(&mem)
+            .ok()
+            .and_then(|mut w| w.write_all(&EVENT_TRANSPORT_RESET.to_le_bytes()).ok())
+            .is_some();
+        let _ = g.queues[EVT].add_used(&mem, head, if ok { 4 } else { 0 });
+        g.signal();
     }
 
     fn reset(&mut self) {

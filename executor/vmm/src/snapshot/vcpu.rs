@@ -1,0 +1,226 @@
+//! Saving and restoring one vCPU, in the orders KVM needs (see shared KVM-SNAPSHOT notes):
+//! save mp_state first (it makes KVM accept pending APIC events) and vcpu_events last; restore
+//! CPUID → MP_STATE → REGS → SREGS → XSAVE → XCRS → DEBUGREGS → LAPIC → MSRs → VCPU_EVENTS.
+
+use kvm_bindings::{
+    kvm_cpuid_entry2, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs,
+    kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, CpuId, Msrs, KVM_MAX_CPUID_ENTRIES,
+};
+use kvm_ioctls::{Kvm, VcpuFd};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+const MSR_IA32_TSC: u32 = 0x10;
+const MSR_IA32_TSC_DEADLINE: u32 = 0x6e0;
+
+#[derive(Serialize, Deserialize)]
+pub struct VcpuState {
+    pub cpuid: Vec<kvm_cpuid_entry2>,
+    pub mp_state: kvm_mp_state,
+    pub regs: kvm_regs,
+    pub sregs: kvm_sregs,
+    pub xsave: kvm_xsave,
+    pub xcrs: kvm_xcrs,
+    pub debugregs: kvm_debugregs,
+    pub lapic: kvm_lapic_state,
+    pub tsc_khz: Option<u32>,
+    pub msrs: Vec<kvm_msr_entry>,
+    pub vcpu_events: kvm_vcpu_events,
+}
+
+fn err(index: usize, what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Vcpu {
+        index,
+        reason: format!("{what}: {e}"),
+    }
+}
+
+/// Whether an MSR belongs in a snapshot (the list from the KVM snapshot notes).
+fn wanted(msr: u32) -> bool {
+    matches!(msr,
+        0x10 // TSC
+        | 0x1b // APIC_BASE
+        | 0x174..=0x176 // SYSENTER_*
+        | 0x1a0 // MISC_ENABLE
+        | 0x48 // SPEC_CTRL
+        | 0x200..=0x2ff // MTRRs
+        | 0x6e0 // TSC_DEADLINE
+        | 0x800..=0xbff // x2APIC
+        | 0xda0 // IA32_XSS
+        | 0xc000_0080..=0xc000_0084 // EFER, STAR, LSTAR, CSTAR, SFMASK
+        | 0xc000_0100..=0xc000_0103 // FS/GS/KERNEL_GS_BASE, TSC_AUX
+        | 0x4b56_4d00..=0x4b56_4dff // KVM paravirtual: kvmclock, async PF, steal time, PV EOI
+    )
+}
+
+/// The MSRs to save on this host: KVM's index list, filtered, minus any this vCPU refuses to
+/// read (probed once, so a snapshot never silently skips one).
+pub fn msr_list(kvm: &Kvm, probe: &VcpuFd) -> Result<Vec<u32>> {
+    let all = kvm
+        .get_msr_index_list()
+        .map_err(Error::kvm("KVM_GET_MSR_INDEX_LIST"))?;
+    let mut list: Vec<u32> = all
+        .as_slice()
+        .iter()
+        .copied()
+        .filter(|m| wanted(*m))
+        .collect();
+    loop {
+        let entries: Vec<kvm_msr_entry> = list
+            .iter()
+            .map(|&index| kvm_msr_entry {
+                index,
+                ..Default::default()
+            })
+            .collect();
+        let mut msrs =
+            Msrs::from_entries(&entries).map_err(|e| err(0, "MSR list", format!("{e:?}")))?;
+        let n = probe
+            .get_msrs(&mut msrs)
+            .map_err(|e| err(0, "KVM_GET_MSRS", e))?;
+        if n == list.len() {
+            return Ok(list);
+        }
+        tracing::debug!(msr = list[n], "MSR not readable on this host; not saved");
+        list.remove(n);
+    }
+}
+
+pub fn save(fd: &VcpuFd, index: usize, msr_list: &[u32]) -> Result<VcpuState> {
+    let mp_state = fd
+        .get_mp_state()
+        .map_err(|e| err(index, "KVM_GET_MP_STATE", e))?;
+    let regs = fd.get_regs().map_err(|e| err(index, "KVM_GET_REGS", e))?;
+    let sregs = fd.get_sregs().map_err(|e| err(index, "KVM_GET_SREGS", e))?;
+    let xsave = fd.get_xsave().map_err(|e| err(index, "KVM_GET_XSAVE", e))?;
+    let xcrs = fd.get_xcrs().map_err(|e| err(index, "KVM_GET_XCRS", e))?;
+    let debugregs = fd
+        .get_debug_regs()
+        .map_err(|e| err(index, "KVM_GET_DEBUGREGS", e))?;
+    let lapic = fd.get_lapic().map_err(|e| err(index, "KVM_GET_LAPIC", e))?;
+    let tsc_khz = fd.get_tsc_khz().ok();
+    let cpuid = fd
+        .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
+        .map_err(|e| err(index, "KVM_GET_CPUID2", e))?;
+    let cpuid: Vec<kvm_cpuid_entry2> = cpuid
+        .as_slice()
+        .iter()
+        .filter(|e| **e != kvm_cpuid_entry2::default())
+        .copied()
+        .collect();
+    let entries: Vec<kvm_msr_entry> = msr_list
+        .iter()
+        .map(|&i| kvm_msr_entry {
+            index: i,
+            ..Default::default()
+        })
+        .collect();
+    let mut msrs =
+        Msrs::from_entries(&entries).map_err(|e| err(index, "MSR list", format!("{e:?}")))?;
+    let n = fd
+        .get_msrs(&mut msrs)
+        .map_err(|e| err(index, "KVM_GET_MSRS", e))?;
+    if n != entries.len() {
+        return Err(err(
+            index,
+            "KVM_GET_MSRS",
+            format!(
+                "read {n} of {} MSRs (stopped at {:#x})",
+                entries.len(),
+                entries[n].index
+            ),
+        ));
+    }
+    let vcpu_events = fd
+        .get_vcpu_events()
+        .map_err(|e| err(index, "KVM_GET_VCPU_EVENTS", e))?;
+    Ok(VcpuState {
+        cpuid,
+        mp_state,
+        regs,
+        sregs,
+        xsave,
+        xcrs,
+        debugregs,
+        lapic,
+        tsc_khz,
+        msrs: msrs.as_slice().to_vec(),
+        vcpu_events,
+    })
+}
+
+fn set_msrs(fd: &VcpuFd, index: usize, entries: &[kvm_msr_entry]) -> Result<()> {
+    if entries.is_empty() {
+        return Ok(());
+    }
+    let msrs = Msrs::from_entries(entries).map_err(|e| err(index, "MSR list", format!("{e:?}")))?;
+    let n = fd
+        .set_msrs(&msrs)
+        .map_err(|e| err(index, "KVM_SET_MSRS", e))?;
+    if n != entries.len() {
+        return Err(err(
+            index,
+            "KVM_SET_MSRS",
+            format!(
+                "set {n} of {} MSRs (refused {:#x})",
+                entries.len(),
+                entries[n].index
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub fn restore(fd: &VcpuFd, index: usize, s: &VcpuState) -> Result<()> {
+    let cpuid = CpuId::from_entries(&s.cpuid).map_err(|e| err(index, "CPUID", format!("{e:?}")))?;
+    fd.set_cpuid2(&cpuid)
+        .map_err(|e| err(index, "KVM_SET_CPUID2", e))?;
+    if let Some(khz) = s.tsc_khz {
+        if fd.get_tsc_khz().ok() != Some(khz) {
+            fd.set_tsc_khz(khz)
+                .map_err(|e| err(index, "KVM_SET_TSC_KHZ", e))?;
+        }
+    }
+    fd.set_mp_state(s.mp_state)
+        .map_err(|e| err(index, "KVM_SET_MP_STATE", e))?;
+    fd.set_regs(&s.regs)
+        .map_err(|e| err(index, "KVM_SET_REGS", e))?;
+    fd.set_sregs(&s.sregs)
+        .map_err(|e| err(index, "KVM_SET_SREGS", e))?;
+    // SAFETY: the buffer is a kvm_xsave of the size KVM_GET_XSAVE produced.
+    unsafe { fd.set_xsave(&s.xsave) }.map_err(|e| err(index, "KVM_SET_XSAVE", e))?;
+    fd.set_xcrs(&s.xcrs)
+        .map_err(|e| err(index, "KVM_SET_XCRS", e))?;
+    fd.set_debug_regs(&s.debugregs)
+        .map_err(|e| err(index, "KVM_SET_DEBUGREGS", e))?;
+    fd.set_lapic(&s.lapic)
+        .map_err(|e| err(index, "KVM_SET_LAPIC", e))?;
+    // TSC_DEADLINE only sticks once the LAPIC and TSC are set: a final, separate call. A zero
+    // deadline would leave the timer unarmed forever, so arm it "now" instead.
+    let (deadline, rest): (Vec<_>, Vec<_>) = s
+        .msrs
+        .iter()
+        .copied()
+        .partition(|m| m.index == MSR_IA32_TSC_DEADLINE);
+    set_msrs(fd, index, &rest)?;
+    let tsc = rest
+        .iter()
+        .find(|m| m.index == MSR_IA32_TSC)
+        .map(|m| m.data);
+    let deadline: Vec<kvm_msr_entry> = deadline
+        .into_iter()
+        .map(|mut m| {
+            if m.data == 0 {
+                m.data = tsc.unwrap_or(0);
+            }
+            m
+        })
+        .collect();
+    set_msrs(fd, index, &deadline)?;
+    fd.set_vcpu_events(&s.vcpu_events)
+        .map_err(|e| err(index, "KVM_SET_VCPU_EVENTS", e))?;
+    // EINVAL when the guest does not use kvmclock: nothing to tell then.
+    let _ = fd.kvmclock_ctrl();
+    Ok(())
+}

@@ -1,0 +1,238 @@
+//! Snapshot and restore with a hand-made guest on /dev/kvm: the guest prints, then spins until a
+//! flag in its memory is set. We snapshot it mid-spin, restore copies ("children") from the
+//! snapshot, set the flag only in their private memory, and watch each finish. This checks the
+//! vCPU/irqchip/device state round trip, MAP_PRIVATE isolation of the memory image, and the
+//! snapshot file checks.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tine_vmm::boot::EntryPoint;
+use tine_vmm::vm::RestoreOptions;
+use tine_vmm::{GuestExit, GuestRam, Vm};
+use vm_memory::{Bytes, GuestAddress};
+
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Capture {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+const CODE: u64 = 0x10_0000;
+const FLAG: u64 = 0x3008;
+
+fn out8(code: &mut Vec<u8>, port: u16, byte: u8) {
+    code.extend_from_slice(&[0x66, 0xba]);
+    code.extend_from_slice(&port.to_le_bytes());
+    code.extend_from_slice(&[0xb0, byte, 0xee]);
+}
+
+/// Print "1", spin until the u64 at FLAG is non-zero, print "2", power off.
+fn spin_guest() -> Vec<u8> {
+    let mut c = Vec::new();
+    out8(&mut c, 0x3f8, b'1');
+    // loop: mov rax, [FLAG]; test rax, rax; jz loop
+    c.extend_from_slice(&[0x48, 0x8b, 0x04, 0x25]);
+    c.extend_from_slice(&(FLAG as u32).to_le_bytes());
+    c.extend_from_slice(&[0x48, 0x85, 0xc0, 0x74, 0xf3]);
+    out8(&mut c, 0x3f8, b'2');
+    out8(&mut c, 0x600, 0x20 | (5 << 2));
+    c
+}
+
+fn wait_for(cap: &Capture, text: &str) {
+    let t0 = Instant::now();
+    while !cap.text().contains(text) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "guest never printed {text:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn kvm_available() -> bool {
+    if std::path::Path::new("/dev/kvm").exists() {
+        return true;
+    }
+    eprintln!("SKIPPED: /dev/kvm is absent on this host");
+    false
+}
+
+/// Boot the parent, let it reach its spin loop, snapshot it into `dir`.
+fn make_snapshot(dir: &std::path::Path, vcpus: u8) {
+    let ram = GuestRam::new_memfd(64).unwrap();
+    ram.memory()
+        .write_slice(&spin_guest(), GuestAddress(CODE))
+        .unwrap();
+    let out = Capture::default();
+    let mut vm = Vm::create(vcpus, ram, Box::new(out.clone())).unwrap();
+    vm.set_entry(EntryPoint::Linux64 { rip: CODE }).unwrap();
+    let running = vm.start().unwrap();
+    wait_for(&out, "1");
+    let header = running.snapshot(dir).unwrap();
+    assert_eq!(header.vcpus, vcpus as u32);
+    assert_eq!(header.mem_size, 64 << 20);
+    running.stop();
+    assert_eq!(
+        out.text(),
+        "1",
+        "the parent must not get past its spin loop"
+    );
+}
+
+#[test]
+fn restored_children_continue_where_the_parent_paused() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("snap");
+    make_snapshot(&dir, 2);
+
+    let mut children = Vec::new();
+    for _ in 0..3 {
+        let out = Capture::default();
+        let vm = Vm::restore(
+            &dir,
+            RestoreOptions {
+                console: Box::new(out.clone()),
+                vsock_uds: None,
+            },
+        )
+        .unwrap();
+        // Only this child's private copy sees the flag.
+        vm.ram()
+            .memory()
+            .write_obj(1u64, GuestAddress(FLAG))
+            .unwrap();
+        children.push((vm.start().unwrap(), out));
+    }
+    for (child, out) in children {
+        assert_eq!(child.wait().unwrap(), GuestExit::PowerOff);
+        assert_eq!(
+            out.text(),
+            "2",
+            "a child resumes in the loop, not from the start"
+        );
+    }
+
+    // The image never saw the children's writes.
+    let image = std::fs::read(dir.join("memory.img")).unwrap();
+    assert_eq!(&image[FLAG as usize..FLAG as usize + 8], &[0u8; 8]);
+}
+
+#[test]
+fn damaged_snapshots_are_refused_with_a_clear_error() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("snap");
+    make_snapshot(&dir, 1);
+    let restore = |d: &std::path::Path| {
+        Vm::restore(
+            d,
+            RestoreOptions {
+                console: Box::new(std::io::sink()),
+                vsock_uds: None,
+            },
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default()
+    };
+
+    // Corrupted state: one flipped byte.
+    let bad = tmp.path().join("corrupt");
+    copy_dir(&dir, &bad);
+    let mut state = std::fs::read(bad.join("state.bin")).unwrap();
+    state[100] ^= 0xff;
+    std::fs::write(bad.join("state.bin"), &state).unwrap();
+    assert!(
+        restore(&bad).contains("checksum mismatch"),
+        "{}",
+        restore(&bad)
+    );
+
+    // Truncated state and memory.
+    let bad = tmp.path().join("trunc-state");
+    copy_dir(&dir, &bad);
+    let state = std::fs::read(bad.join("state.bin")).unwrap();
+    std::fs::write(bad.join("state.bin"), &state[..state.len() / 2]).unwrap();
+    assert!(restore(&bad).contains("truncated"), "{}", restore(&bad));
+    let bad = tmp.path().join("trunc-mem");
+    copy_dir(&dir, &bad);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(bad.join("memory.img"))
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    assert!(restore(&bad).contains("truncated"), "{}", restore(&bad));
+
+    // Taken on another CPU model.
+    let bad = tmp.path().join("other-cpu");
+    copy_dir(&dir, &bad);
+    let mut header: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(bad.join("snapshot.json")).unwrap()).unwrap();
+    header["host"]["cpu_model_name"] = "Imaginary CPU 9000".into();
+    std::fs::write(
+        bad.join("snapshot.json"),
+        serde_json::to_vec(&header).unwrap(),
+    )
+    .unwrap();
+    let e = restore(&bad);
+    assert!(
+        e.contains("same CPU model") && e.contains("Imaginary CPU 9000"),
+        "{e}"
+    );
+
+    // Not a snapshot at all.
+    let e = restore(tmp.path());
+    assert!(e.contains("snapshot.json"), "{e}");
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn snapshot_into_an_existing_directory_is_refused() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let ram = GuestRam::new_memfd(64).unwrap();
+    ram.memory()
+        .write_slice(&spin_guest(), GuestAddress(CODE))
+        .unwrap();
+    let out = Capture::default();
+    let mut vm = Vm::create(1, ram, Box::new(out.clone())).unwrap();
+    vm.set_entry(EntryPoint::Linux64 { rip: CODE }).unwrap();
+    let running = vm.start().unwrap();
+    wait_for(&out, "1");
+    let err = running.snapshot(tmp.path()).unwrap_err().to_string();
+    assert!(err.contains("already exists"), "{err}");
+    // The VM is paused but fine: resume it and let it finish.
+    running.resume();
+    running.stop();
+}
