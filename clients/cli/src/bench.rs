@@ -15,6 +15,8 @@ pub enum BenchCommand {
     /// Cold boot: time from starting the VMM process to the guest's boot marker on the serial
     /// console, and to the VMM's exit after the guest powers off.
     Boot(BootBench),
+    /// Guest agent: ping, exec round trip and warm eval latency beside a cold interpreter.
+    Agent(tine_agent::bench::BenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -40,6 +42,7 @@ pub struct BootBench {
 pub fn run(c: BenchCommand) -> Result<i32> {
     match c {
         BenchCommand::Boot(b) => boot(b),
+        BenchCommand::Agent(a) => tine_agent::bench::run(&a).map(|()| 0),
     }
 }
 

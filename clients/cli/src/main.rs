@@ -3,6 +3,7 @@
 mod bench;
 mod defaults;
 mod doctor;
+mod restore;
 mod run;
 
 use std::process::ExitCode;
@@ -17,6 +18,9 @@ use clap::{Parser, Subcommand};
     propagate_version = true
 )]
 struct Cli {
+    /// Which VM's agent `exec`, `eval`, `cp` and `ping` talk to.
+    #[command(flatten)]
+    agent: tine_agent::cli::AgentTarget,
     #[command(subcommand)]
     command: Command,
 }
@@ -27,11 +31,17 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Boot a VM from a kernel and initramfs and stream its serial console.
     Run(run::RunArgs),
+    /// Resume a VM from a snapshot directory.
+    Restore(restore::RestoreArgs),
     /// Guest kernels and images: fetch Debian kernels, build initramfs images.
     #[command(subcommand)]
     Image(tine_image::cli::ImageCommand),
     /// Run a command inside the nested KVM lab (QEMU with an emulated SVM CPU).
     Lab(tine_lab::cli::LabArgs),
+    #[command(flatten)]
+    Agent(tine_agent::cli::AgentCommand),
+    #[command(flatten)]
+    Store(tine_snapshot_store::cli::StoreCommand),
     /// Benchmarks that print figures and how they were measured.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -49,9 +59,17 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Doctor(a) => doctor::run(a),
         Command::Run(a) => run::run(a),
+        Command::Restore(a) => restore::run(a),
         Command::Image(c) => tine_image::cli::run(c).map(|()| 0),
         Command::Lab(a) => tine_lab::cli::run(a),
         Command::Bench(c) => bench::run(c),
+        Command::Store(c) => tine_snapshot_store::cli::run_blocking(c).map(|()| 0),
+        Command::Agent(c) => tine_agent::cli::run_with(
+            &cli.agent,
+            &c,
+            &mut std::io::stdout(),
+            &mut std::io::stderr(),
+        ),
     };
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),

@@ -12,6 +12,10 @@ use crate::defaults;
 
 #[derive(clap::Args)]
 pub struct RunArgs {
+    /// A guest image built by `tine image build` (name, id or directory): its kernel,
+    /// initramfs, command line and memory size are the defaults.
+    #[arg(long, conflicts_with_all = ["kernel", "initrd"])]
+    image: Option<String>,
     /// Guest kernel: an ELF vmlinux (booted through its PVH entry) or a bzImage.
     /// Default: the Debian cloud kernel from the cache (fetched on first use).
     #[arg(long)]
@@ -25,9 +29,9 @@ pub struct RunArgs {
     /// Add to the default kernel command line.
     #[arg(long)]
     append: Option<String>,
-    /// Guest memory in MiB.
-    #[arg(long, default_value_t = 256)]
-    mem_mib: u64,
+    /// Guest memory in MiB (default: the image's recommendation, else 256).
+    #[arg(long)]
+    mem_mib: Option<u64>,
     /// Number of vCPUs.
     #[arg(long, default_value_t = 1)]
     vcpus: u8,
@@ -41,6 +45,13 @@ pub struct RunArgs {
     /// The guest's vsock context id.
     #[arg(long, default_value_t = 3)]
     cid: u64,
+    /// Take a snapshot of the VM into --snapshot-dir as soon as this text appears on its
+    /// console, then stop the VM.
+    #[arg(long, requires = "snapshot_dir")]
+    snapshot_at: Option<String>,
+    /// Where --snapshot-at writes the snapshot (must not exist).
+    #[arg(long, requires = "snapshot_at")]
+    snapshot_dir: Option<PathBuf>,
     /// Try to boot even on a PVM host (stock kernels will not get far).
     #[arg(long)]
     allow_pvm: bool,
@@ -75,27 +86,50 @@ pub fn run(a: RunArgs) -> Result<i32> {
              `tine lab -- tine run ...` (or pass --allow-pvm to try anyway)"
         );
     }
-    let kernel = match a.kernel {
-        Some(k) => k,
-        None => defaults::kernel()?,
+    let image = a
+        .image
+        .as_deref()
+        .map(tine_image::load_image)
+        .transpose()
+        .context("loading the image")?;
+    let (kernel, initrd) = match &image {
+        Some(m) => (m.kernel_path(), m.initrd_path()),
+        None => (
+            match a.kernel {
+                Some(k) => k,
+                None => defaults::kernel()?,
+            },
+            match a.initrd {
+                Some(i) => i,
+                None => defaults::smoke_initrd()?,
+            },
+        ),
     };
-    let initrd = match a.initrd {
-        Some(i) => i,
-        None => defaults::smoke_initrd()?,
+    let base = match &image {
+        Some(m) if !m.cmdline_append.is_empty() => {
+            format!("{DEFAULT_CMDLINE} {}", m.cmdline_append)
+        }
+        _ => DEFAULT_CMDLINE.to_string(),
     };
     let cmdline = match (a.cmdline, a.append) {
         (Some(c), _) => c,
-        (None, Some(extra)) => format!("{DEFAULT_CMDLINE} {extra}"),
-        (None, None) => DEFAULT_CMDLINE.to_string(),
+        (None, Some(extra)) => format!("{base} {extra}"),
+        (None, None) => base,
     };
-    let console: Box<dyn Write + Send> = match &a.console {
-        Some(p) => Box::new(Unbuffered(
-            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
-        )),
-        None => Box::new(Unbuffered(std::io::stdout())),
+    let mem_mib = a
+        .mem_mib
+        .or(image.as_ref().map(|m| m.memory_mib as u64))
+        .unwrap_or(256);
+    let console = open_console(a.console.as_deref())?;
+    let (console, marker_seen) = match &a.snapshot_at {
+        Some(m) => {
+            let (w, rx) = MarkerWatch::new(console, m.as_bytes());
+            (Box::new(w) as Box<dyn Write + Send>, Some(rx))
+        }
+        None => (console, None),
     };
 
-    let ram = GuestRam::new_memfd(a.mem_mib)?;
+    let ram = GuestRam::new_memfd(mem_mib)?;
     let mut vm = Vm::create(a.vcpus, ram, console)?;
     if let Some(path) = &a.vsock {
         vm.add_vsock(a.cid, path)?;
@@ -106,8 +140,31 @@ pub fn run(a: RunArgs) -> Result<i32> {
         cmdline,
     })?;
     tracing::info!(?entry, setup = ?started.elapsed(), "VM ready to run");
-    let exit = vm.run()?;
-    if !a.quiet {
+    let running = vm.start()?;
+    if let (Some(rx), Some(dir)) = (marker_seen, &a.snapshot_dir) {
+        if rx.recv().is_ok() {
+            let t0 = Instant::now();
+            let header = running.snapshot(dir)?;
+            let took = t0.elapsed();
+            running.stop();
+            eprintln!(
+                "[tine] snapshot of {} vCPU(s), {} MiB written to {} in {:.1} ms",
+                header.vcpus,
+                header.mem_size >> 20,
+                dir.display(),
+                took.as_secs_f64() * 1000.0
+            );
+            return Ok(0);
+        }
+        // The console closed without the marker: the guest stopped; report how.
+    }
+    let exit = running.wait()?;
+    report_exit(a.quiet, exit, started);
+    Ok(exit.exit_code())
+}
+
+pub fn report_exit(quiet: bool, exit: tine_vmm::GuestExit, started: Instant) {
+    if !quiet {
         eprintln!(
             "[tine] guest {} (exit {}) after {:.3} s",
             match exit {
@@ -119,5 +176,62 @@ pub fn run(a: RunArgs) -> Result<i32> {
             started.elapsed().as_secs_f64()
         );
     }
-    Ok(exit.exit_code())
+}
+
+pub fn open_console(path: Option<&std::path::Path>) -> Result<Box<dyn Write + Send>> {
+    Ok(match path {
+        Some(p) => Box::new(Unbuffered(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => Box::new(Unbuffered(std::io::stdout())),
+    })
+}
+
+/// Passes console output through and reports (once) when a marker string has gone by.
+struct MarkerWatch {
+    inner: Box<dyn Write + Send>,
+    marker: Vec<u8>,
+    tail: Vec<u8>,
+    tx: Option<std::sync::mpsc::Sender<()>>,
+}
+
+impl MarkerWatch {
+    fn new(inner: Box<dyn Write + Send>, marker: &[u8]) -> (Self, std::sync::mpsc::Receiver<()>) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        (
+            Self {
+                inner,
+                marker: marker.to_vec(),
+                tail: Vec::new(),
+                tx: Some(tx),
+            },
+            rx,
+        )
+    }
+}
+
+impl Write for MarkerWatch {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        if self.tx.is_some() {
+            self.tail.extend_from_slice(&buf[..n]);
+            if self
+                .tail
+                .windows(self.marker.len())
+                .any(|w| w == self.marker)
+            {
+                if let Some(tx) = self.tx.take() {
+                    let _ = tx.send(());
+                }
+            }
+            let keep = self.marker.len().saturating_sub(1);
+            if self.tail.len() > keep {
+                self.tail.drain(..self.tail.len() - keep);
+            }
+        }
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }

@@ -8,17 +8,24 @@ const TINE: &str = env!("CARGO_BIN_EXE_tine");
 
 /// Run `tine <args>` where Linux can boot: directly on VMX/SVM hosts, else inside the lab.
 fn tine_where_linux_boots(args: &[&str]) -> (i32, String) {
+    let mut argv = vec![TINE];
+    argv.extend_from_slice(args);
+    where_linux_boots(&argv)
+}
+
+/// Run `argv` where Linux can boot: directly on VMX/SVM hosts, else inside the lab.
+fn where_linux_boots(argv: &[&str]) -> (i32, String) {
     let direct = !std::path::Path::new("/sys/module/kvm_pvm").exists()
         && std::fs::read_to_string("/proc/cpuinfo")
             .map(|c| c.split_whitespace().any(|w| w == "vmx" || w == "svm"))
             .unwrap_or(false);
     let mut cmd = if direct {
-        let mut c = Command::new(TINE);
-        c.args(args);
+        let mut c = Command::new(argv[0]);
+        c.args(&argv[1..]);
         c
     } else {
         let mut c = Command::new(TINE);
-        c.args(["lab", "--"]).arg(TINE).args(args);
+        c.args(["lab", "--"]).args(argv);
         c
     };
     let out = cmd.output().expect("running tine");
@@ -86,4 +93,86 @@ fn guest_reboot_is_reported_in_the_exit_status() {
         "rdinit=/bin/reboot -f",
     ]);
     assert_eq!(code, 2, "reboot must exit 2:\n{out}");
+}
+
+/// Build (or reuse) a guest image on the host, where the package mirror is reachable.
+fn build_image(recipe: &str) {
+    let out = Command::new(TINE)
+        .args(["image", "build", recipe])
+        .output()
+        .expect("tine image build");
+    assert!(
+        out.status.success(),
+        "tine image build {recipe}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Run a scenario script and check every `CHECK` line it prints.
+fn scenario(script: &str, image: &str, expected: &[&str]) -> String {
+    let path = format!("{}/tests/lab/{script}", env!("CARGO_MANIFEST_DIR"));
+    let work = format!(
+        "/tmp/tine-{}-{}",
+        script.trim_end_matches(".sh"),
+        std::process::id()
+    );
+    let (code, out) = where_linux_boots(&["sh", &path, TINE, image, &work]);
+    let checks: Vec<&str> = out.lines().filter(|l| l.starts_with("CHECK ")).collect();
+    for name in expected {
+        let line = checks
+            .iter()
+            .find(|l| l.split_whitespace().nth(1) == Some(name))
+            .unwrap_or_else(|| panic!("no CHECK {name} (exit {code}) in:\n{out}"));
+        assert!(
+            line.ends_with(" ok") || line.contains(" ok:"),
+            "{line}\n{out}"
+        );
+    }
+    assert!(!checks.iter().any(|l| l.contains(" FAIL ")), "{out}");
+    out
+}
+
+#[test]
+#[ignore = "boots Linux: needs VMX/SVM or the nested lab (slow)"]
+fn agent_exec_streams_files_and_timeouts_in_a_busybox_guest() {
+    build_image("busybox");
+    scenario(
+        "agent.sh",
+        "busybox",
+        &[
+            "ready",
+            "uname",
+            "exit-code",
+            "streams-10mb",
+            "file-50mb",
+            "timeout",
+            "hostile-path",
+            "poweroff",
+        ],
+    );
+}
+
+#[test]
+#[ignore = "boots Linux: needs VMX/SVM or the nested lab; builds a Debian root filesystem (slow)"]
+fn warm_numpy_eval_in_the_python_image() {
+    build_image("python-numpy");
+    let out = scenario(
+        "eval.sh",
+        "python-numpy",
+        &[
+            "ready",
+            "numpy-zeros",
+            "exception",
+            "usable-after-exception",
+            "bench",
+        ],
+    );
+    // The latency table is the benchmark's output: show it in the test log.
+    for l in out
+        .lines()
+        .filter(|l| l.contains("ms") || l.contains("faster"))
+    {
+        println!("{l}");
+    }
 }

@@ -1,12 +1,15 @@
-//! `tine image ...`: fetch kernels, extract vmlinux, build initramfs images.
+//! `tine image ...`: fetch kernels, extract vmlinux, build initramfs and guest images.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 
+use crate::build::export_image;
 use crate::initramfs::{find_busybox, smoke_init_script, Initramfs, KernelModules};
 use crate::modules::ModuleIndex;
-use crate::{default_cache_dir, fetch_kernel, Flavor};
+use crate::{
+    build_image, default_cache_dir, fetch_kernel, list_images, BuildOptions, Flavor, Recipe,
+};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum ImageCommand {
@@ -48,6 +51,44 @@ pub enum ImageCommand {
         /// Static busybox to use (default: /bin/busybox from busybox-static).
         #[arg(long)]
         busybox: Option<PathBuf>,
+        /// Cache directory (default: $TINE_CACHE_DIR or ~/.cache/tine).
+        #[arg(long)]
+        cache: Option<PathBuf>,
+    },
+    /// Build a guest image (vmlinux + initramfs with the whole root filesystem and the agent)
+    /// from a recipe, or reuse the cached one built from the same inputs.
+    Build {
+        /// Recipe file, or a built-in recipe name (busybox, python-numpy).
+        #[arg(default_value = "busybox")]
+        recipe: String,
+        /// Root filesystem from a directory or a tarball (.tar, .tar.gz, .tar.zst, .tar.xz),
+        /// replacing the recipe's.
+        #[arg(long, value_name = "DIR|TARBALL")]
+        rootfs: Option<PathBuf>,
+        /// Name to find the image by (default: the recipe's name).
+        #[arg(long)]
+        name: Option<String>,
+        /// Also copy the image (vmlinux, initrd, image.json) into this directory.
+        #[arg(short, long, value_name = "DIR")]
+        output: Option<PathBuf>,
+        /// Cache directory (default: $TINE_CACHE_DIR or ~/.cache/tine).
+        #[arg(long)]
+        cache: Option<PathBuf>,
+        /// Static tine-agent binary (default: build it with cargo, see tine_agent::build).
+        #[arg(long, env = "TINE_AGENT_BIN", value_name = "PATH")]
+        agent: Option<PathBuf>,
+        /// Static busybox (default: /bin/busybox from busybox-static).
+        #[arg(long, value_name = "PATH")]
+        busybox: Option<PathBuf>,
+        /// Initramfs compression (default: the recipe's, else zstd).
+        #[arg(long, value_enum)]
+        compression: Option<crate::Compression>,
+        /// Rebuild even if an image with the same inputs is cached.
+        #[arg(long)]
+        rebuild: bool,
+    },
+    /// List the images in the cache.
+    List {
         /// Cache directory (default: $TINE_CACHE_DIR or ~/.cache/tine).
         #[arg(long)]
         cache: Option<PathBuf>,
@@ -119,6 +160,77 @@ pub fn run(cmd: ImageCommand) -> Result<()> {
             image.write_gz(&output)?;
             println!("initramfs: {}", output.display());
         }
+        ImageCommand::Build {
+            recipe,
+            rootfs,
+            name,
+            output,
+            cache,
+            agent,
+            busybox,
+            compression,
+            rebuild,
+        } => {
+            let mut opts = BuildOptions::new(
+                Recipe::resolve(&recipe)?,
+                cache.unwrap_or_else(default_cache_dir),
+            );
+            opts.rootfs = rootfs;
+            opts.name = name;
+            opts.agent = agent;
+            opts.busybox = busybox;
+            opts.compression = compression;
+            opts.rebuild = rebuild;
+            let built = build_image(&opts)?;
+            let m = &built.manifest;
+            eprintln!(
+                "tine-image: {} image {} ({}): initrd {:.1} MiB ({}), {:.1} MiB unpacked{}",
+                if built.reused { "reusing" } else { "built" },
+                m.id,
+                m.recipe,
+                m.initrd.bytes as f64 / MIB,
+                m.compression.name(),
+                m.rootfs.unpacked_bytes as f64 / MIB,
+                if built.reused {
+                    String::new()
+                } else {
+                    format!(", in {:.1} s", m.build_seconds)
+                }
+            );
+            let dir = match output {
+                Some(out) => {
+                    export_image(m, &out)?;
+                    out
+                }
+                None => m.dir.clone(),
+            };
+            println!("image: {}", dir.display());
+            print!("{}", m.to_json());
+        }
+        ImageCommand::List { cache } => {
+            let cache = cache.unwrap_or_else(default_cache_dir);
+            let images = list_images(&cache)?;
+            if images.is_empty() {
+                println!(
+                    "no images in {}",
+                    crate::manifest::images_dir(&cache).display()
+                );
+            }
+            for (m, names) in images {
+                println!(
+                    "{}  {:<14} initrd {:>7.1} MiB  unpacked {:>7.1} MiB  mem {:>5} MiB  {}  {}",
+                    m.id,
+                    names.join(","),
+                    m.initrd.bytes as f64 / MIB,
+                    m.rootfs.unpacked_bytes as f64 / MIB,
+                    m.memory_mib,
+                    m.kernel_release,
+                    m.recipe
+                );
+            }
+        }
     }
     Ok(())
 }
+
+const MIB: f64 = 1024.0 * 1024.0;

@@ -1,6 +1,6 @@
 //! A writer for `newc` cpio archives (the format the Linux initramfs unpacker reads).
 //!
-//! Entries get mtime 0, uid/gid 0 and sequential inode numbers, so the same inputs always give
+//! Entries get mtime 0 (unless the caller passes one), uid/gid 0 and sequential inode numbers, so the same inputs always give
 //! the same bytes (which makes archives cacheable by content). Missing parent directories are
 //! added automatically, because the kernel's unpacker does not create them.
 
@@ -25,6 +25,7 @@ struct Header<'a> {
     mode: u32,
     nlink: u32,
     size: u32,
+    mtime: u32,
     rdev: (u32, u32),
 }
 
@@ -51,6 +52,7 @@ impl<W: Write> CpioWriter<W> {
                 mode: S_IFDIR | (mode & 0o7777),
                 nlink: 2,
                 size: 0,
+                mtime: 0,
                 rdev: (0, 0),
             },
             &[],
@@ -61,6 +63,18 @@ impl<W: Write> CpioWriter<W> {
 
     /// A regular file with permission bits `mode`.
     pub fn file(&mut self, path: &str, mode: u32, data: &[u8]) -> io::Result<()> {
+        self.file_with_mtime(path, mode, 0, data)
+    }
+
+    /// A regular file that keeps its modification time: Python trusts a `.pyc` only while its
+    /// source's mtime matches the one recorded inside it, so root filesystems need real mtimes.
+    pub fn file_with_mtime(
+        &mut self,
+        path: &str,
+        mode: u32,
+        mtime: u32,
+        data: &[u8],
+    ) -> io::Result<()> {
         let path = normalize(path)?;
         let size = u32::try_from(data.len())
             .map_err(|_| invalid(format!("{path}: newc cannot hold files of 4 GiB or more")))?;
@@ -71,6 +85,7 @@ impl<W: Write> CpioWriter<W> {
                 mode: S_IFREG | (mode & 0o7777),
                 nlink: 1,
                 size,
+                mtime,
                 rdev: (0, 0),
             },
             data,
@@ -87,6 +102,7 @@ impl<W: Write> CpioWriter<W> {
                 mode: S_IFLNK | 0o777,
                 nlink: 1,
                 size: target.len() as u32,
+                mtime: 0,
                 rdev: (0, 0),
             },
             target.as_bytes(),
@@ -103,6 +119,7 @@ impl<W: Write> CpioWriter<W> {
                 mode: S_IFCHR | (mode & 0o7777),
                 nlink: 1,
                 size: 0,
+                mtime: 0,
                 rdev: (major, minor),
             },
             &[],
@@ -117,6 +134,7 @@ impl<W: Write> CpioWriter<W> {
                 mode: 0,
                 nlink: 1,
                 size: 0,
+                mtime: 0,
                 rdev: (0, 0),
             },
             &[],
@@ -143,7 +161,7 @@ impl<W: Write> CpioWriter<W> {
             0, // uid
             0, // gid
             h.nlink,
-            0, // mtime
+            h.mtime,
             h.size,
             0, // devmajor
             0, // devminor
@@ -201,6 +219,7 @@ fn normalize(path: &str) -> io::Result<String> {
 pub struct Entry {
     pub name: String,
     pub mode: u32,
+    pub mtime: u32,
     pub rdev: (u32, u32),
     pub data: Vec<u8>,
 }
@@ -220,8 +239,9 @@ pub fn read_archive(mut data: &[u8]) -> io::Result<Vec<Entry>> {
                 .map_err(|_| bad("non-ASCII field", at))?;
             u32::from_str_radix(s, 16).map_err(|_| bad("non-hex field", at))
         };
-        let (mode, size, rmaj, rmin, namesize) = (
+        let (mode, mtime, size, rmaj, rmin, namesize) = (
             field(1)?,
+            field(5)?,
             field(6)? as usize,
             field(9)?,
             field(10)?,
@@ -240,6 +260,7 @@ pub fn read_archive(mut data: &[u8]) -> io::Result<Vec<Entry>> {
         entries.push(Entry {
             name,
             mode,
+            mtime,
             rdev: (rmaj, rmin),
             data: data[data_start..data_end].to_vec(),
         });
@@ -259,6 +280,8 @@ mod tests {
         w.symlink("/bin/sh", "busybox").unwrap();
         w.file("etc/deep/nested/file", 0o644, b"x").unwrap();
         w.file("/init", 0o755, b"#!/bin/sh\necho hi\n").unwrap();
+        w.file_with_mtime("/lib/x.py", 0o644, 1_700_000_000, b"x = 1\n")
+            .unwrap();
         w.finish().unwrap()
     }
 
@@ -278,9 +301,13 @@ mod tests {
                 "etc/deep",
                 "etc/deep/nested",
                 "etc/deep/nested/file",
-                "init"
+                "init",
+                "lib",
+                "lib/x.py"
             ]
         );
+        assert_eq!(entries[11].mtime, 1_700_000_000);
+        assert_eq!(entries[9].mtime, 0);
         let console = &entries[1];
         assert_eq!(console.mode, S_IFCHR | 0o600);
         assert_eq!(console.rdev, (5, 1));

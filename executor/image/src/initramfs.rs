@@ -57,6 +57,32 @@ impl KernelModules {
             .collect()
     }
 
+    /// The kernel release these modules belong to (`uname -r`).
+    pub fn release(&self) -> &str {
+        self.index.release()
+    }
+
+    /// The module files (decompressed) and a matching `modules.dep`, as (archive path relative
+    /// to `/`, content), in load order with `modules.dep` last.
+    pub fn archive_files(&self) -> Result<Vec<(String, Vec<u8>)>> {
+        let base = format!("lib/modules/{}", self.index.release());
+        let mut out = Vec::with_capacity(self.files.len() + 1);
+        let mut dep = String::new();
+        for file in &self.files {
+            let stored = uncompressed_name(file);
+            let data = read_module(&self.index.dir().join(file))?;
+            out.push((format!("{base}/{stored}"), data));
+            dep.push_str(&format!("{stored}:"));
+            for d in self.index.deps_within(file, &self.files) {
+                dep.push(' ');
+                dep.push_str(uncompressed_name(d));
+            }
+            dep.push('\n');
+        }
+        out.push((format!("{base}/modules.dep"), dep.into_bytes()));
+        Ok(out)
+    }
+
     /// Inputs that determine the archive content, for cache keys.
     pub fn describe(&self) -> String {
         format!("{}:{}", self.index.dir().display(), self.files.join(","))
@@ -169,30 +195,9 @@ impl Initramfs {
             }
         }
         if let Some(m) = &self.modules {
-            let base = format!("lib/modules/{}", m.index.release());
-            let stored: Vec<String> = m
-                .files
-                .iter()
-                .map(|f| uncompressed_name(f).to_string())
-                .collect();
-            let mut dep = String::new();
-            for (file, stored_name) in m.files.iter().zip(&stored) {
-                let data = read_module(&m.index.dir().join(file))?;
-                w.file(&format!("{base}/{stored_name}"), 0o644, &data)?;
-                let deps: Vec<&str> = m
-                    .index
-                    .deps_within(file, &m.files)
-                    .into_iter()
-                    .map(uncompressed_name)
-                    .collect();
-                dep.push_str(&format!("{stored_name}:"));
-                for d in deps {
-                    dep.push(' ');
-                    dep.push_str(d);
-                }
-                dep.push('\n');
+            for (path, data) in m.archive_files()? {
+                w.file(&path, 0o644, &data)?;
             }
-            w.file(&format!("{base}/modules.dep"), 0o644, dep.as_bytes())?;
         }
         for (path, mode, data) in &self.files {
             w.file(path, *mode, data)?;
@@ -215,7 +220,7 @@ impl Initramfs {
 }
 
 /// Applet names the busybox binary supports; `/init` may call any of them by name.
-fn applets(busybox: &Path) -> Vec<String> {
+pub(crate) fn applets(busybox: &Path) -> Vec<String> {
     let listed = Command::new(busybox)
         .arg("--list")
         .stdin(Stdio::null())

@@ -3,20 +3,37 @@
 //! - [`kernel`]: fetch Debian kernel packages (downloaded and unpacked, never installed) into a cache.
 //! - [`bzimage`]: pull the uncompressed ELF `vmlinux` out of a bzImage.
 //! - [`cpio`] and [`initramfs`]: write `newc` archives and minimal busybox initramfs images.
+//! - [`build`]: `tine image build`: guest images (kernel + initramfs holding the whole root
+//!   filesystem + the agent) from [`recipe`]s, cached by input hash; [`manifest`] reads them back.
 //! - [`cli`]: the `tine image ...` subcommands.
 
 pub mod apt;
+pub mod build;
 pub mod bzimage;
 pub mod cache;
 pub mod cli;
+pub mod compress;
 pub mod cpio;
+pub mod debootstrap;
 mod fsutil;
+pub mod guest;
+pub mod guestpath;
 pub mod initramfs;
 pub mod kernel;
 mod lz4_legacy;
+pub mod manifest;
 pub mod modules;
+mod progress;
+pub mod recipe;
+pub mod rootfs;
+pub mod tarball;
+pub mod tree;
 
+pub use build::{build_image, BuildOptions, BuiltImage};
 pub use bzimage::{extract_vmlinux, vmlinux_from_bzimage, BzImageError};
 pub use cache::default_cache_dir;
+pub use compress::Compression;
 pub use initramfs::{smoke_init_script, Initramfs, BOOT_MARKER};
 pub use kernel::{fetch_kernel, Flavor, Kernel};
+pub use manifest::{list_images, load_image, load_image_in, ImageManifest};
+pub use recipe::Recipe;

@@ -38,7 +38,7 @@ pub const MAX_VCPUS: u8 = 254;
 /// Default kernel command line: serial console, no PCI probing, reboot via the i8042 line,
 /// and no legacy devices we do not emulate.
 pub const DEFAULT_CMDLINE: &str =
-    "console=ttyS0 reboot=k panic=-1 pci=off nomodeset i8042.noaux i8042.nomux i8042.dumbkbd tsc=reliable";
+    "console=ttyS0 reboot=k panic=-1 pci=off i8042.noaux i8042.nomux i8042.dumbkbd tsc=reliable";
 
 /// A Linux boot: kernel image, optional initramfs and command line.
 #[derive(Clone, Debug)]

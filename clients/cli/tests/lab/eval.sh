@@ -1,0 +1,30 @@
+#!/bin/sh
+# Warm-eval scenario on the python-numpy image. Usage: eval.sh TINE IMAGE WORKDIR.
+set -u
+T=$1 IMG=$2 W=$3
+mkdir -p "$W"
+S=$W/vm.sock
+ok() { echo "CHECK $1 ok"; }
+fail() { echo "CHECK $1 FAIL $2"; }
+
+"$T" run --image "$IMG" --vsock "$S" --console "$W/console.log" --quiet &
+VM=$!
+if "$T" ping --socket "$S" --wait 900 >"$W/ping" 2>&1; then ok ready; else fail ready "$(cat "$W/ping")"; fi
+
+out=$("$T" eval --socket "$S" 'numpy.zeros(5).tolist()' 2>&1)
+[ "$out" = "[0.0, 0.0, 0.0, 0.0, 0.0]" ] && ok numpy-zeros || fail numpy-zeros "$out"
+
+out=$("$T" eval --socket "$S" '1/0' 2>&1)
+rc=$?
+case "$out" in *Traceback*ZeroDivisionError*) [ $rc = 1 ] && ok exception || fail exception "rc $rc" ;;
+  *) fail exception "$out" ;; esac
+
+"$T" eval --socket "$S" 'x = 41' >/dev/null 2>&1
+out=$("$T" eval --socket "$S" 'x + 1' 2>&1)
+[ "$out" = "42" ] && ok usable-after-exception || fail usable-after-exception "$out"
+
+# Latency: exec round trip and warm eval, beside a cold interpreter, all in this run.
+"$T" bench agent --socket "$S" --iterations 30 && ok bench || fail bench "agent bench failed"
+
+"$T" exec --socket "$S" -- poweroff -f >/dev/null 2>&1
+wait $VM

@@ -1,0 +1,606 @@
+//! Host-side client. Blocking std I/O; each call opens its own stream, so one
+//! `AgentClient` can be shared across threads for concurrent calls.
+//!
+//! Everything the guest sends is treated as untrusted: frames are size-bounded
+//! by [`crate::frame`], response types are checked against the call, and
+//! sizes/names are validated before being handed to the caller.
+
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::frame::{read_message, write_message, FrameError, CHUNK};
+use crate::pb::{self, request, response::Kind};
+
+/// The guest agent's vsock port.
+pub const AGENT_PORT: u32 = crate::server::listen::VSOCK_PORT;
+
+/// Upper bound on ListDir entries accepted from a guest.
+const MAX_DIR_ENTRIES: usize = 1_000_000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("connecting to {target}: {source}")]
+    Connect { target: String, source: io::Error },
+    #[error("vsock handshake with {target} (CONNECT {port}): {msg}")]
+    Handshake {
+        target: String,
+        port: u32,
+        msg: String,
+    },
+    #[error("talking to the agent: {0}")]
+    Transport(#[from] FrameError),
+    #[error("agent error: {0}")]
+    Agent(String),
+    #[error("protocol violation by the agent: {0}")]
+    Protocol(String),
+    #[error("{what}: {source}")]
+    Local {
+        what: &'static str,
+        source: io::Error,
+    },
+    #[error("agent warm-up `{command}` failed: {message}")]
+    WarmupFailed { command: String, message: String },
+    #[error("agent not ready after {waited:?}: {detail}")]
+    NotReady { waited: Duration, detail: String },
+}
+
+pub type Result<T, E = ClientError> = std::result::Result<T, E>;
+
+/// How to reach the agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Connector {
+    /// The agent listens on this Unix socket directly (`--listen unix:PATH`).
+    Unix(PathBuf),
+    /// The VMM's vsock Unix socket with a Firecracker-style handshake:
+    /// `CONNECT <port>\n` → `OK <host port>\n`, then a raw stream to the guest.
+    Vsock { uds: PathBuf, port: u32 },
+}
+
+impl Connector {
+    pub fn vsock(uds: impl Into<PathBuf>) -> Self {
+        Self::Vsock {
+            uds: uds.into(),
+            port: AGENT_PORT,
+        }
+    }
+
+    /// Opens a fresh stream; `timeout` bounds the handshake (and is left as
+    /// the stream's read timeout).
+    pub fn connect(&self, timeout: Option<Duration>) -> Result<UnixStream> {
+        let (path, port) = match self {
+            Self::Unix(p) => (p, None),
+            Self::Vsock { uds, port } => (uds, Some(*port)),
+        };
+        let target = path.display().to_string();
+        let stream = UnixStream::connect(path).map_err(|source| ClientError::Connect {
+            target: target.clone(),
+            source,
+        })?;
+        stream
+            .set_read_timeout(timeout)
+            .map_err(|source| ClientError::Local {
+                what: "setting socket timeout",
+                source,
+            })?;
+        if let Some(port) = port {
+            handshake(&stream, port).map_err(|msg| ClientError::Handshake { target, port, msg })?;
+        }
+        Ok(stream)
+    }
+}
+
+fn handshake(mut stream: &UnixStream, port: u32) -> Result<(), String> {
+    stream
+        .write_all(format!("CONNECT {port}\n").as_bytes())
+        .map_err(|e| format!("sending: {e}"))?;
+    // Byte-wise so nothing after the line (guest data) is consumed.
+    let mut line = Vec::new();
+    let mut byte = [0u8];
+    while line.len() < 64 {
+        match stream.read(&mut byte) {
+            Ok(0) => {
+                return Err(
+                    "VMM closed the connection (is the guest agent listening on that port?)".into(),
+                )
+            }
+            Ok(_) if byte[0] == b'\n' => break,
+            Ok(_) => line.push(byte[0]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("reading reply: {e}")),
+        }
+    }
+    let line = String::from_utf8_lossy(&line);
+    if line.starts_with("OK ") {
+        Ok(())
+    } else {
+        Err(format!("unexpected reply {line:?}"))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    Ready,
+    Warming,
+    Failed(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PingInfo {
+    pub agent_version: String,
+    pub uptime: Duration,
+    pub readiness: Readiness,
+    /// The warm-up code configured in the guest ("" if none).
+    pub warmup_command: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExecOptions {
+    pub env: Vec<(String, String)>,
+    pub cwd: Option<String>,
+    pub stdin: Vec<u8>,
+    pub timeout: Option<Duration>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExitStatus {
+    /// Exit code if the command exited normally.
+    pub code: Option<i32>,
+    /// Signal number if it was killed.
+    pub signal: Option<i32>,
+    /// The agent killed it (and its process group) at the timeout.
+    pub timed_out: bool,
+}
+
+impl ExitStatus {
+    pub fn success(&self) -> bool {
+        self.code == Some(0) && !self.timed_out
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EvalOutcome {
+    /// repr() of the final expression (None if there was none or it was None).
+    pub value: Option<String>,
+    pub stdout: String,
+    pub stderr: String,
+    /// Traceback if the code raised.
+    pub error: Option<String>,
+    /// Set when the interpreter had to be restarted (globals were lost).
+    pub restarted: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileInfo {
+    pub mode: u32,
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+    Unknown,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntry {
+    pub name: String,
+    pub kind: FileKind,
+    pub size: u64,
+    pub mode: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReseedOutcome {
+    pub credited: bool,
+    pub python_reseeded: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct AgentClient {
+    connector: Connector,
+    io_timeout: Option<Duration>,
+}
+
+impl AgentClient {
+    pub fn new(connector: Connector) -> Self {
+        Self {
+            connector,
+            io_timeout: None,
+        }
+    }
+
+    /// Bounds every read from the agent (default: none, since exec and eval
+    /// may legitimately run long; use their own timeouts instead).
+    pub fn with_io_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.io_timeout = timeout;
+        self
+    }
+
+    pub fn connector(&self) -> &Connector {
+        &self.connector
+    }
+
+    fn open(&self, req: request::Kind, timeout: Option<Duration>) -> Result<UnixStream> {
+        let mut s = self.connector.connect(timeout.or(self.io_timeout))?;
+        write_message(&mut s, &pb::Request { kind: Some(req) })?;
+        Ok(s)
+    }
+
+    pub fn ping(&self) -> Result<PingInfo> {
+        self.ping_within(Duration::from_secs(5))
+    }
+
+    fn ping_within(&self, timeout: Duration) -> Result<PingInfo> {
+        let mut s = self.open(request::Kind::Ping(pb::PingRequest {}), Some(timeout))?;
+        let p = match recv(&mut s)? {
+            Kind::Ping(p) => p,
+            other => return Err(unexpected("ping", &other)),
+        };
+        let readiness = match pb::Readiness::try_from(p.readiness) {
+            Ok(pb::Readiness::Ready) => Readiness::Ready,
+            Ok(pb::Readiness::Warming) => Readiness::Warming,
+            Ok(pb::Readiness::Failed) => Readiness::Failed(p.warmup_error),
+            _ => {
+                return Err(ClientError::Protocol(format!(
+                    "unknown readiness value {}",
+                    p.readiness
+                )))
+            }
+        };
+        Ok(PingInfo {
+            agent_version: p.agent_version,
+            uptime: Duration::from_millis(p.uptime_ms),
+            readiness,
+            warmup_command: p.warmup_command,
+        })
+    }
+
+    /// Polls ping until the agent reports ready. Connection errors are
+    /// retried (the guest may still be booting); a failed warm-up is
+    /// returned immediately.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<PingInfo> {
+        let start = Instant::now();
+        let mut backoff = Duration::from_millis(5);
+        let mut last: Option<Result<PingInfo>> = None;
+        loop {
+            let left = timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                break;
+            }
+            match self.ping_within(left.min(Duration::from_secs(2))) {
+                Ok(p) => match &p.readiness {
+                    Readiness::Ready => return Ok(p),
+                    Readiness::Failed(msg) => {
+                        return Err(ClientError::WarmupFailed {
+                            command: p.warmup_command.clone(),
+                            message: msg.clone(),
+                        })
+                    }
+                    Readiness::Warming => last = Some(Ok(p)),
+                },
+                Err(e) => last = Some(Err(e)),
+            }
+            std::thread::sleep(backoff.min(timeout.saturating_sub(start.elapsed())));
+            backoff = (backoff * 2).min(Duration::from_millis(100));
+        }
+        let detail = match last {
+            Some(Ok(p)) => format!("still running warm-up `{}`", p.warmup_command),
+            Some(Err(e)) => format!("last attempt failed: {e}"),
+            None => "no attempt completed".into(),
+        };
+        Err(ClientError::NotReady {
+            waited: start.elapsed(),
+            detail,
+        })
+    }
+
+    /// Runs `argv`, calling `on_stdout`/`on_stderr` with output as it arrives.
+    pub fn exec<S: AsRef<str>>(
+        &self,
+        argv: &[S],
+        opts: &ExecOptions,
+        mut on_stdout: impl FnMut(&[u8]),
+        mut on_stderr: impl FnMut(&[u8]),
+    ) -> Result<ExitStatus> {
+        let req = pb::ExecRequest {
+            argv: argv.iter().map(|a| a.as_ref().to_owned()).collect(),
+            env: opts
+                .env
+                .iter()
+                .map(|(key, value)| pb::EnvVar {
+                    key: key.clone(),
+                    value: value.clone(),
+                })
+                .collect(),
+            cwd: opts.cwd.clone().unwrap_or_default(),
+            stdin: opts.stdin.clone(),
+            timeout_ms: opts.timeout.map_or(0, |t| t.as_millis().max(1) as u64),
+        };
+        let mut s = self.open(request::Kind::Exec(req), None)?;
+        loop {
+            match recv(&mut s)? {
+                Kind::Stdout(c) => on_stdout(&c.data),
+                Kind::Stderr(c) => on_stderr(&c.data),
+                Kind::Exit(e) => {
+                    let (code, signal) = match e.how {
+                        Some(pb::exit_status::How::Code(c)) => (Some(c), None),
+                        Some(pb::exit_status::How::Signal(s)) => (None, Some(s)),
+                        None => {
+                            return Err(ClientError::Protocol(
+                                "exit status has neither code nor signal".into(),
+                            ))
+                        }
+                    };
+                    return Ok(ExitStatus {
+                        code,
+                        signal,
+                        timed_out: e.timed_out,
+                    });
+                }
+                other => return Err(unexpected("exec", &other)),
+            }
+        }
+    }
+
+    /// `exec` collecting the output in memory.
+    pub fn exec_output<S: AsRef<str>>(
+        &self,
+        argv: &[S],
+        opts: &ExecOptions,
+    ) -> Result<(ExitStatus, Vec<u8>, Vec<u8>)> {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let status = self.exec(
+            argv,
+            opts,
+            |d| out.extend_from_slice(d),
+            |d| err.extend_from_slice(d),
+        )?;
+        Ok((status, out, err))
+    }
+
+    /// Uploads `data` to `path` (atomically replaced in the guest). Returns
+    /// the number of bytes the agent wrote.
+    pub fn write_file(&self, path: &str, mode: u32, mut data: impl Read) -> Result<u64> {
+        let req = pb::WriteFileRequest {
+            path: path.to_owned(),
+            mode,
+            create_parents: false,
+        };
+        let mut s = self.open(request::Kind::WriteFile(req), None)?;
+        let mut buf = vec![0u8; CHUNK];
+        let mut sent = 0u64;
+        loop {
+            let n = read_full(&mut data, &mut buf).map_err(|source| ClientError::Local {
+                what: "reading local data for upload",
+                source,
+            })?;
+            let last = n < buf.len();
+            let chunk = pb::FileChunk {
+                data: buf[..n].to_vec(),
+                last,
+            };
+            if let Err(e) = write_message(
+                &mut s,
+                &pb::Request {
+                    kind: Some(request::Kind::FileChunk(chunk)),
+                },
+            ) {
+                // The agent probably refused and hung up; prefer its reason.
+                return match recv(&mut s) {
+                    Err(agent @ ClientError::Agent(_)) => Err(agent),
+                    _ => Err(e.into()),
+                };
+            }
+            sent += n as u64;
+            if last {
+                break;
+            }
+        }
+        match recv(&mut s)? {
+            Kind::WriteFile(w) if w.size == sent => Ok(w.size),
+            Kind::WriteFile(w) => Err(ClientError::Protocol(format!(
+                "agent reports {} bytes written, {sent} were sent",
+                w.size
+            ))),
+            other => Err(unexpected("write_file", &other)),
+        }
+    }
+
+    /// Downloads `path` into `out`.
+    pub fn read_file(&self, path: &str, mut out: impl Write) -> Result<FileInfo> {
+        let req = pb::ReadFileRequest {
+            path: path.to_owned(),
+        };
+        let mut s = self.open(request::Kind::ReadFile(req), None)?;
+        let mut got = 0u64;
+        loop {
+            match recv(&mut s)? {
+                Kind::FileChunk(c) => {
+                    got += c.data.len() as u64;
+                    out.write_all(&c.data)
+                        .map_err(|source| ClientError::Local {
+                            what: "writing downloaded data",
+                            source,
+                        })?;
+                }
+                Kind::ReadFileDone(d) if d.size == got => {
+                    out.flush().map_err(|source| ClientError::Local {
+                        what: "writing downloaded data",
+                        source,
+                    })?;
+                    return Ok(FileInfo {
+                        mode: d.mode & 0o7777,
+                        size: d.size,
+                    });
+                }
+                Kind::ReadFileDone(d) => {
+                    return Err(ClientError::Protocol(format!(
+                        "agent reports {} bytes, {got} arrived",
+                        d.size
+                    )))
+                }
+                other => return Err(unexpected("read_file", &other)),
+            }
+        }
+    }
+
+    pub fn list_dir(&self, path: &str) -> Result<Vec<DirEntry>> {
+        let req = pb::ListDirRequest {
+            path: path.to_owned(),
+        };
+        let mut s = self.open(request::Kind::ListDir(req), None)?;
+        let mut entries = Vec::new();
+        loop {
+            let batch = match recv(&mut s)? {
+                Kind::ListDir(b) => b,
+                other => return Err(unexpected("list_dir", &other)),
+            };
+            for e in batch.entries {
+                if e.name.is_empty() || e.name.contains(['/', '\0']) || e.name == ".." {
+                    return Err(ClientError::Protocol(format!(
+                        "invalid directory entry name {:?}",
+                        e.name
+                    )));
+                }
+                let kind = match pb::FileType::try_from(e.file_type) {
+                    Ok(pb::FileType::File) => FileKind::File,
+                    Ok(pb::FileType::Dir) => FileKind::Dir,
+                    Ok(pb::FileType::Symlink) => FileKind::Symlink,
+                    Ok(pb::FileType::Other) => FileKind::Other,
+                    _ => FileKind::Unknown,
+                };
+                entries.push(DirEntry {
+                    name: e.name,
+                    kind,
+                    size: e.size,
+                    mode: e.mode & 0o7777,
+                });
+            }
+            if entries.len() > MAX_DIR_ENTRIES {
+                return Err(ClientError::Protocol(format!(
+                    "more than {MAX_DIR_ENTRIES} directory entries"
+                )));
+            }
+            if batch.done {
+                return Ok(entries);
+            }
+        }
+    }
+
+    /// Evaluates Python in the guest's warm interpreter.
+    pub fn eval(&self, code: &str) -> Result<EvalOutcome> {
+        self.eval_with_timeout(code, None)
+    }
+
+    pub fn eval_with_timeout(&self, code: &str, timeout: Option<Duration>) -> Result<EvalOutcome> {
+        let req = pb::EvalRequest {
+            code: code.to_owned(),
+            timeout_ms: timeout.map_or(0, |t| t.as_millis().max(1) as u64),
+        };
+        let mut s = self.open(request::Kind::Eval(req), None)?;
+        match recv(&mut s)? {
+            Kind::Eval(e) => Ok(EvalOutcome {
+                value: e.value,
+                stdout: e.stdout,
+                stderr: e.stderr,
+                error: e.raised.then_some(e.traceback),
+                restarted: (!e.restarted.is_empty()).then_some(e.restarted),
+            }),
+            other => Err(unexpected("eval", &other)),
+        }
+    }
+
+    /// Sets the guest's CLOCK_REALTIME.
+    pub fn set_time(&self, time: std::time::SystemTime) -> Result<()> {
+        let nanos = time
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_err(|_| ClientError::Local {
+                what: "set_time",
+                source: io::Error::new(io::ErrorKind::InvalidInput, "time before 1970"),
+            })?
+            .as_nanos() as u64;
+        let mut s = self.open(
+            request::Kind::SetTime(pb::SetTimeRequest { unix_nanos: nanos }),
+            None,
+        )?;
+        match recv(&mut s)? {
+            Kind::SetTime(_) => Ok(()),
+            other => Err(unexpected("set_time", &other)),
+        }
+    }
+
+    /// Mixes `entropy` into the guest kernel RNG and reseeds the warm
+    /// interpreter's `random`/`numpy.random` (call after every clone).
+    pub fn reseed(&self, entropy: &[u8]) -> Result<ReseedOutcome> {
+        let mut s = self.open(
+            request::Kind::Reseed(pb::ReseedRequest {
+                entropy: entropy.to_vec(),
+            }),
+            None,
+        )?;
+        match recv(&mut s)? {
+            Kind::Reseed(r) => Ok(ReseedOutcome {
+                credited: r.credited,
+                python_reseeded: r.python_reseeded,
+            }),
+            other => Err(unexpected("reseed", &other)),
+        }
+    }
+}
+
+/// Reads the next response; an agent `Error` becomes `ClientError::Agent`.
+fn recv(s: &mut UnixStream) -> Result<Kind> {
+    let resp: pb::Response = match read_message(s) {
+        Ok(r) => r,
+        Err(FrameError::Closed) => {
+            return Err(ClientError::Protocol(
+                "agent closed the connection before answering".into(),
+            ))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    match resp.kind {
+        Some(Kind::Error(e)) => Err(ClientError::Agent(e.message)),
+        Some(k) => Ok(k),
+        None => Err(ClientError::Protocol(
+            "response of unknown type (agent newer than this client?)".into(),
+        )),
+    }
+}
+
+fn unexpected(call: &str, got: &Kind) -> ClientError {
+    let name = match got {
+        Kind::Ping(_) => "ping",
+        Kind::Stdout(_) => "stdout",
+        Kind::Stderr(_) => "stderr",
+        Kind::Exit(_) => "exit",
+        Kind::WriteFile(_) => "write_file",
+        Kind::FileChunk(_) => "file_chunk",
+        Kind::ReadFileDone(_) => "read_file_done",
+        Kind::ListDir(_) => "list_dir",
+        Kind::Eval(_) => "eval",
+        Kind::SetTime(_) => "set_time",
+        Kind::Reseed(_) => "reseed",
+        Kind::Error(_) => "error",
+    };
+    ClientError::Protocol(format!("unexpected `{name}` response to {call}"))
+}
+
+/// Fills `buf` unless EOF comes first; returns the bytes read.
+fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}

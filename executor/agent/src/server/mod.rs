@@ -1,0 +1,173 @@
+//! The guest side: accepts connections and serves one request per connection,
+//! each on its own thread.
+
+pub mod exec;
+pub mod files;
+pub mod init;
+pub mod listen;
+pub mod modules;
+pub mod python;
+pub mod reaper;
+pub mod system;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::frame::{read_message, write_message, FrameError};
+use crate::pb::{self, request, response::Kind};
+use listen::{Conn, Listener};
+
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    Warming,
+    Ready,
+    Failed(String),
+}
+
+pub struct Agent {
+    started: Instant,
+    readiness: Mutex<Readiness>,
+    python: python::Interpreter,
+}
+
+impl Agent {
+    pub fn new(config: &crate::config::AgentConfig) -> Arc<Self> {
+        let readiness = if config.warmup.trim().is_empty() {
+            Readiness::Ready
+        } else {
+            Readiness::Warming
+        };
+        Arc::new(Self {
+            started: Instant::now(),
+            readiness: Mutex::new(readiness),
+            python: python::Interpreter::new(config.python.clone(), config.warmup.clone()),
+        })
+    }
+
+    /// Runs the configured warm-up in the background; Ping reports `warming`
+    /// until it completes. Without a warm-up the agent is ready immediately
+    /// and the interpreter starts on the first Eval.
+    pub fn start_warmup(self: &Arc<Self>) {
+        if self.python.warmup_code().trim().is_empty() {
+            return;
+        }
+        let agent = Arc::clone(self);
+        std::thread::spawn(move || {
+            let state = match agent.python.warm_up() {
+                Ok(()) => Readiness::Ready,
+                Err(e) => {
+                    eprintln!("tine-agent: warm-up failed: {e:#}");
+                    Readiness::Failed(format!("{e:#}"))
+                }
+            };
+            *agent.readiness.lock().unwrap_or_else(|e| e.into_inner()) = state;
+        });
+    }
+
+    pub fn readiness(&self) -> Readiness {
+        self.readiness
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Accept loop; returns only if accepting fails persistently.
+    pub fn serve(self: &Arc<Self>, listener: &Listener) -> std::io::Result<()> {
+        let mut consecutive_errors = 0;
+        loop {
+            match listener.accept() {
+                Ok(conn) => {
+                    consecutive_errors = 0;
+                    let agent = Arc::clone(self);
+                    std::thread::spawn(move || agent.handle(conn));
+                }
+                Err(e) => {
+                    // EMFILE and friends are transient; a dead listener is not.
+                    consecutive_errors += 1;
+                    eprintln!("tine-agent: accept: {e}");
+                    if consecutive_errors > 100 {
+                        return Err(e);
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+
+    fn handle(&self, mut conn: Conn) {
+        if let Err(e) = self.dispatch(&mut conn) {
+            let message = format!("{e:#}");
+            // Best effort: the peer may already be gone.
+            let _ = write_message(
+                &mut conn,
+                &pb::Response {
+                    kind: Some(Kind::Error(pb::Error { message })),
+                },
+            );
+        }
+    }
+
+    fn dispatch(&self, conn: &mut Conn) -> anyhow::Result<()> {
+        let req: pb::Request = match read_message(conn) {
+            Ok(r) => r,
+            Err(FrameError::Closed) => return Ok(()),
+            Err(e @ FrameError::Decode(_)) => anyhow::bail!("malformed request: {e}"),
+            Err(e) => return Err(e.into()),
+        };
+        let reply = |conn: &mut Conn, kind: Kind| -> anyhow::Result<()> {
+            write_message(conn, &pb::Response { kind: Some(kind) })?;
+            Ok(())
+        };
+        match req.kind {
+            Some(request::Kind::Ping(_)) => reply(conn, Kind::Ping(self.ping())),
+            Some(request::Kind::Exec(r)) => exec::run(r, conn),
+            Some(request::Kind::WriteFile(r)) => files::write(r, conn),
+            Some(request::Kind::ReadFile(r)) => files::read(r, conn),
+            Some(request::Kind::ListDir(r)) => files::list(r, conn),
+            Some(request::Kind::Eval(r)) => {
+                let timeout = (r.timeout_ms > 0).then(|| Duration::from_millis(r.timeout_ms));
+                let resp = self.python.eval(&r.code, timeout)?;
+                reply(conn, Kind::Eval(resp))
+            }
+            Some(request::Kind::SetTime(r)) => {
+                system::set_time(r.unix_nanos)?;
+                reply(conn, Kind::SetTime(pb::SetTimeResponse {}))
+            }
+            Some(request::Kind::Reseed(r)) => {
+                let credited = system::add_entropy(&r.entropy)?;
+                let python_reseeded = self.python.reseed();
+                reply(
+                    conn,
+                    Kind::Reseed(pb::ReseedResponse {
+                        credited,
+                        python_reseeded,
+                    }),
+                )
+            }
+            Some(request::Kind::FileChunk(_)) => {
+                anyhow::bail!("file_chunk is only valid after write_file")
+            }
+            None => anyhow::bail!(
+                "unknown or missing request type (this agent, version {VERSION}, understands \
+                 ping, exec, write_file, read_file, list_dir, eval, set_time, reseed)"
+            ),
+        }
+    }
+
+    fn ping(&self) -> pb::PingResponse {
+        let (readiness, warmup_error) = match self.readiness() {
+            Readiness::Ready => (pb::Readiness::Ready, String::new()),
+            Readiness::Warming => (pb::Readiness::Warming, String::new()),
+            Readiness::Failed(e) => (pb::Readiness::Failed, e),
+        };
+        pb::PingResponse {
+            agent_version: VERSION.to_owned(),
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            readiness: readiness as i32,
+            warmup_error,
+            warmup_command: self.python.warmup_code().to_owned(),
+        }
+    }
+}

@@ -1,0 +1,50 @@
+//! SetTime and Reseed: fix-ups a clone needs right after it is restored from
+//! a snapshot (its clock and entropy are the parent's).
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+
+use anyhow::Context;
+
+/// `_IOW('R', 0x03, int[2])` from <linux/random.h>.
+const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+
+pub fn set_time(unix_nanos: u64) -> anyhow::Result<()> {
+    let ts = libc::timespec {
+        tv_sec: (unix_nanos / 1_000_000_000) as libc::time_t,
+        tv_nsec: (unix_nanos % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: clock_settime with a valid timespec.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("clock_settime(CLOCK_REALTIME)");
+    }
+    Ok(())
+}
+
+/// Mixes `entropy` into the kernel pool. Returns true if it was credited
+/// (RNDADDENTROPY, needs CAP_SYS_ADMIN); otherwise it is written to
+/// /dev/urandom, which mixes it in without crediting.
+pub fn add_entropy(entropy: &[u8]) -> anyhow::Result<bool> {
+    let mut dev = OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")
+        .context("opening /dev/urandom")?;
+    if entropy.is_empty() {
+        return Ok(false);
+    }
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + entropy.len() + 3);
+    let bits = (entropy.len() as i32).saturating_mul(8);
+    info.extend_from_slice(&bits.to_ne_bytes());
+    info.extend_from_slice(&(entropy.len() as i32).to_ne_bytes());
+    info.extend_from_slice(entropy);
+    info.resize(info.len().next_multiple_of(4), 0);
+    // SAFETY: the buffer holds a complete rand_pool_info of buf_size bytes.
+    let rc = unsafe { libc::ioctl(dev.as_raw_fd(), RNDADDENTROPY as _, info.as_ptr()) };
+    if rc == 0 {
+        return Ok(true);
+    }
+    dev.write_all(entropy).context("writing /dev/urandom")?;
+    Ok(false)
+}

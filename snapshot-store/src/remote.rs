@@ -1,0 +1,585 @@
+//! The shared store behind `object_store`: a local directory (embedded
+//! mode) or an S3-compatible bucket. Same key layout as the cache:
+//! `chunks/ab/<hex>`, `layers/<hex>`, `tags/<tag>`, plus `locks/` for GC.
+//!
+//! Invariant: a manifest is uploaded only after all its objects and its
+//! parent manifest are present, so "layer X exists remotely" implies its whole
+//! chain is there, and a push can skip everything below a layer it finds.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use object_store::path::Path as ObjPath;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions};
+
+use crate::cache::{layer_key, object_key, parse_tag_value, tag_key, LocalCache, TAGS_DIR};
+use crate::digest::Digest;
+use crate::error::{Result, StoreError};
+use crate::gc::PushLease;
+use crate::manifest::{pb, Layer, MAX_MANIFEST_BYTES};
+use crate::progress::{Progress, ProgressEvent};
+use crate::retry::RetryPolicy;
+use crate::tag::validate_tag;
+
+/// Connection settings for an S3-compatible store.
+#[derive(Debug, Clone, Default)]
+pub struct S3Config {
+    pub bucket: String,
+    /// Key prefix inside the bucket ("" = bucket root).
+    pub prefix: String,
+    /// e.g. `http://127.0.0.1:9000`; None = AWS.
+    pub endpoint: Option<String>,
+    pub region: Option<String>,
+    pub access_key_id: Option<String>,
+    pub secret_access_key: Option<String>,
+    pub allow_http: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct TransferOptions {
+    /// Object transfers in flight at once.
+    pub concurrency: usize,
+    pub retry: RetryPolicy,
+}
+
+impl Default for TransferOptions {
+    fn default() -> Self {
+        TransferOptions {
+            concurrency: 8,
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TransferSummary {
+    pub layers_transferred: u64,
+    pub objects_transferred: u64,
+    pub objects_skipped: u64,
+    pub bytes_transferred: u64,
+}
+
+#[derive(Clone)]
+pub struct RemoteStore {
+    store: Arc<dyn ObjectStore>,
+    description: String,
+    opts: TransferOptions,
+}
+
+impl std::fmt::Debug for RemoteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.description)
+    }
+}
+
+/// rustls needs a process-wide crypto provider; we ship ring (no C build of
+/// aws-lc). Installing twice is harmless.
+fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+impl RemoteStore {
+    pub fn from_object_store(store: Arc<dyn ObjectStore>, description: impl Into<String>) -> Self {
+        RemoteStore {
+            store,
+            description: description.into(),
+            opts: TransferOptions::default(),
+        }
+    }
+
+    pub fn with_options(mut self, opts: TransferOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+
+    /// A directory used as the store (created if missing).
+    pub fn open_local(dir: &std::path::Path) -> Result<Self> {
+        crate::fsutil::create_dir_all(dir)?;
+        let fs = object_store::local::LocalFileSystem::new_with_prefix(dir)
+            .map_err(|e| StoreError::RemoteConfig(format!("{}: {e}", dir.display())))?;
+        Ok(Self::from_object_store(
+            Arc::new(fs),
+            format!("dir {}", dir.display()),
+        ))
+    }
+
+    pub fn open_s3(cfg: &S3Config) -> Result<Self> {
+        install_tls_provider();
+        let mut b = object_store::aws::AmazonS3Builder::from_env()
+            .with_bucket_name(&cfg.bucket)
+            .with_allow_http(cfg.allow_http)
+            .with_retry(object_store::RetryConfig {
+                max_retries: 3,
+                retry_timeout: Duration::from_secs(60),
+                ..Default::default()
+            });
+        if let Some(e) = &cfg.endpoint {
+            b = b.with_endpoint(e);
+        }
+        if let Some(r) = &cfg.region {
+            b = b.with_region(r);
+        }
+        if let Some(k) = &cfg.access_key_id {
+            b = b.with_access_key_id(k);
+        }
+        if let Some(s) = &cfg.secret_access_key {
+            b = b.with_secret_access_key(s);
+        }
+        let s3 = b
+            .build()
+            .map_err(|e| StoreError::RemoteConfig(format!("s3 bucket {}: {e}", cfg.bucket)))?;
+        let desc = format!("s3://{}/{}", cfg.bucket, cfg.prefix);
+        let store: Arc<dyn ObjectStore> = if cfg.prefix.is_empty() {
+            Arc::new(s3)
+        } else {
+            Arc::new(object_store::prefix::PrefixStore::new(
+                s3,
+                cfg.prefix.as_str(),
+            ))
+        };
+        Ok(Self::from_object_store(store, desc))
+    }
+
+    /// `s3://bucket[/prefix]` (endpoint, region and credentials from the
+    /// usual AWS_* variables, e.g. AWS_ENDPOINT_URL, AWS_ALLOW_HTTP=true),
+    /// `file:///dir`, or a plain directory path.
+    pub fn open_url(url: &str) -> Result<Self> {
+        if let Some(rest) = url.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                return Err(StoreError::RemoteConfig(format!(
+                    "{url}: missing bucket name"
+                )));
+            }
+            let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+            let endpoint = env("AWS_ENDPOINT_URL").or_else(|| env("AWS_ENDPOINT"));
+            let allow_http = env("AWS_ALLOW_HTTP").is_some_and(|v| v == "true" || v == "1")
+                || endpoint
+                    .as_deref()
+                    .is_some_and(|e| e.starts_with("http://"));
+            return Self::open_s3(&S3Config {
+                bucket: bucket.to_string(),
+                prefix: prefix.trim_end_matches('/').to_string(),
+                endpoint,
+                allow_http,
+                ..Default::default()
+            });
+        }
+        if let Some(path) = url.strip_prefix("file://") {
+            return Self::open_local(std::path::Path::new(path));
+        }
+        if url.contains("://") {
+            return Err(StoreError::RemoteConfig(format!(
+                "{url}: unsupported scheme (use s3:// or a directory)"
+            )));
+        }
+        Self::open_local(std::path::Path::new(url))
+    }
+
+    pub fn object_store(&self) -> &Arc<dyn ObjectStore> {
+        &self.store
+    }
+
+    pub fn description(&self) -> &str {
+        &self.description
+    }
+
+    pub fn options(&self) -> &TransferOptions {
+        &self.opts
+    }
+
+    fn remote_err(op: &'static str, key: &str) -> impl FnOnce(object_store::Error) -> StoreError {
+        let key = key.to_string();
+        move |source| StoreError::Remote { op, key, source }
+    }
+
+    pub(crate) async fn exists(&self, key: &str) -> Result<bool> {
+        let path = ObjPath::from(key);
+        match self.opts.retry.run("head", || self.store.head(&path)).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(Self::remote_err("head", key)(e)),
+        }
+    }
+
+    pub(crate) async fn get_bytes(&self, key: &str) -> Result<Option<Bytes>> {
+        let path = ObjPath::from(key);
+        // The whole GET, body included, is one retry unit.
+        let r = self
+            .opts
+            .retry
+            .run("get", || async {
+                self.store.get(&path).await?.bytes().await
+            })
+            .await;
+        match r {
+            Ok(b) => Ok(Some(b)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(Self::remote_err("get", key)(e)),
+        }
+    }
+
+    /// Create-only put: an existing object under a content-addressed key is
+    /// by definition identical, so AlreadyExists is success.
+    pub(crate) async fn put_if_absent(&self, key: &str, data: Bytes) -> Result<bool> {
+        let path = ObjPath::from(key);
+        let r = self
+            .opts
+            .retry
+            .run("put", || {
+                self.store.put_opts(
+                    &path,
+                    data.clone().into(),
+                    PutOptions::from(PutMode::Create),
+                )
+            })
+            .await;
+        match r {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+            Err(e) => Err(Self::remote_err("put", key)(e)),
+        }
+    }
+
+    pub(crate) async fn put_overwrite(&self, key: &str, data: Bytes) -> Result<()> {
+        let path = ObjPath::from(key);
+        self.opts
+            .retry
+            .run("put", || {
+                self.store.put_opts(
+                    &path,
+                    data.clone().into(),
+                    PutOptions::from(PutMode::Overwrite),
+                )
+            })
+            .await
+            .map(|_| ())
+            .map_err(Self::remote_err("put", key))
+    }
+
+    pub(crate) async fn delete(&self, key: &str) -> Result<()> {
+        let path = ObjPath::from(key);
+        match self
+            .opts
+            .retry
+            .run("delete", || self.store.delete(&path))
+            .await
+        {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(Self::remote_err("delete", key)(e)),
+        }
+    }
+
+    pub(crate) async fn list(&self, prefix: &str) -> Result<Vec<object_store::ObjectMeta>> {
+        let p = ObjPath::from(prefix);
+        self.opts
+            .retry
+            .run("list", || self.store.list(Some(&p)).try_collect::<Vec<_>>())
+            .await
+            .map_err(Self::remote_err("list", prefix))
+    }
+
+    pub async fn get_layer(&self, d: &Digest) -> Result<Layer> {
+        let key = layer_key(d);
+        let bytes = self
+            .get_bytes(&key)
+            .await?
+            .ok_or(StoreError::RemoteLayerMissing(*d))?;
+        if bytes.len() > MAX_MANIFEST_BYTES {
+            return Err(StoreError::CorruptLayer {
+                digest: *d,
+                reason: "manifest too large".into(),
+            });
+        }
+        Layer::decode_verified(*d, bytes.to_vec())
+    }
+
+    pub async fn has_layer(&self, d: &Digest) -> Result<bool> {
+        self.exists(&layer_key(d)).await
+    }
+
+    pub async fn get_tag(&self, tag: &str) -> Result<Digest> {
+        validate_tag(tag)?;
+        match self.get_bytes(&tag_key(tag)).await? {
+            Some(b) => parse_tag_value(tag, &b),
+            None => Err(StoreError::UnknownTag(tag.to_string())),
+        }
+    }
+
+    pub async fn set_tag(&self, tag: &str, head: &Digest) -> Result<()> {
+        validate_tag(tag)?;
+        self.put_overwrite(&tag_key(tag), Bytes::from(format!("{}\n", head.hex())))
+            .await
+    }
+
+    pub async fn list_tags(&self) -> Result<Vec<(String, Digest)>> {
+        let mut out = Vec::new();
+        for meta in self.list(TAGS_DIR).await? {
+            let Some(name) = meta.location.filename().map(str::to_owned) else {
+                continue;
+            };
+            if validate_tag(&name).is_ok() {
+                if let Ok(d) = self.get_tag(&name).await {
+                    out.push((name, d));
+                }
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Resolves a tag (remote first, then the cache's) or a digest.
+    pub async fn resolve(&self, cache: &LocalCache, tag_or_digest: &str) -> Result<Digest> {
+        if let Ok(d) = Digest::parse(tag_or_digest) {
+            return Ok(d);
+        }
+        match self.get_tag(tag_or_digest).await {
+            Err(StoreError::UnknownTag(_)) => cache.get_tag(tag_or_digest),
+            r => r,
+        }
+    }
+
+    /// Uploads the chain of `head` (and points `tag` at it when given).
+    pub async fn push(
+        &self,
+        cache: &LocalCache,
+        head: &Digest,
+        tag: Option<&str>,
+        progress: &dyn Progress,
+    ) -> Result<TransferSummary> {
+        if let Some(t) = tag {
+            validate_tag(t)?;
+        }
+        let chain = cache.chain(head)?;
+        let lease = PushLease::acquire(self).await?;
+        let result = self.push_chain(cache, &chain, progress).await;
+        let result = match (result, tag) {
+            (Ok(s), Some(t)) => self.set_tag(t, head).await.map(|()| s),
+            (r, _) => r,
+        };
+        lease.release(self).await;
+        result
+    }
+
+    async fn push_chain(
+        &self,
+        cache: &LocalCache,
+        chain: &[Layer],
+        progress: &dyn Progress,
+    ) -> Result<TransferSummary> {
+        // Layers already present remotely carry their whole chain (invariant).
+        let mut missing = Vec::new();
+        for layer in chain {
+            if self.has_layer(&layer.digest).await? {
+                break;
+            }
+            missing.push(layer);
+        }
+        missing.reverse(); // base first
+        let mut objects: Vec<&pb::ObjectRef> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for l in &missing {
+            for o in l.object_refs() {
+                if seen.insert(o.hash.clone()) {
+                    objects.push(o);
+                }
+            }
+        }
+        let counters = Counters::new("push", &objects);
+        let results: Vec<Result<()>> = futures::stream::iter(objects.iter().map(|o| {
+            let counters = &counters;
+            async move {
+                let d = Digest::from_bytes(&o.hash)?;
+                let key = object_key(&d);
+                // A HEAD is cheaper than uploading megabytes to learn it exists.
+                if self.exists(&key).await? {
+                    counters.skipped(progress);
+                    return Ok(());
+                }
+                let path = cache.object_path(&d);
+                let data = tokio::fs::read(&path)
+                    .await
+                    .map_err(StoreError::io("read object for push", &path))?;
+                let len = data.len() as u64;
+                if self.put_if_absent(&key, Bytes::from(data)).await? {
+                    counters.done(len, progress);
+                } else {
+                    counters.skipped(progress);
+                }
+                Ok(())
+            }
+        }))
+        .buffer_unordered(self.opts.concurrency.max(1))
+        .collect()
+        .await;
+        results.into_iter().collect::<Result<Vec<()>>>()?;
+        for l in &missing {
+            self.put_if_absent(&layer_key(&l.digest), Bytes::from(l.bytes.clone()))
+                .await?;
+        }
+        Ok(counters.summary(missing.len() as u64))
+    }
+
+    /// Downloads what the cache lacks of the chain named by a tag or digest;
+    /// every object is verified as it enters the cache. Returns the head.
+    pub async fn pull(
+        &self,
+        cache: &LocalCache,
+        tag_or_digest: &str,
+        progress: &dyn Progress,
+    ) -> Result<(Digest, TransferSummary)> {
+        let by_tag = Digest::parse(tag_or_digest).is_err();
+        let head = if by_tag {
+            self.get_tag(tag_or_digest).await?
+        } else {
+            Digest::parse(tag_or_digest)?
+        };
+        let summary = self.pull_head(cache, &head, progress).await?;
+        if by_tag {
+            cache.set_tag(tag_or_digest, &head)?;
+        }
+        Ok((head, summary))
+    }
+
+    pub async fn pull_head(
+        &self,
+        cache: &LocalCache,
+        head: &Digest,
+        progress: &dyn Progress,
+    ) -> Result<TransferSummary> {
+        let mut chain = Vec::new();
+        let mut fetched = Vec::new();
+        let mut next = Some(*head);
+        while let Some(d) = next {
+            let layer = if cache.has_layer(&d) {
+                cache.read_layer(&d)?
+            } else {
+                let l = self.get_layer(&d).await?;
+                fetched.push(l.digest);
+                l
+            };
+            if let Some(child) = chain.last() {
+                crate::cache::check_link(child, &layer)?;
+            }
+            next = layer.parent();
+            chain.push(layer);
+        }
+        let mut objects: Vec<&pb::ObjectRef> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for l in &chain {
+            for o in l.object_refs() {
+                if seen.insert(o.hash.clone()) {
+                    objects.push(o);
+                }
+            }
+        }
+        let counters = Counters::new("pull", &objects);
+        // Objects this pull added, removed again if the pull fails so a
+        // refused pull leaves the cache as it found it.
+        let added = std::sync::Mutex::new(Vec::new());
+        let results: Vec<Result<()>> = futures::stream::iter(objects.iter().map(|o| {
+            let counters = &counters;
+            let added = &added;
+            async move {
+                let d = Digest::from_bytes(&o.hash)?;
+                if cache.has_object(&d) {
+                    counters.skipped(progress);
+                    return Ok(());
+                }
+                let key = object_key(&d);
+                let data =
+                    self.get_bytes(&key)
+                        .await?
+                        .ok_or_else(|| StoreError::CorruptObject {
+                            digest: d,
+                            reason: "missing from the remote store".into(),
+                        })?;
+                if data.len() as u64 != o.stored_len {
+                    return Err(StoreError::CorruptObject {
+                        digest: d,
+                        reason: format!(
+                            "remote object is {} bytes, manifest says {}",
+                            data.len(),
+                            o.stored_len
+                        ),
+                    });
+                }
+                let len = data.len() as u64;
+                let cache = cache.clone();
+                tokio::task::spawn_blocking(move || cache.put_object_verified(&d, &data))
+                    .await
+                    .map_err(|e| StoreError::InvalidInput(format!("verify task failed: {e}")))??;
+                added.lock().expect("added list").push(d);
+                counters.done(len, progress);
+                Ok(())
+            }
+        }))
+        .buffer_unordered(self.opts.concurrency.max(1))
+        .collect()
+        .await;
+        if let Err(e) = results.into_iter().collect::<Result<Vec<()>>>() {
+            for d in added.lock().expect("added list").iter() {
+                let _ = std::fs::remove_file(cache.object_path(d));
+            }
+            return Err(e);
+        }
+        // Manifests last, base first: a cached manifest implies its objects.
+        for l in chain.iter().rev() {
+            cache.put_layer(l)?;
+        }
+        Ok(counters.summary(fetched.len() as u64))
+    }
+}
+
+struct Counters {
+    phase: &'static str,
+    total_objects: u64,
+    total_bytes: u64,
+    done_objects: AtomicU64,
+    done_bytes: AtomicU64,
+    skipped: AtomicU64,
+}
+
+impl Counters {
+    fn new(phase: &'static str, objects: &[&pb::ObjectRef]) -> Self {
+        Counters {
+            phase,
+            total_objects: objects.len() as u64,
+            total_bytes: objects.iter().map(|o| o.stored_len).sum(),
+            done_objects: AtomicU64::new(0),
+            done_bytes: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
+        }
+    }
+    fn event(&self) -> ProgressEvent {
+        ProgressEvent {
+            phase: self.phase,
+            done_objects: self.done_objects.load(Ordering::Relaxed),
+            total_objects: self.total_objects,
+            done_bytes: self.done_bytes.load(Ordering::Relaxed),
+            total_bytes: self.total_bytes,
+            skipped_objects: self.skipped.load(Ordering::Relaxed),
+        }
+    }
+    fn done(&self, bytes: u64, p: &dyn Progress) {
+        self.done_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.done_objects.fetch_add(1, Ordering::Relaxed);
+        p.update(&self.event());
+    }
+    fn skipped(&self, p: &dyn Progress) {
+        self.skipped.fetch_add(1, Ordering::Relaxed);
+        p.update(&self.event());
+    }
+    fn summary(&self, layers: u64) -> TransferSummary {
+        let e = self.event();
+        TransferSummary {
+            layers_transferred: layers,
+            objects_transferred: e.done_objects,
+            objects_skipped: e.skipped_objects,
+            bytes_transferred: e.done_bytes,
+        }
+    }
+}

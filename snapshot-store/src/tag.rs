@@ -1,0 +1,81 @@
+//! Tag names. Tags become object keys and file names, so they are validated
+//! strictly rather than escaped.
+
+use crate::digest::Digest;
+use crate::error::StoreError;
+
+pub const MAX_TAG_LEN: usize = 128;
+
+/// Accepts `[A-Za-z0-9][A-Za-z0-9._+-]*`, at most 128 bytes, not `..`-containing
+/// and not a digest (so `pull X` is never ambiguous).
+pub fn validate_tag(tag: &str) -> Result<(), StoreError> {
+    let bad = |reason| {
+        Err(StoreError::InvalidTag {
+            tag: tag.to_string(),
+            reason,
+        })
+    };
+    if tag.is_empty() {
+        return bad("empty");
+    }
+    if tag.len() > MAX_TAG_LEN {
+        return bad("longer than 128 bytes");
+    }
+    if tag.chars().any(|c| c.is_control()) {
+        return bad("contains a control character");
+    }
+    if tag.contains('/') || tag.contains('\\') {
+        return bad("contains a path separator");
+    }
+    if tag.contains("..") {
+        return bad("contains \"..\"");
+    }
+    if !tag.as_bytes()[0].is_ascii_alphanumeric() {
+        return bad("must start with a letter or digit");
+    }
+    if !tag
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'+'))
+    {
+        return bad("only letters, digits and . _ - + are allowed");
+    }
+    if Digest::looks_like_digest(tag) {
+        return bad("looks like a digest");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_reasonable_tags() {
+        for t in ["python", "py3.12+pandas", "repo-checkout_v2", "A1"] {
+            validate_tag(t).unwrap();
+        }
+    }
+
+    #[test]
+    fn rejects_hostile_tags() {
+        let long = "a".repeat(129);
+        for t in [
+            "",
+            "a/b",
+            "..",
+            "a..b",
+            "-x",
+            ".hidden",
+            "a\nb",
+            "a\0b",
+            "a b",
+            long.as_str(),
+            "x\\y",
+        ] {
+            let err = validate_tag(t).unwrap_err();
+            assert!(err.to_string().contains("invalid tag"), "{t:?}: {err}");
+        }
+        let digest = Digest::of(b"x").hex();
+        assert!(validate_tag(&digest).is_err());
+    }
+}

@@ -1,0 +1,161 @@
+//! Shared helpers: deterministic synthetic guest memory.
+#![allow(dead_code)]
+
+pub mod moto;
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+pub const PAGE: usize = 4096;
+
+/// splitmix64: a small deterministic generator, good enough for test data.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Page contents that compress somewhat (like real memory) but differ per seed.
+pub fn page_bytes(seed: u64) -> Vec<u8> {
+    let mut rng = Rng(seed);
+    let mut page = vec![0u8; PAGE];
+    page[..8].copy_from_slice(&seed.to_le_bytes());
+    for b in page[8..].iter_mut() {
+        *b = (rng.next() & 0x0f) as u8;
+    }
+    page
+}
+
+/// Creates a sparse memory file of `pages` pages.
+pub fn create_memory(path: &Path, pages: u64) -> File {
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    f.set_len(pages * PAGE as u64).unwrap();
+    f
+}
+
+pub fn write_page(f: &File, page: u64, bytes: &[u8]) {
+    f.write_all_at(bytes, page * PAGE as u64).unwrap();
+}
+
+/// Distinct random page numbers below `pages`.
+pub fn pick_pages(rng: &mut Rng, pages: u64, count: usize) -> Vec<u64> {
+    let mut set = std::collections::BTreeSet::new();
+    while set.len() < count {
+        set.insert(rng.below(pages));
+    }
+    set.into_iter().collect()
+}
+
+/// Byte-for-byte comparison that reports the first differing page.
+pub fn assert_same_file(a: &Path, b: &Path) {
+    let (fa, fb) = (File::open(a).unwrap(), File::open(b).unwrap());
+    let len = fa.metadata().unwrap().len();
+    assert_eq!(len, fb.metadata().unwrap().len(), "sizes differ");
+    let mut ba = vec![0u8; 1 << 20];
+    let mut bb = vec![0u8; 1 << 20];
+    let mut off = 0u64;
+    while off < len {
+        let n = ((len - off) as usize).min(ba.len());
+        fa.read_exact_at(&mut ba[..n], off).unwrap();
+        fb.read_exact_at(&mut bb[..n], off).unwrap();
+        if ba[..n] != bb[..n] {
+            let i = ba[..n]
+                .iter()
+                .zip(&bb[..n])
+                .position(|(x, y)| x != y)
+                .unwrap();
+            panic!(
+                "files differ at byte {} (page {})",
+                off + i as u64,
+                (off + i as u64) / PAGE as u64
+            );
+        }
+        off += n as u64;
+    }
+}
+
+/// A three-layer chain over a `pages`-page memory: base with `base_pages`
+/// non-zero pages, then two diffs of `diff_pages` dirty pages each (a tenth
+/// of which become zero). Returns (heads base-first, final memory path).
+pub struct Chain {
+    pub heads: Vec<tine_snapshot_store::Digest>,
+    pub memories: Vec<std::path::PathBuf>,
+}
+
+pub fn build_chain(
+    cache: &tine_snapshot_store::cache::LocalCache,
+    dir: &Path,
+    pages: u64,
+    base_pages: usize,
+    diff_pages: usize,
+) -> Chain {
+    use tine_snapshot_store::builder::{
+        build_base, build_diff, BuildOptions, DirtyPages, LayerInput,
+    };
+    let mut rng = Rng(42);
+    let opts = BuildOptions::default();
+    let mem0 = dir.join("mem0");
+    let f = create_memory(&mem0, pages);
+    for p in pick_pages(&mut rng, pages, base_pages) {
+        write_page(&f, p, &page_bytes(p));
+    }
+    drop(f);
+    let input = LayerInput {
+        memory: &mem0,
+        page_size: PAGE as u32,
+        state: b"state-0",
+    };
+    let base = build_base(cache, &input, &opts).unwrap();
+    let mut heads = vec![base.digest];
+    let mut memories = vec![mem0.clone()];
+    for layer in 1..=2u64 {
+        let prev = memories.last().unwrap().clone();
+        let next = dir.join(format!("mem{layer}"));
+        std::fs::copy(&prev, &next).unwrap();
+        let f = OpenOptions::new().write(true).open(&next).unwrap();
+        let dirty = pick_pages(&mut rng, pages, diff_pages);
+        for (i, &p) in dirty.iter().enumerate() {
+            if i % 10 == 0 {
+                write_page(&f, p, &vec![0u8; PAGE]);
+            } else {
+                write_page(&f, p, &page_bytes(p ^ (layer << 40)));
+            }
+        }
+        drop(f);
+        let state = format!("state-{layer}");
+        let input = LayerInput {
+            memory: &next,
+            page_size: PAGE as u32,
+            state: state.as_bytes(),
+        };
+        let parent = *heads.last().unwrap();
+        let l = if layer == 1 {
+            build_diff(cache, &parent, &input, DirtyPages::List(&dirty), &opts).unwrap()
+        } else {
+            let mut bitmap = vec![0u64; pages.div_ceil(64) as usize];
+            for p in &dirty {
+                bitmap[(p / 64) as usize] |= 1 << (p % 64);
+            }
+            build_diff(cache, &parent, &input, DirtyPages::Bitmap(&bitmap), &opts).unwrap()
+        };
+        heads.push(l.digest);
+        memories.push(next);
+    }
+    Chain { heads, memories }
+}
