@@ -15,6 +15,9 @@ pub enum BenchCommand {
     /// Cold boot: time from starting the VMM process to the guest's boot marker on the serial
     /// console, and to the VMM's exit after the guest powers off.
     Boot(BootBench),
+    /// Fork: spawn-to-ready of N children from a warm snapshot beside a cold boot of the same
+    /// image to ready, memory per idle child, and the host's bare KVM VM-creation floor.
+    Fork(ForkBench),
     /// Guest agent: ping, exec round trip and warm eval latency beside a cold interpreter.
     Agent(tine_agent::bench::BenchArgs),
 }
@@ -42,6 +45,7 @@ pub struct BootBench {
 pub fn run(c: BenchCommand) -> Result<i32> {
     match c {
         BenchCommand::Boot(b) => boot(b),
+        BenchCommand::Fork(f) => fork_bench(f),
         BenchCommand::Agent(a) => tine_agent::bench::run(&a).map(|()| 0),
     }
 }
@@ -160,6 +164,184 @@ fn boot(b: BootBench) -> Result<i32> {
         b.vcpus,
         b.mem_mib,
         json.join(",")
+    );
+    println!("json: {doc}");
+    if let Some(p) = b.json {
+        std::fs::write(&p, &doc).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(0)
+}
+
+#[derive(clap::Args)]
+pub struct ForkBench {
+    /// Snapshot tag to fork from (made with `tine snapshot`).
+    #[arg(long)]
+    tag: String,
+    /// The image the snapshot was made from, for the cold-boot comparison.
+    #[arg(long)]
+    image: String,
+    /// Fan-out sizes to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,10,100")]
+    counts: Vec<usize>,
+    /// Cold boots to time.
+    #[arg(long, default_value_t = 3)]
+    cold_runs: usize,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn pct(sorted: &[f64], q: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Proportional set size of a process in KiB (its share of every page it maps).
+fn pss_kib(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    s.lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// Cold boot of the image to agent-ready, in a separate `tine run` process.
+fn cold_boot(image: &str) -> Result<Duration> {
+    let exe = std::env::current_exe()?;
+    let dir = crate::vms::vms_dir()?.join(crate::vms::new_id("cold"));
+    std::fs::create_dir_all(&dir)?;
+    let sock = dir.join("vsock.sock");
+    let start = Instant::now();
+    let mut child = Command::new(exe)
+        .args(["run", "--quiet", "--image", image, "--console"])
+        .arg(dir.join("console.log"))
+        .arg("--vsock")
+        .arg(&sock)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let client = tine_agent::client::AgentClient::new(tine_agent::client::Connector::Vsock {
+        uds: sock,
+        port: tine_agent::client::AGENT_PORT,
+    });
+    let r = client.wait_ready_polling(
+        Duration::from_secs(900),
+        Duration::from_millis(1),
+        Duration::from_millis(1),
+    );
+    let took = start.elapsed();
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    r.context("cold boot never became ready")?;
+    Ok(took)
+}
+
+/// Bare KVM floor: create a VM with irqchip, PIT, one vCPU and a memory slot, then drop it.
+fn kvm_floor_ms(runs: usize) -> Result<Vec<f64>> {
+    let mut v = Vec::new();
+    for _ in 0..runs {
+        let t = Instant::now();
+        let vm = tine_vmm::Vm::create(
+            1,
+            tine_vmm::GuestRam::new_memfd(64)?,
+            Box::new(std::io::sink()),
+        )?;
+        v.push(t.elapsed().as_secs_f64() * 1e3);
+        drop(vm);
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Ok(v)
+}
+
+fn fork_bench(b: ForkBench) -> Result<i32> {
+    if b.counts.is_empty() || b.cold_runs == 0 {
+        bail!("--counts and --cold-runs must not be empty/zero");
+    }
+    println!("fork benchmark: snapshot {:?}, image {:?}", b.tag, b.image);
+    println!("how: each child = one `tine vmm-child` process restoring the snapshot (guest RAM mapped MAP_PRIVATE);");
+    println!("     ready = its guest agent answered a ping over vsock and took the host's clock and fresh entropy;");
+    println!("     per-child time runs from just before spawning its process; cold = `tine run --image` to agent ready;");
+    println!(
+        "     memory = PSS of the child VMM processes after all are ready and idle, divided by N."
+    );
+    let mut cold: Vec<f64> = Vec::new();
+    for i in 0..b.cold_runs {
+        let d = cold_boot(&b.image)?;
+        eprintln!(
+            "  cold boot {}/{}: {:.1} ms",
+            i + 1,
+            b.cold_runs,
+            d.as_secs_f64() * 1e3
+        );
+        cold.push(d.as_secs_f64() * 1e3);
+    }
+    cold.sort_by(|a, b| a.total_cmp(b));
+    let cold_p50 = pct(&cold, 0.5);
+    let floor = kvm_floor_ms(20)?;
+    println!(
+        "\ncold boot to ready: p50 {cold_p50:.1} ms (min {:.1}, max {:.1}, n={})",
+        cold[0],
+        cold[cold.len() - 1],
+        cold.len()
+    );
+    println!("KVM VM-creation floor (VM + irqchip + PIT + 1 vCPU + memory slot, in-process): p50 {:.3} ms", pct(&floor, 0.5));
+    println!(
+        "\n{:>6} {:>12} {:>10} {:>10} {:>10} {:>12} {:>12} {:>10}",
+        "N", "total ms", "p50 ms", "p90 ms", "max ms", "vs cold p50", "MiB/child", "failed"
+    );
+    let mut rows = Vec::new();
+    for &n in &b.counts {
+        let t0 = Instant::now();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tag = b.tag.clone();
+        let worker = std::thread::spawn(move || {
+            crate::fork::fork_children(&tag, n, Duration::from_secs(600), tx)
+        });
+        let reports: Vec<crate::fork::ChildReport> = rx.into_iter().collect();
+        worker
+            .join()
+            .map_err(|_| anyhow::anyhow!("fork worker panicked"))??;
+        let total = t0.elapsed().as_secs_f64() * 1e3;
+        let mut ready: Vec<f64> = reports
+            .iter()
+            .filter_map(|r| r.ready.as_ref().ok())
+            .map(|d| d.as_secs_f64() * 1e3)
+            .collect();
+        ready.sort_by(|a, b| a.total_cmp(b));
+        let failed = reports.len() - ready.len();
+        for r in reports.iter().filter(|r| r.ready.is_err()) {
+            eprintln!("  child {} failed: {}", r.id, r.ready.as_ref().unwrap_err());
+        }
+        std::thread::sleep(Duration::from_millis(500)); // let children go idle
+        let pss: u64 = reports.iter().filter_map(|r| pss_kib(r.pid)).sum();
+        let mib_per_child = pss as f64 / 1024.0 / n as f64;
+        for (dir, m) in crate::vms::list()? {
+            if reports.iter().any(|r| r.id == m.id) {
+                let _ = crate::vms::kill(&dir, &m);
+            }
+        }
+        if ready.is_empty() {
+            println!(
+                "{n:>6} {total:>12.1} {:>10} {:>10} {:>10} {:>12} {:>12} {failed:>10}",
+                "-", "-", "-", "-", "-"
+            );
+            continue;
+        }
+        let (p50, p90, max) = (pct(&ready, 0.5), pct(&ready, 0.9), ready[ready.len() - 1]);
+        // Spawning N from a snapshot vs cold-booting N (one at a time, as measured).
+        let ratio = (cold_p50 * n as f64) / total;
+        println!("{n:>6} {total:>12.1} {p50:>10.1} {p90:>10.1} {max:>10.1} {ratio:>11.1}x {mib_per_child:>12.2} {failed:>10}");
+        rows.push(format!(
+            "{{\"n\":{n},\"total_ms\":{total:.3},\"p50_ms\":{p50:.3},\"p90_ms\":{p90:.3},\"max_ms\":{max:.3},\"ratio_vs_cold\":{ratio:.2},\"mib_per_child\":{mib_per_child:.3},\"failed\":{failed}}}"
+        ));
+    }
+    println!("\n`vs cold p50` = N x (cold boot p50) / (wall time to get all N children ready).");
+    let doc = format!(
+        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"rows\":[{}]}}",
+        b.tag,
+        pct(&floor, 0.5),
+        rows.join(",")
     );
     println!("json: {doc}");
     if let Some(p) = b.json {

@@ -3,8 +3,10 @@
 mod bench;
 mod defaults;
 mod doctor;
+mod fork;
 mod restore;
 mod run;
+mod vms;
 
 use std::process::ExitCode;
 
@@ -31,6 +33,17 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Boot a VM from a kernel and initramfs and stream its serial console.
     Run(run::RunArgs),
+    /// Boot an image, wait for its agent to be ready (warm), and snapshot it under a tag.
+    Snapshot(fork::SnapshotArgs),
+    /// Fork N children from a snapshot; prints each child as it becomes ready.
+    Fork(fork::ForkArgs),
+    /// List running VMs.
+    Ls(fork::LsArgs),
+    /// Kill VMs.
+    Kill(fork::KillArgs),
+    /// The process behind one forked child (used by `tine fork`).
+    #[command(hide = true)]
+    VmmChild(fork::ChildArgs),
     /// Resume a VM from a snapshot directory.
     Restore(restore::RestoreArgs),
     /// Guest kernels and images: fetch Debian kernels, build initramfs images.
@@ -60,6 +73,11 @@ fn main() -> ExitCode {
         Command::Doctor(a) => doctor::run(a),
         Command::Run(a) => run::run(a),
         Command::Restore(a) => restore::run(a),
+        Command::Snapshot(a) => fork::snapshot(a),
+        Command::Fork(a) => fork::fork(a),
+        Command::Ls(a) => fork::ls(a),
+        Command::Kill(a) => fork::kill(a),
+        Command::VmmChild(a) => fork::vmm_child(a),
         Command::Image(c) => tine_image::cli::run(c).map(|()| 0),
         Command::Lab(a) => tine_lab::cli::run(a),
         Command::Bench(c) => bench::run(c),

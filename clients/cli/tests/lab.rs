@@ -25,7 +25,8 @@ fn where_linux_boots(argv: &[&str]) -> (i32, String) {
         c
     } else {
         let mut c = Command::new(TINE);
-        c.args(["lab", "--"]).args(argv);
+        // Room for a hundred forked children next to their snapshot in L1's tmpfs.
+        c.args(["lab", "--mem-mib", "8192", "--"]).args(argv);
         c
     };
     let out = cmd.output().expect("running tine");
@@ -111,13 +112,19 @@ fn build_image(recipe: &str) {
 
 /// Run a scenario script and check every `CHECK` line it prints.
 fn scenario(script: &str, image: &str, expected: &[&str]) -> String {
+    scenario_args(script, image, &[], expected)
+}
+
+fn scenario_args(script: &str, image: &str, extra: &[&str], expected: &[&str]) -> String {
     let path = format!("{}/tests/lab/{script}", env!("CARGO_MANIFEST_DIR"));
     let work = format!(
         "/tmp/tine-{}-{}",
         script.trim_end_matches(".sh"),
         std::process::id()
     );
-    let (code, out) = where_linux_boots(&["sh", &path, TINE, image, &work]);
+    let mut argv = vec!["sh", path.as_str(), TINE, image, work.as_str()];
+    argv.extend_from_slice(extra);
+    let (code, out) = where_linux_boots(&argv);
     let checks: Vec<&str> = out.lines().filter(|l| l.starts_with("CHECK ")).collect();
     for name in expected {
         let line = checks
@@ -173,6 +180,33 @@ fn warm_numpy_eval_in_the_python_image() {
         .lines()
         .filter(|l| l.contains("ms") || l.contains("faster"))
     {
+        println!("{l}");
+    }
+}
+
+#[test]
+#[ignore = "boots Linux: needs VMX/SVM or the nested lab; builds a Debian root filesystem (slow)"]
+fn snapshot_a_warm_parent_and_fork_children() {
+    build_image("python-numpy");
+    let out = scenario_args(
+        "fork.sh",
+        "python-numpy",
+        &["100"],
+        &[
+            "snapshot",
+            "fork-10",
+            "parent-state-in-every-child",
+            "divergence",
+            "sleep-1s",
+            "wall-clock",
+            "urandom-differs",
+            "python-random-differs",
+            "new-child-clean",
+            "fork-100",
+            "bench",
+        ],
+    );
+    for l in out.lines().filter(|l| !l.starts_with("CHECK")) {
         println!("{l}");
     }
 }

@@ -264,8 +264,23 @@ impl AgentClient {
     /// retried (the guest may still be booting); a failed warm-up is
     /// returned immediately.
     pub fn wait_ready(&self, timeout: Duration) -> Result<PingInfo> {
+        self.wait_ready_polling(
+            timeout,
+            Duration::from_millis(5),
+            Duration::from_millis(100),
+        )
+    }
+
+    /// Like [`Self::wait_ready`], polling every `first` at first and backing off to `max`.
+    /// Fork readiness uses a fixed 1 ms period so the measured time is not the backoff's.
+    pub fn wait_ready_polling(
+        &self,
+        timeout: Duration,
+        first: Duration,
+        max: Duration,
+    ) -> Result<PingInfo> {
         let start = Instant::now();
-        let mut backoff = Duration::from_millis(5);
+        let mut backoff = first;
         let mut last: Option<Result<PingInfo>> = None;
         loop {
             let left = timeout.saturating_sub(start.elapsed());
@@ -286,7 +301,7 @@ impl AgentClient {
                 Err(e) => last = Some(Err(e)),
             }
             std::thread::sleep(backoff.min(timeout.saturating_sub(start.elapsed())));
-            backoff = (backoff * 2).min(Duration::from_millis(100));
+            backoff = (backoff * 2).min(max);
         }
         let detail = match last {
             Some(Ok(p)) => format!("still running warm-up `{}`", p.warmup_command),

@@ -5,7 +5,7 @@
 use std::io::Write;
 use std::os::unix::thread::JoinHandleExt;
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -280,7 +280,7 @@ impl Vm {
     /// Start every vCPU on its own thread.
     pub fn start(self) -> Result<RunningVm> {
         install_kick_handler()?;
-        let msrs = Arc::new(msr_list(&self.kvm, &self.vcpus[0])?);
+        let msrs = Arc::new(snapshot::vcpu::msr_candidates(&self.kvm)?);
         let pio = Arc::new(self.pio);
         let mmio = Arc::new(self.mmio);
         let control = VcpuControl::new(self.vcpus.len());
@@ -321,16 +321,6 @@ impl Vm {
     pub fn run(self) -> Result<GuestExit> {
         self.start()?.wait()
     }
-}
-
-/// The MSR list is a property of the host: probe it once per process.
-fn msr_list(kvm: &Kvm, probe: &VcpuFd) -> Result<Vec<u32>> {
-    static LIST: OnceLock<Vec<u32>> = OnceLock::new();
-    if let Some(l) = LIST.get() {
-        return Ok(l.clone());
-    }
-    let l = snapshot::vcpu::msr_list(kvm, probe)?;
-    Ok(LIST.get_or_init(|| l).clone())
 }
 
 /// A VM whose vCPUs are running (or paused).

@@ -178,8 +178,8 @@ pub struct LoadedSnapshot {
     pub memory: File,
 }
 
-/// Read and check everything before a single KVM call is made.
-pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
+/// Read the header and check it against this host (format version, CPU model, kernel).
+pub fn load_header(dir: &Path) -> Result<SnapshotHeader> {
     let raw = fs::read(dir.join(HEADER_FILE))
         .map_err(|e| snap_err(dir, format!("no readable {HEADER_FILE}: {e}")))?;
     let header: SnapshotHeader = serde_json::from_slice(&raw)
@@ -196,6 +196,12 @@ pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
     if let Some(why) = header.host.incompatibility(&HostIdentity::current()) {
         return Err(snap_err(dir, why));
     }
+    Ok(header)
+}
+
+/// Read and check everything before a single KVM call is made.
+pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
+    let header = load_header(dir)?;
     let body = fs::read(dir.join(STATE_FILE))
         .map_err(|e| snap_err(dir, format!("no readable {STATE_FILE}: {e}")))?;
     if body.len() as u64 != header.state_len {

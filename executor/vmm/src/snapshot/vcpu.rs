@@ -54,35 +54,41 @@ fn wanted(msr: u32) -> bool {
     )
 }
 
-/// The MSRs to save on this host: KVM's index list, filtered, minus any this vCPU refuses to
-/// read (probed once, so a snapshot never silently skips one).
-pub fn msr_list(kvm: &Kvm, probe: &VcpuFd) -> Result<Vec<u32>> {
+/// Candidate MSRs to save on this host: KVM's index list, filtered. One ioctl, so starting a
+/// VM stays cheap; MSRs a vCPU refuses to read are dropped when saving (see [`save`]).
+pub fn msr_candidates(kvm: &Kvm) -> Result<Vec<u32>> {
     let all = kvm
         .get_msr_index_list()
         .map_err(Error::kvm("KVM_GET_MSR_INDEX_LIST"))?;
-    let mut list: Vec<u32> = all
+    Ok(all
         .as_slice()
         .iter()
         .copied()
         .filter(|m| wanted(*m))
-        .collect();
+        .collect())
+}
+
+/// Read `list`, dropping (once, with a debug note) any MSR KVM stops at: the index list can
+/// name MSRs this vCPU model does not implement. What KVM does return is never skipped.
+fn read_msrs(fd: &VcpuFd, index: usize, list: &[u32]) -> Result<Vec<kvm_msr_entry>> {
+    let mut list = list.to_vec();
     loop {
         let entries: Vec<kvm_msr_entry> = list
             .iter()
-            .map(|&index| kvm_msr_entry {
-                index,
+            .map(|&i| kvm_msr_entry {
+                index: i,
                 ..Default::default()
             })
             .collect();
         let mut msrs =
-            Msrs::from_entries(&entries).map_err(|e| err(0, "MSR list", format!("{e:?}")))?;
-        let n = probe
+            Msrs::from_entries(&entries).map_err(|e| err(index, "MSR list", format!("{e:?}")))?;
+        let n = fd
             .get_msrs(&mut msrs)
-            .map_err(|e| err(0, "KVM_GET_MSRS", e))?;
+            .map_err(|e| err(index, "KVM_GET_MSRS", e))?;
         if n == list.len() {
-            return Ok(list);
+            return Ok(msrs.as_slice().to_vec());
         }
-        tracing::debug!(msr = list[n], "MSR not readable on this host; not saved");
+        tracing::debug!(msr = list[n], "MSR not readable on this vCPU; not saved");
         list.remove(n);
     }
 }
@@ -109,29 +115,7 @@ pub fn save(fd: &VcpuFd, index: usize, msr_list: &[u32]) -> Result<VcpuState> {
         .filter(|e| **e != kvm_cpuid_entry2::default())
         .copied()
         .collect();
-    let entries: Vec<kvm_msr_entry> = msr_list
-        .iter()
-        .map(|&i| kvm_msr_entry {
-            index: i,
-            ..Default::default()
-        })
-        .collect();
-    let mut msrs =
-        Msrs::from_entries(&entries).map_err(|e| err(index, "MSR list", format!("{e:?}")))?;
-    let n = fd
-        .get_msrs(&mut msrs)
-        .map_err(|e| err(index, "KVM_GET_MSRS", e))?;
-    if n != entries.len() {
-        return Err(err(
-            index,
-            "KVM_GET_MSRS",
-            format!(
-                "read {n} of {} MSRs (stopped at {:#x})",
-                entries.len(),
-                entries[n].index
-            ),
-        ));
-    }
+    let msrs = read_msrs(fd, index, msr_list)?;
     let vcpu_events = fd
         .get_vcpu_events()
         .map_err(|e| err(index, "KVM_GET_VCPU_EVENTS", e))?;
@@ -145,7 +129,7 @@ pub fn save(fd: &VcpuFd, index: usize, msr_list: &[u32]) -> Result<VcpuState> {
         debugregs,
         lapic,
         tsc_khz,
-        msrs: msrs.as_slice().to_vec(),
+        msrs,
         vcpu_events,
     })
 }

@@ -1,0 +1,390 @@
+//! `tine snapshot`, `tine fork`, `tine ls`, `tine kill`: warm a parent once, then fork children
+//! from its snapshot. Each child is its own VMM process restoring the snapshot with its guest
+//! RAM mapped copy-on-write; "spawned" means its guest agent answered a ping.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{bail, Context, Result};
+use tine_agent::client::{AgentClient, Connector, AGENT_PORT};
+use tine_vmm::host::KvmFlavor;
+use tine_vmm::vm::RestoreOptions;
+use tine_vmm::{GuestRam, LinuxBoot, Vm, DEFAULT_CMDLINE};
+
+use crate::run::open_console;
+use crate::vms::{self, VmMeta};
+
+/// Most children one `tine fork` may ask for.
+pub const MAX_CHILDREN: usize = 1000;
+
+fn refuse_pvm(allow: bool) -> Result<()> {
+    if KvmFlavor::detect() == KvmFlavor::Pvm && !allow {
+        bail!("this host's /dev/kvm is PVM: Linux guests cannot run here; use `tine lab -- tine ...` (or --allow-pvm)");
+    }
+    Ok(())
+}
+
+fn agent(sock: &Path) -> AgentClient {
+    AgentClient::new(Connector::Vsock {
+        uds: sock.to_path_buf(),
+        port: AGENT_PORT,
+    })
+}
+
+#[derive(clap::Args)]
+pub struct SnapshotArgs {
+    /// Guest image to boot (name, id or directory from `tine image build`).
+    #[arg(long)]
+    image: String,
+    /// Name for the snapshot (letters, digits, `.`, `_`, `-`).
+    #[arg(long)]
+    tag: String,
+    #[arg(long, default_value_t = 1)]
+    vcpus: u8,
+    /// Guest memory (default: the image's recommendation).
+    #[arg(long)]
+    mem_mib: Option<u64>,
+    /// Python to run in the warm interpreter before the snapshot (repeatable), e.g. `x = 42`.
+    #[arg(long = "eval", value_name = "CODE")]
+    evals: Vec<String>,
+    /// Replace an existing snapshot with this tag.
+    #[arg(long)]
+    force: bool,
+    /// How long to wait for the agent's warm-up.
+    #[arg(long, default_value_t = 900)]
+    ready_timeout_secs: u64,
+    #[arg(long)]
+    allow_pvm: bool,
+}
+
+pub fn snapshot(a: SnapshotArgs) -> Result<i32> {
+    refuse_pvm(a.allow_pvm)?;
+    let dir = vms::snapshot_dir(&a.tag)?;
+    if dir.exists() {
+        if !a.force {
+            bail!(
+                "snapshot {} already exists at {} (use --force to replace it)",
+                a.tag,
+                dir.display()
+            );
+        }
+        std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    }
+    let image = tine_image::load_image(&a.image).context("loading the image")?;
+    let work = vms::vms_dir()?.join(vms::new_id(&format!("parent-{}", a.tag)));
+    std::fs::create_dir_all(&work)?;
+    let sock = work.join("vsock.sock");
+    let t0 = Instant::now();
+    let mem = a.mem_mib.unwrap_or(image.memory_mib as u64);
+    let mut vm = Vm::create(
+        a.vcpus,
+        GuestRam::new_memfd(mem)?,
+        open_console(Some(&work.join("console.log")))?,
+    )?;
+    vm.add_vsock(3, &sock)?;
+    let cmdline = if image.cmdline_append.is_empty() {
+        DEFAULT_CMDLINE.to_string()
+    } else {
+        format!("{DEFAULT_CMDLINE} {}", image.cmdline_append)
+    };
+    vm.load_linux(&LinuxBoot {
+        kernel: image.kernel_path(),
+        initrd: Some(image.initrd_path()),
+        cmdline,
+    })?;
+    let running = vm.start()?;
+    let client = agent(&sock);
+    let result = (|| -> Result<()> {
+        client
+            .wait_ready(Duration::from_secs(a.ready_timeout_secs))
+            .with_context(|| {
+                format!(
+                    "parent never became ready (console: {})",
+                    work.join("console.log").display()
+                )
+            })?;
+        let ready = t0.elapsed();
+        for code in &a.evals {
+            let r = client.eval(code)?;
+            if let Some(err) = r.error {
+                bail!("--eval {code:?} raised:\n{err}");
+            }
+        }
+        let t1 = Instant::now();
+        let header = running.snapshot(&dir)?;
+        eprintln!(
+            "[tine] snapshot {}: {} vCPU, {} MiB; parent ready after {:.2} s, snapshot written in {:.1} ms -> {}",
+            a.tag,
+            header.vcpus,
+            header.mem_size >> 20,
+            ready.as_secs_f64(),
+            t1.elapsed().as_secs_f64() * 1000.0,
+            dir.display()
+        );
+        Ok(())
+    })();
+    running.stop();
+    let _ = std::fs::remove_dir_all(&work);
+    result.map(|()| 0)
+}
+
+/// Hidden: the process behind one child VM.
+#[derive(clap::Args)]
+pub struct ChildArgs {
+    #[arg(long)]
+    snapshot: PathBuf,
+    #[arg(long)]
+    dir: PathBuf,
+}
+
+pub fn vmm_child(a: ChildArgs) -> Result<i32> {
+    let vm = Vm::restore(
+        &a.snapshot,
+        RestoreOptions {
+            console: open_console(Some(&a.dir.join("console.log")))?,
+            vsock_uds: Some(a.dir.join("vsock.sock")),
+        },
+    )?;
+    let exit = vm.start()?.wait()?;
+    Ok(exit.exit_code())
+}
+
+/// One child as `tine fork` saw it.
+#[derive(Clone, Debug)]
+pub struct ChildReport {
+    pub id: String,
+    pub pid: u32,
+    /// From just before spawning its process to its agent answering (and clock/RNG fixed).
+    pub ready: Result<Duration, String>,
+}
+
+fn spawn_child(snapshot: &Path, tag: &str) -> Result<(PathBuf, VmMeta)> {
+    let id = vms::new_id(tag);
+    let dir = vms::vms_dir()?.join(&id);
+    std::fs::create_dir_all(&dir)?;
+    let log = std::fs::File::create(dir.join("vmm.log"))?;
+    let exe = std::env::current_exe()?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("vmm-child")
+        .arg("--snapshot")
+        .arg(snapshot)
+        .arg("--dir")
+        .arg(&dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
+    // SAFETY: setsid is async-signal-safe; the child outlives this command in its own session.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().context("starting a child VMM")?;
+    let meta = VmMeta {
+        id,
+        pid: child.id(),
+        tag: Some(tag.to_string()),
+        created_unix_ms: vms::now_ms(),
+    };
+    vms::write_meta(&dir, &meta)?;
+    // The process is detached: `tine kill` ends it; the zombie is reaped when we exit.
+    std::mem::forget(child);
+    Ok((dir, meta))
+}
+
+/// Wait for a child's agent, then fix what a clone must not share: wall clock and RNG.
+fn make_ready(dir: &Path, pid: u32, timeout: Duration) -> Result<(), String> {
+    let client = agent(&dir.join("vsock.sock")).with_io_timeout(Some(Duration::from_secs(10)));
+    let deadline = Instant::now() + timeout;
+    loop {
+        match client.wait_ready_polling(
+            Duration::from_millis(200),
+            Duration::from_millis(1),
+            Duration::from_millis(1),
+        ) {
+            Ok(_) => break,
+            Err(e) => {
+                if !vms::alive(pid) {
+                    let log = std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
+                    return Err(format!("child VMM exited: {}", log.trim()));
+                }
+                if Instant::now() > deadline {
+                    return Err(format!("not ready after {timeout:?}: {e}"));
+                }
+            }
+        }
+    }
+    client
+        .set_time(SystemTime::now())
+        .map_err(|e| format!("set_time: {e}"))?;
+    let mut seed = [0u8; 64];
+    getrandom::fill(&mut seed).map_err(|e| format!("getrandom: {e}"))?;
+    client.reseed(&seed).map_err(|e| format!("reseed: {e}"))?;
+    Ok(())
+}
+
+/// Fork `n` children from the snapshot `tag`; reports arrive on `tx` as each becomes ready.
+pub fn fork_children(
+    tag: &str,
+    n: usize,
+    timeout: Duration,
+    tx: mpsc::Sender<ChildReport>,
+) -> Result<()> {
+    if n == 0 || n > MAX_CHILDREN {
+        bail!("-n {n}: ask for 1..={MAX_CHILDREN} children");
+    }
+    let snap = vms::snapshot_dir(tag)?;
+    // Validate once here so a bad snapshot fails the call, not N children.
+    tine_vmm::snapshot::file::load_header(&snap)?;
+    std::thread::scope(|s| -> Result<()> {
+        for _ in 0..n {
+            let (dir, meta) = spawn_child(&snap, tag)?;
+            let started = Instant::now();
+            let tx = tx.clone();
+            s.spawn(move || {
+                let ready = make_ready(&dir, meta.pid, timeout).map(|()| started.elapsed());
+                let _ = tx.send(ChildReport {
+                    id: meta.id,
+                    pid: meta.pid,
+                    ready,
+                });
+            });
+        }
+        Ok(())
+    })
+}
+
+#[derive(clap::Args)]
+pub struct ForkArgs {
+    /// Snapshot tag (from `tine snapshot`).
+    #[arg(long)]
+    tag: String,
+    /// Number of children.
+    #[arg(short = 'n', long, default_value_t = 1)]
+    count: usize,
+    #[arg(long, default_value_t = 300)]
+    ready_timeout_secs: u64,
+    /// Print one JSON object per child instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[arg(long)]
+    allow_pvm: bool,
+}
+
+pub fn fork(a: ForkArgs) -> Result<i32> {
+    refuse_pvm(a.allow_pvm)?;
+    let t0 = Instant::now();
+    let (tx, rx) = mpsc::channel();
+    let tag = a.tag.clone();
+    let n = a.count;
+    let timeout = Duration::from_secs(a.ready_timeout_secs);
+    let worker = std::thread::spawn(move || fork_children(&tag, n, timeout, tx));
+    let mut ok = Vec::new();
+    let mut failed = 0;
+    for r in rx {
+        match &r.ready {
+            Ok(d) => {
+                ok.push(*d);
+                if a.json {
+                    println!(
+                        "{{\"id\":{:?},\"pid\":{},\"ready_ms\":{:.3}}}",
+                        r.id,
+                        r.pid,
+                        d.as_secs_f64() * 1e3
+                    );
+                } else {
+                    println!(
+                        "{:<28} pid {:<8} ready in {:>9.2} ms",
+                        r.id,
+                        r.pid,
+                        d.as_secs_f64() * 1e3
+                    );
+                }
+            }
+            Err(e) => {
+                failed += 1;
+                if a.json {
+                    println!("{{\"id\":{:?},\"pid\":{},\"error\":{:?}}}", r.id, r.pid, e);
+                } else {
+                    println!("{:<28} pid {:<8} FAILED: {e}", r.id, r.pid);
+                }
+            }
+        }
+    }
+    worker
+        .join()
+        .map_err(|_| anyhow::anyhow!("fork worker panicked"))??;
+    let total = t0.elapsed();
+    ok.sort();
+    if !ok.is_empty() && !a.json {
+        let p = |q: f64| ok[((ok.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1e3;
+        println!(
+            "{} ready, {failed} failed in {:.1} ms (per child p50 {:.1} ms, p90 {:.1} ms, max {:.1} ms)",
+            ok.len(),
+            total.as_secs_f64() * 1e3,
+            p(0.5),
+            p(0.9),
+            p(1.0)
+        );
+    }
+    Ok(if failed > 0 { 1 } else { 0 })
+}
+
+#[derive(clap::Args)]
+pub struct LsArgs {}
+
+pub fn ls(_: LsArgs) -> Result<i32> {
+    let now = vms::now_ms();
+    let vms = vms::list()?;
+    println!(
+        "{:<28} {:<8} {:<8} {:<20} {:>8}",
+        "ID", "PID", "STATE", "SNAPSHOT", "AGE s"
+    );
+    for (_, m) in &vms {
+        println!(
+            "{:<28} {:<8} {:<8} {:<20} {:>8.1}",
+            m.id,
+            m.pid,
+            if vms::alive(m.pid) {
+                "running"
+            } else {
+                "exited"
+            },
+            m.tag.as_deref().unwrap_or("-"),
+            now.saturating_sub(m.created_unix_ms) as f64 / 1000.0
+        );
+    }
+    Ok(0)
+}
+
+#[derive(clap::Args)]
+pub struct KillArgs {
+    /// VM ids (see `tine ls`).
+    ids: Vec<String>,
+    /// Kill every VM.
+    #[arg(long, conflicts_with = "ids")]
+    all: bool,
+}
+
+pub fn kill(a: KillArgs) -> Result<i32> {
+    if !a.all && a.ids.is_empty() {
+        bail!("name VM ids to kill, or pass --all");
+    }
+    let targets = if a.all {
+        vms::list()?
+    } else {
+        a.ids
+            .iter()
+            .map(|id| vms::find(id))
+            .collect::<Result<Vec<_>>>()?
+    };
+    for (dir, m) in &targets {
+        vms::kill(dir, m)?;
+    }
+    eprintln!("[tine] killed {} VM(s)", targets.len());
+    Ok(0)
+}

@@ -1,0 +1,64 @@
+#!/bin/sh
+# Snapshot-and-fork scenario on the python-numpy image. Usage: fork.sh TINE IMAGE WORKDIR [N_BIG].
+set -u
+T=$1 IMG=$2 W=$3 BIG=${4:-100}
+mkdir -p "$W"
+export TINE_DATA_DIR=$W/data
+ok() { echo "CHECK $1 ok"; }
+fail() { echo "CHECK $1 FAIL $2"; }
+sock() { echo "$TINE_DATA_DIR/vms/$1/vsock.sock"; }
+
+if "$T" snapshot --image "$IMG" --tag warm --eval 'parent_value = 12345' 2>"$W/snap.err"; then ok snapshot
+else fail snapshot "$(tail -5 "$W/snap.err")"; fi
+cat "$W/snap.err"
+
+"$T" fork --tag warm -n 10 >"$W/fork10" 2>&1
+cat "$W/fork10"
+n=$(grep -c 'ready in' "$W/fork10")
+[ "$n" = 10 ] && ok fork-10 || fail fork-10 "$n of 10 ready"
+ids=$(grep 'ready in' "$W/fork10" | awk '{print $1}')
+c1=$(echo "$ids" | sed -n 1p) c2=$(echo "$ids" | sed -n 2p)
+
+good=0
+for id in $ids; do
+  v=$("$T" eval --socket "$(sock "$id")" 'parent_value' 2>&1)
+  w=$("$T" eval --socket "$(sock "$id")" "__import__('sys').modules.get('numpy') is not None and numpy.zeros(2).tolist() == [0.0, 0.0]" 2>&1)
+  [ "$v" = 12345 ] && [ "$w" = True ] && good=$((good + 1))
+done
+[ "$good" = 10 ] && ok parent-state-in-every-child || fail parent-state-in-every-child "$good of 10"
+
+"$T" exec --socket "$(sock "$c1")" -- sh -c 'echo mine > /tmp/only-in-child1' >/dev/null
+"$T" eval --socket "$(sock "$c1")" 'secret = 1' >/dev/null
+"$T" exec --socket "$(sock "$c2")" -- test -e /tmp/only-in-child1; f=$?
+s=$("$T" eval --socket "$(sock "$c2")" "'secret' in globals()")
+"$T" exec --socket "$(sock "$c1")" -- test -e /tmp/only-in-child1; f1=$?
+[ $f != 0 ] && [ $f1 = 0 ] && [ "$s" = False ] && ok divergence || fail divergence "file in child2: $f, secret in child2: $s"
+
+ms=$("$T" exec --socket "$(sock "$c1")" -- sh -c 'a=$(date +%s%N); sleep 1; b=$(date +%s%N); echo $(( (b - a) / 1000000 ))')
+[ "$ms" -ge 900 ] 2>/dev/null && [ "$ms" -le 3000 ] && ok sleep-1s || fail sleep-1s "sleep 1 took $ms ms"
+echo "sleep 1 in a child took $ms ms"
+
+g=$("$T" exec --socket "$(sock "$c1")" -- date +%s); h=$(date +%s)
+d=$((g - h)); [ ${d#-} -le 5 ] && ok wall-clock || fail wall-clock "guest $g host $h"
+
+r1=$("$T" exec --socket "$(sock "$c1")" -- sh -c 'head -c 16 /dev/urandom | od -An -tx1')
+r2=$("$T" exec --socket "$(sock "$c2")" -- sh -c 'head -c 16 /dev/urandom | od -An -tx1')
+[ -n "$r1" ] && [ "$r1" != "$r2" ] && ok urandom-differs || fail urandom-differs "$r1 / $r2"
+p1=$("$T" eval --socket "$(sock "$c1")" 'import random; random.random()')
+p2=$("$T" eval --socket "$(sock "$c2")" 'import random; random.random()')
+[ -n "$p1" ] && [ "$p1" != "$p2" ] && ok python-random-differs || fail python-random-differs "$p1 / $p2"
+
+"$T" fork --tag warm -n 1 >"$W/fork1" 2>&1
+c3=$(grep 'ready in' "$W/fork1" | awk '{print $1}')
+[ -n "$c3" ] && [ "$("$T" eval --socket "$(sock "$c3")" "'secret' in globals()")" = False ] &&
+  ! "$T" exec --socket "$(sock "$c3")" -- test -e /tmp/only-in-child1 && ok new-child-clean || fail new-child-clean "$c3"
+"$T" kill --all
+
+"$T" fork --tag warm -n "$BIG" >"$W/forkbig" 2>&1
+tail -1 "$W/forkbig"
+n=$(grep -c 'ready in' "$W/forkbig")
+[ "$n" = "$BIG" ] && ok "fork-$BIG" || fail "fork-$BIG" "$n of $BIG ready: $(grep FAILED "$W/forkbig" | head -3)"
+"$T" ls | tail -2
+"$T" kill --all
+
+if "$T" bench fork --tag warm --image "$IMG" --counts "1,10,$BIG" --cold-runs 2; then ok bench; else fail bench "bench failed"; fi
