@@ -259,7 +259,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         bail!("--counts and --cold-runs must not be empty/zero");
     }
     println!("fork benchmark: snapshot {:?}, image {:?}", b.tag, b.image);
-    println!("how: each child = one `tine vmm-child` process restoring the snapshot (guest RAM mapped MAP_PRIVATE);");
+    println!("how: each child = one VMM process (fork(2) of this one, no exec) restoring the snapshot (guest RAM mapped MAP_PRIVATE);");
     println!("     ready = its guest agent answered a ping over vsock and took the host's clock and fresh entropy;");
     println!("     per-child time runs from just before spawning its process; cold = `tine run --image` to agent ready;");
     println!(
@@ -293,15 +293,11 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     let mut rows = Vec::new();
     for &n in &b.counts {
         let t0 = Instant::now();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let tag = b.tag.clone();
-        let worker = std::thread::spawn(move || {
-            crate::fork::fork_children(&tag, n, Duration::from_secs(600), tx)
-        });
-        let reports: Vec<crate::fork::ChildReport> = rx.into_iter().collect();
-        worker
-            .join()
-            .map_err(|_| anyhow::anyhow!("fork worker panicked"))??;
+        let collected = std::sync::Mutex::new(Vec::new());
+        crate::fork::fork_children(&b.tag, n, Duration::from_secs(600), |r| {
+            collected.lock().unwrap().push(r)
+        })?;
+        let reports: Vec<crate::fork::ChildReport> = collected.into_inner().unwrap();
         let total = t0.elapsed().as_secs_f64() * 1e3;
         let mut ready: Vec<f64> = reports
             .iter()

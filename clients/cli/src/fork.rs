@@ -2,10 +2,7 @@
 //! from its snapshot. Each child is its own VMM process restoring the snapshot with its guest
 //! RAM mapped copy-on-write; "spawned" means its guest agent answered a ping.
 
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
@@ -131,27 +128,6 @@ pub fn snapshot(a: SnapshotArgs) -> Result<i32> {
     result.map(|()| 0)
 }
 
-/// Hidden: the process behind one child VM.
-#[derive(clap::Args)]
-pub struct ChildArgs {
-    #[arg(long)]
-    snapshot: PathBuf,
-    #[arg(long)]
-    dir: PathBuf,
-}
-
-pub fn vmm_child(a: ChildArgs) -> Result<i32> {
-    let vm = Vm::restore(
-        &a.snapshot,
-        RestoreOptions {
-            console: open_console(Some(&a.dir.join("console.log")))?,
-            vsock_uds: Some(a.dir.join("vsock.sock")),
-        },
-    )?;
-    let exit = vm.start()?.wait()?;
-    Ok(exit.exit_code())
-}
-
 /// One child as `tine fork` saw it.
 #[derive(Clone, Debug)]
 pub struct ChildReport {
@@ -161,38 +137,63 @@ pub struct ChildReport {
     pub ready: Result<Duration, String>,
 }
 
+/// The body of a child process: restore the snapshot and run the VM until it stops.
+fn child_main(snapshot: &Path, dir: &Path) -> Result<i32> {
+    let vm = Vm::restore(
+        snapshot,
+        RestoreOptions {
+            console: open_console(Some(&dir.join("console.log")))?,
+            vsock_uds: Some(dir.join("vsock.sock")),
+        },
+    )?;
+    let exit = vm.start()?.wait()?;
+    Ok(exit.exit_code())
+}
+
+/// Start one child VMM process with fork(2): no exec and no start-up of a new binary on the
+/// critical path. Must be called while this process is single-threaded (the child only
+/// inherits the calling thread, so no lock can be left held by another).
 fn spawn_child(snapshot: &Path, tag: &str) -> Result<(PathBuf, VmMeta)> {
     let id = vms::new_id(tag);
     let dir = vms::vms_dir()?.join(&id);
     std::fs::create_dir_all(&dir)?;
     let log = std::fs::File::create(dir.join("vmm.log"))?;
-    let exe = std::env::current_exe()?;
-    let mut cmd = Command::new(exe);
-    cmd.arg("vmm-child")
-        .arg("--snapshot")
-        .arg(snapshot)
-        .arg("--dir")
-        .arg(&dir)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log);
-    // SAFETY: setsid is async-signal-safe; the child outlives this command in its own session.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::setsid();
-            Ok(())
-        });
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: plain fork(2); see the single-threaded requirement above.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(std::io::Error::last_os_error()).context("fork");
     }
-    let child = cmd.spawn().context("starting a child VMM")?;
+    if pid == 0 {
+        // Child: own session, output to its log, never return into the parent's code.
+        use std::os::fd::AsRawFd;
+        // SAFETY: standard descriptor and session set-up in a fresh single-threaded child.
+        unsafe {
+            libc::setsid();
+            let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY);
+            libc::dup2(null, 0);
+            libc::dup2(log.as_raw_fd(), 1);
+            libc::dup2(log.as_raw_fd(), 2);
+        }
+        let code = match child_main(snapshot, &dir) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("tine: child {id}: {e:#}");
+                1
+            }
+        };
+        // SAFETY: leave without running the parent's exit handlers or flushing its buffers.
+        unsafe { libc::_exit(code) };
+    }
     let meta = VmMeta {
         id,
-        pid: child.id(),
+        pid: pid as u32,
         tag: Some(tag.to_string()),
         created_unix_ms: vms::now_ms(),
     };
     vms::write_meta(&dir, &meta)?;
-    // The process is detached: `tine kill` ends it; the zombie is reaped when we exit.
-    std::mem::forget(child);
     Ok((dir, meta))
 }
 
@@ -227,12 +228,14 @@ fn make_ready(dir: &Path, pid: u32, timeout: Duration) -> Result<(), String> {
     Ok(())
 }
 
-/// Fork `n` children from the snapshot `tag`; reports arrive on `tx` as each becomes ready.
+/// Fork `n` children from the snapshot `tag`; `report` is called (from several threads) as
+/// each becomes ready or fails. All children are started first, while this process is still
+/// single-threaded; only then do threads wait for them.
 pub fn fork_children(
     tag: &str,
     n: usize,
     timeout: Duration,
-    tx: mpsc::Sender<ChildReport>,
+    report: impl Fn(ChildReport) + Sync,
 ) -> Result<()> {
     if n == 0 || n > MAX_CHILDREN {
         bail!("-n {n}: ask for 1..={MAX_CHILDREN} children");
@@ -240,22 +243,26 @@ pub fn fork_children(
     let snap = vms::snapshot_dir(tag)?;
     // Validate once here so a bad snapshot fails the call, not N children.
     tine_vmm::snapshot::file::load_header(&snap)?;
-    std::thread::scope(|s| -> Result<()> {
-        for _ in 0..n {
-            let (dir, meta) = spawn_child(&snap, tag)?;
-            let started = Instant::now();
-            let tx = tx.clone();
+    let mut started = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        let (dir, meta) = spawn_child(&snap, tag)?;
+        started.push((t, dir, meta));
+    }
+    std::thread::scope(|s| {
+        for (t, dir, meta) in started {
+            let report = &report;
             s.spawn(move || {
-                let ready = make_ready(&dir, meta.pid, timeout).map(|()| started.elapsed());
-                let _ = tx.send(ChildReport {
+                let ready = make_ready(&dir, meta.pid, timeout).map(|()| t.elapsed());
+                report(ChildReport {
                     id: meta.id,
                     pid: meta.pid,
                     ready,
                 });
             });
         }
-        Ok(())
-    })
+    });
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -278,35 +285,20 @@ pub struct ForkArgs {
 pub fn fork(a: ForkArgs) -> Result<i32> {
     refuse_pvm(a.allow_pvm)?;
     let t0 = Instant::now();
-    let (tx, rx) = mpsc::channel();
-    let tag = a.tag.clone();
-    let n = a.count;
-    let timeout = Duration::from_secs(a.ready_timeout_secs);
-    let worker = std::thread::spawn(move || fork_children(&tag, n, timeout, tx));
-    let mut ok = Vec::new();
-    let mut failed = 0;
-    for r in rx {
+    let results = std::sync::Mutex::new((Vec::new(), 0usize));
+    let print = |r: ChildReport| {
+        let mut g = results.lock().unwrap();
         match &r.ready {
             Ok(d) => {
-                ok.push(*d);
+                g.0.push(*d);
                 if a.json {
-                    println!(
-                        "{{\"id\":{:?},\"pid\":{},\"ready_ms\":{:.3}}}",
-                        r.id,
-                        r.pid,
-                        d.as_secs_f64() * 1e3
-                    );
+                    println!("{{\"id\":{:?},\"pid\":{},\"ready_ms\":{:.3}}}", r.id, r.pid, d.as_secs_f64() * 1e3);
                 } else {
-                    println!(
-                        "{:<28} pid {:<8} ready in {:>9.2} ms",
-                        r.id,
-                        r.pid,
-                        d.as_secs_f64() * 1e3
-                    );
+                    println!("{:<28} pid {:<8} ready in {:>9.2} ms", r.id, r.pid, d.as_secs_f64() * 1e3);
                 }
             }
             Err(e) => {
-                failed += 1;
+                g.1 += 1;
                 if a.json {
                     println!("{{\"id\":{:?},\"pid\":{},\"error\":{:?}}}", r.id, r.pid, e);
                 } else {
@@ -314,10 +306,9 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
                 }
             }
         }
-    }
-    worker
-        .join()
-        .map_err(|_| anyhow::anyhow!("fork worker panicked"))??;
+    };
+    fork_children(&a.tag, a.count, Duration::from_secs(a.ready_timeout_secs), print)?;
+    let (mut ok, failed) = results.into_inner().unwrap();
     let total = t0.elapsed();
     ok.sort();
     if !ok.is_empty() && !a.json {

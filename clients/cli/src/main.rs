@@ -41,9 +41,6 @@ enum Command {
     Ls(fork::LsArgs),
     /// Kill VMs.
     Kill(fork::KillArgs),
-    /// The process behind one forked child (used by `tine fork`).
-    #[command(hide = true)]
-    VmmChild(fork::ChildArgs),
     /// Resume a VM from a snapshot directory.
     Restore(restore::RestoreArgs),
     /// Guest kernels and images: fetch Debian kernels, build initramfs images.
@@ -77,7 +74,6 @@ fn main() -> ExitCode {
         Command::Fork(a) => fork::fork(a),
         Command::Ls(a) => fork::ls(a),
         Command::Kill(a) => fork::kill(a),
-        Command::VmmChild(a) => fork::vmm_child(a),
         Command::Image(c) => tine_image::cli::run(c).map(|()| 0),
         Command::Lab(a) => tine_lab::cli::run(a),
         Command::Bench(c) => bench::run(c),

@@ -9,6 +9,8 @@ use anyhow::Context;
 
 /// `_IOW('R', 0x03, int[2])` from <linux/random.h>.
 const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+/// `_IO('R', 0x07)`: reseed the CRNG from the input pool now.
+const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
 
 pub fn set_time(unix_nanos: u64) -> anyhow::Result<()> {
     let ts = libc::timespec {
@@ -42,9 +44,16 @@ pub fn add_entropy(entropy: &[u8]) -> anyhow::Result<bool> {
     info.resize(info.len().next_multiple_of(4), 0);
     // SAFETY: the buffer holds a complete rand_pool_info of buf_size bytes.
     let rc = unsafe { libc::ioctl(dev.as_raw_fd(), RNDADDENTROPY as _, info.as_ptr()) };
-    if rc == 0 {
-        return Ok(true);
+    let credited = rc == 0;
+    if !credited {
+        dev.write_all(entropy).context("writing /dev/urandom")?;
     }
-    dev.write_all(entropy).context("writing /dev/urandom")?;
-    Ok(false)
+    // Clones share the parent's CRNG state, and the kernel only reseeds it from the input pool
+    // at intervals: force it now, or two children can read the same "random" bytes.
+    // SAFETY: argument-less ioctl on an open random device; needs CAP_SYS_ADMIN (we are init).
+    let rc = unsafe { libc::ioctl(dev.as_raw_fd(), RNDRESEEDCRNG as _) };
+    if rc != 0 {
+        eprintln!("tine-agent: RNDRESEEDCRNG: {}", std::io::Error::last_os_error());
+    }
+    Ok(credited)
 }
