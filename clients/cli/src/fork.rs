@@ -137,8 +137,9 @@ pub struct ChildReport {
     pub ready: Result<Duration, String>,
 }
 
-/// The body of a child process: restore the snapshot and run the VM until it stops.
-fn child_main(snapshot: &Path, dir: &Path) -> Result<i32> {
+/// The body of a child process: restore the snapshot, tell the parent (one byte on
+/// `started`) that the guest runs and its socket exists, and run the VM until it stops.
+fn child_main(snapshot: &Path, dir: &Path, started: std::fs::File) -> Result<i32> {
     let vm = Vm::restore(
         snapshot,
         RestoreOptions {
@@ -146,14 +147,18 @@ fn child_main(snapshot: &Path, dir: &Path) -> Result<i32> {
             vsock_uds: Some(dir.join("vsock.sock")),
         },
     )?;
-    let exit = vm.start()?.wait()?;
+    let running = vm.start()?;
+    use std::io::Write;
+    let _ = (&started).write_all(b"1");
+    drop(started);
+    let exit = running.wait()?;
     Ok(exit.exit_code())
 }
 
 /// Start one child VMM process with fork(2): no exec and no start-up of a new binary on the
 /// critical path. Must be called while this process is single-threaded (the child only
 /// inherits the calling thread, so no lock can be left held by another).
-fn spawn_child(snapshot: &Path, tag: &str) -> Result<(PathBuf, VmMeta)> {
+fn spawn_child(snapshot: &Path, tag: &str) -> Result<(PathBuf, VmMeta, std::fs::File)> {
     let id = vms::new_id(tag);
     let dir = vms::vms_dir()?.join(&id);
     std::fs::create_dir_all(&dir)?;
@@ -161,6 +166,19 @@ fn spawn_child(snapshot: &Path, tag: &str) -> Result<(PathBuf, VmMeta)> {
     use std::io::Write;
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 fills two fds; both are owned below.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("pipe");
+    }
+    use std::os::fd::FromRawFd;
+    // SAFETY: fresh fds from pipe2, each wrapped exactly once.
+    let (read_end, write_end) = unsafe {
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
+    };
     // SAFETY: plain fork(2); see the single-threaded requirement above.
     let pid = unsafe { libc::fork() };
     if pid < 0 {
@@ -177,7 +195,8 @@ fn spawn_child(snapshot: &Path, tag: &str) -> Result<(PathBuf, VmMeta)> {
             libc::dup2(log.as_raw_fd(), 1);
             libc::dup2(log.as_raw_fd(), 2);
         }
-        let code = match child_main(snapshot, &dir) {
+        drop(read_end);
+        let code = match child_main(snapshot, &dir, write_end) {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("tine: child {id}: {e:#}");
@@ -193,25 +212,38 @@ fn spawn_child(snapshot: &Path, tag: &str) -> Result<(PathBuf, VmMeta)> {
         tag: Some(tag.to_string()),
         created_unix_ms: vms::now_ms(),
     };
+    drop(write_end);
     vms::write_meta(&dir, &meta)?;
-    Ok((dir, meta))
+    Ok((dir, meta, read_end))
 }
 
 /// Wait for a child's agent, then fix what a clone must not share: wall clock and RNG.
-fn make_ready(dir: &Path, pid: u32, timeout: Duration) -> Result<(), String> {
+fn make_ready(
+    dir: &Path,
+    pid: u32,
+    started: std::fs::File,
+    timeout: Duration,
+) -> Result<(), String> {
+    let log = || std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
+    // Block until the child restored its VM (no polling while it works): one byte, or EOF if
+    // the child failed first.
+    if !wait_byte(&started, timeout)? {
+        return Err(format!("child VMM failed to restore: {}", log().trim()));
+    }
     let client = agent(&dir.join("vsock.sock")).with_io_timeout(Some(Duration::from_secs(10)));
     let deadline = Instant::now() + timeout;
     loop {
+        // The agent's listener survived the snapshot, so the first ping normally succeeds as
+        // soon as the guest runs; retries only cover a guest that is slow to get there.
         match client.wait_ready_polling(
-            Duration::from_millis(200),
+            Duration::from_secs(5),
             Duration::from_millis(1),
-            Duration::from_millis(1),
+            Duration::from_millis(20),
         ) {
             Ok(_) => break,
             Err(e) => {
                 if !vms::alive(pid) {
-                    let log = std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
-                    return Err(format!("child VMM exited: {}", log.trim()));
+                    return Err(format!("child VMM exited: {}", log().trim()));
                 }
                 if Instant::now() > deadline {
                     return Err(format!("not ready after {timeout:?}: {e}"));
@@ -226,6 +258,30 @@ fn make_ready(dir: &Path, pid: u32, timeout: Duration) -> Result<(), String> {
     getrandom::fill(&mut seed).map_err(|e| format!("getrandom: {e}"))?;
     client.reseed(&seed).map_err(|e| format!("reseed: {e}"))?;
     Ok(())
+}
+
+/// Wait up to `timeout` for one byte on `f`: Ok(true) for the byte, Ok(false) at EOF.
+fn wait_byte(f: &std::fs::File, timeout: Duration) -> Result<bool, String> {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    let mut pfd = libc::pollfd {
+        fd: f.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let n = unsafe {
+        libc::poll(
+            &mut pfd,
+            1,
+            timeout.as_millis().min(i32::MAX as u128) as i32,
+        )
+    };
+    if n == 0 {
+        return Err(format!("child VMM did not restore within {timeout:?}"));
+    }
+    let mut b = [0u8; 1];
+    Ok(matches!((&*f).read(&mut b), Ok(1)))
 }
 
 /// Fork `n` children from the snapshot `tag`; `report` is called (from several threads) as
@@ -246,14 +302,14 @@ pub fn fork_children(
     let mut started = Vec::with_capacity(n);
     for _ in 0..n {
         let t = Instant::now();
-        let (dir, meta) = spawn_child(&snap, tag)?;
-        started.push((t, dir, meta));
+        let (dir, meta, signal) = spawn_child(&snap, tag)?;
+        started.push((t, dir, meta, signal));
     }
     std::thread::scope(|s| {
-        for (t, dir, meta) in started {
+        for (t, dir, meta, signal) in started {
             let report = &report;
             s.spawn(move || {
-                let ready = make_ready(&dir, meta.pid, timeout).map(|()| t.elapsed());
+                let ready = make_ready(&dir, meta.pid, signal, timeout).map(|()| t.elapsed());
                 report(ChildReport {
                     id: meta.id,
                     pid: meta.pid,
@@ -292,9 +348,19 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
             Ok(d) => {
                 g.0.push(*d);
                 if a.json {
-                    println!("{{\"id\":{:?},\"pid\":{},\"ready_ms\":{:.3}}}", r.id, r.pid, d.as_secs_f64() * 1e3);
+                    println!(
+                        "{{\"id\":{:?},\"pid\":{},\"ready_ms\":{:.3}}}",
+                        r.id,
+                        r.pid,
+                        d.as_secs_f64() * 1e3
+                    );
                 } else {
-                    println!("{:<28} pid {:<8} ready in {:>9.2} ms", r.id, r.pid, d.as_secs_f64() * 1e3);
+                    println!(
+                        "{:<28} pid {:<8} ready in {:>9.2} ms",
+                        r.id,
+                        r.pid,
+                        d.as_secs_f64() * 1e3
+                    );
                 }
             }
             Err(e) => {
@@ -307,7 +373,12 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
             }
         }
     };
-    fork_children(&a.tag, a.count, Duration::from_secs(a.ready_timeout_secs), print)?;
+    fork_children(
+        &a.tag,
+        a.count,
+        Duration::from_secs(a.ready_timeout_secs),
+        print,
+    )?;
     let (mut ok, failed) = results.into_inner().unwrap();
     let total = t0.elapsed();
     ok.sort();

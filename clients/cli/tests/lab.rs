@@ -43,7 +43,9 @@ fn where_linux_boots(argv: &[&str]) -> (i32, String) {
     // seen to die on its own. That is the lab failing, not the code under test: retry once,
     // and say so in the log. A test assertion failure is never retried.
     if !direct && lab_died(&text) {
-        eprintln!("NOTE: the nested lab's L1 died (not the guest under test); retrying once:\n{text}");
+        eprintln!(
+            "NOTE: the nested lab's L1 died (not the guest under test); retrying once:\n{text}"
+        );
         return run(&mut cmd);
     }
     (code, text)
@@ -206,7 +208,7 @@ fn snapshot_a_warm_parent_and_fork_children() {
     let out = scenario_args(
         "fork.sh",
         "python-numpy",
-        &["100"],
+        &["20"],
         &[
             "snapshot",
             "fork-10",
@@ -217,7 +219,7 @@ fn snapshot_a_warm_parent_and_fork_children() {
             "urandom-differs",
             "python-random-differs",
             "new-child-clean",
-            "fork-100",
+            "fork-20",
             "bench",
         ],
     );

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Snapshot-and-fork scenario on the python-numpy image. Usage: fork.sh TINE IMAGE WORKDIR [N_BIG].
 set -u
-T=$1 IMG=$2 W=$3 BIG=${4:-100}
+T=$1 IMG=$2 W=$3 BIG=${4:-20}
 mkdir -p "$W"
 export TINE_DATA_DIR=$W/data
 ok() { echo "CHECK $1 ok"; }

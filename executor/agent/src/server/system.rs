@@ -53,7 +53,10 @@ pub fn add_entropy(entropy: &[u8]) -> anyhow::Result<bool> {
     // SAFETY: argument-less ioctl on an open random device; needs CAP_SYS_ADMIN (we are init).
     let rc = unsafe { libc::ioctl(dev.as_raw_fd(), RNDRESEEDCRNG as _) };
     if rc != 0 {
-        eprintln!("tine-agent: RNDRESEEDCRNG: {}", std::io::Error::last_os_error());
+        eprintln!(
+            "tine-agent: RNDRESEEDCRNG: {}",
+            std::io::Error::last_os_error()
+        );
     }
     Ok(credited)
 }
