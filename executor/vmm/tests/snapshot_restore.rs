@@ -4,8 +4,9 @@
 //! vCPU/irqchip/device state round trip, MAP_PRIVATE isolation of the memory image, and the
 //! snapshot file checks.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+mod common;
+
+use common::{kvm_available, out8, Capture, POWER_OFF};
 use std::time::{Duration, Instant};
 
 use tine_vmm::boot::EntryPoint;
@@ -13,33 +14,8 @@ use tine_vmm::vm::RestoreOptions;
 use tine_vmm::{GuestExit, GuestRam, Vm};
 use vm_memory::{Bytes, GuestAddress};
 
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Capture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Capture {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
 const CODE: u64 = 0x10_0000;
 const FLAG: u64 = 0x3008;
-
-fn out8(code: &mut Vec<u8>, port: u16, byte: u8) {
-    code.extend_from_slice(&[0x66, 0xba]);
-    code.extend_from_slice(&port.to_le_bytes());
-    code.extend_from_slice(&[0xb0, byte, 0xee]);
-}
 
 /// Print "1", spin until the u64 at FLAG is non-zero, print "2", power off.
 fn spin_guest() -> Vec<u8> {
@@ -50,7 +26,7 @@ fn spin_guest() -> Vec<u8> {
     c.extend_from_slice(&(FLAG as u32).to_le_bytes());
     c.extend_from_slice(&[0x48, 0x85, 0xc0, 0x74, 0xf3]);
     out8(&mut c, 0x3f8, b'2');
-    out8(&mut c, 0x600, 0x20 | (5 << 2));
+    out8(&mut c, POWER_OFF.0, POWER_OFF.1);
     c
 }
 
@@ -63,14 +39,6 @@ fn wait_for(cap: &Capture, text: &str) {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-}
-
-fn kvm_available() -> bool {
-    if std::path::Path::new("/dev/kvm").exists() {
-        return true;
-    }
-    eprintln!("SKIPPED: /dev/kvm is absent on this host");
-    false
 }
 
 /// Boot the parent, let it reach its spin loop, snapshot it into `dir`.

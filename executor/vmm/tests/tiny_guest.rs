@@ -3,42 +3,15 @@
 //! memory slots, the boot register state, port-I/O routing, the serial console, ACPI power-off,
 //! i8042 reset and the vCPU kick that stops the other vCPUs.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+mod common;
+
+use common::{kvm_available, out8, Capture, POWER_OFF};
 
 use tine_vmm::boot::EntryPoint;
 use tine_vmm::{GuestExit, GuestRam, Vm};
 use vm_memory::{Bytes, GuestAddress};
 
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Capture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-fn kvm_available() -> bool {
-    if std::path::Path::new("/dev/kvm").exists() {
-        return true;
-    }
-    eprintln!("SKIPPED: /dev/kvm is absent on this host; the tiny-guest tests need KVM");
-    false
-}
-
 const CODE_ADDR: u64 = 0x10_0000;
-
-/// `mov dx, port; mov al, byte; out dx, al` — the same bytes in 32- and 64-bit mode.
-fn out8(code: &mut Vec<u8>, port: u16, byte: u8) {
-    code.extend_from_slice(&[0x66, 0xba]);
-    code.extend_from_slice(&port.to_le_bytes());
-    code.extend_from_slice(&[0xb0, byte, 0xee]);
-}
 
 fn print(code: &mut Vec<u8>, text: &str) {
     for b in text.bytes() {
@@ -46,7 +19,6 @@ fn print(code: &mut Vec<u8>, text: &str) {
     }
 }
 
-const POWER_OFF: (u16, u8) = (0x600, 0x20 | (5 << 2));
 const I8042_RESET: (u16, u8) = (0x64, 0xfe);
 
 fn run_guest(vcpus: u8, entry: EntryPoint, code: &[u8]) -> (GuestExit, String) {

@@ -1,0 +1,43 @@
+//! Shared pieces of the hand-made-guest tests.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+/// A console that keeps everything the guest printed.
+#[derive(Clone, Default)]
+pub struct Capture(pub Arc<Mutex<Vec<u8>>>);
+
+impl Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Capture {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// `mov dx, port; mov al, byte; out dx, al` — the same bytes in 32- and 64-bit mode.
+pub fn out8(code: &mut Vec<u8>, port: u16, byte: u8) {
+    code.extend_from_slice(&[0x66, 0xba]);
+    code.extend_from_slice(&port.to_le_bytes());
+    code.extend_from_slice(&[0xb0, byte, 0xee]);
+}
+
+/// ACPI S5 through our sleep-control register.
+pub const POWER_OFF: (u16, u8) = (0x600, 0x20 | (5 << 2));
+
+pub fn kvm_available() -> bool {
+    if std::path::Path::new("/dev/kvm").exists() {
+        return true;
+    }
+    eprintln!("SKIPPED: /dev/kvm is absent on this host; the tiny-guest tests need KVM");
+    false
+}
