@@ -22,11 +22,13 @@ use tine_snapshot_store::progress::NoProgress;
 use tine_snapshot_store::remote::{RemoteStore, TransferOptions};
 use tine_snapshot_store::retry::RetryPolicy;
 
-/// Fails every other put and get with a transient error.
+/// Fails the first put and the first get of every object with a transient error. Per object,
+/// not per call count: with concurrent transfers a global "every other call" pattern can hand
+/// one object more consecutive failures than any retry policy allows.
 #[derive(Debug)]
 struct Flaky {
     inner: Arc<dyn ObjectStore>,
-    calls: AtomicU32,
+    failed_once: std::sync::Mutex<std::collections::HashSet<(bool, String)>>,
     injected: AtomicU32,
 }
 
@@ -37,8 +39,13 @@ impl std::fmt::Display for Flaky {
 }
 
 impl Flaky {
-    fn trip(&self) -> object_store::Result<()> {
-        if self.calls.fetch_add(1, Ordering::SeqCst).is_multiple_of(2) {
+    fn trip(&self, write: bool, location: &Path) -> object_store::Result<()> {
+        if self
+            .failed_once
+            .lock()
+            .unwrap()
+            .insert((write, location.to_string()))
+        {
             self.injected.fetch_add(1, Ordering::SeqCst);
             return Err(object_store::Error::Generic {
                 store: "flaky",
@@ -57,7 +64,7 @@ impl ObjectStore for Flaky {
         payload: PutPayload,
         opts: PutOptions,
     ) -> object_store::Result<PutResult> {
-        self.trip()?;
+        self.trip(true, location)?;
         self.inner.put_opts(location, payload, opts).await
     }
     async fn put_multipart_opts(
@@ -72,7 +79,7 @@ impl ObjectStore for Flaky {
         location: &Path,
         options: GetOptions,
     ) -> object_store::Result<GetResult> {
-        self.trip()?;
+        self.trip(false, location)?;
         self.inner.get_opts(location, options).await
     }
     async fn get_ranges(
@@ -113,7 +120,7 @@ async fn push_and_pull_survive_transient_failures() {
         Arc::new(object_store::local::LocalFileSystem::new_with_prefix(&store_dir).unwrap());
     let flaky = Arc::new(Flaky {
         inner,
-        calls: AtomicU32::new(0),
+        failed_once: Default::default(),
         injected: AtomicU32::new(0),
     });
     let policy = RetryPolicy {
