@@ -1,6 +1,6 @@
 //! `tine lab [OPTIONS] -- COMMAND...`: run a command inside the nested KVM lab.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Result;
@@ -26,15 +26,61 @@ pub struct LabArgs {
     pub command: Vec<String>,
 }
 
+/// Inside L1 these host paths are hidden under fresh tmpfs mounts.
+const MASKED: [&str; 3] = ["/tmp", "/run", "/dev/shm"];
+
+/// A working directory under a masked path (a checkout in /tmp, as CI may use) would not exist
+/// inside L1: export the top directory it lives in below the masked path (e.g. the whole
+/// checkout for `/tmp/ci/clients/cli`), so the command finds its files and the workspace's
+/// binaries where it left them. Returns the directory to add, if any.
+fn masked_cwd(cwd: &Path, shares: &[PathBuf]) -> Option<PathBuf> {
+    let root = MASKED.iter().map(Path::new).find(|m| cwd.starts_with(m))?;
+    let first = cwd.strip_prefix(root).ok()?.components().next()?;
+    let top = root.join(first);
+    let covered = shares.iter().any(|s| top.starts_with(s));
+    (!covered).then_some(top)
+}
+
 /// Runs the command in the lab and returns its exit status (use it as the process exit code).
 pub fn run(args: LabArgs) -> Result<i32> {
+    let mut shares = args.share;
+    if let Ok(cwd) = std::env::current_dir() {
+        if let Some(dir) = masked_cwd(&cwd, &shares) {
+            if !args.quiet {
+                eprintln!(
+                    "tine-lab: {} is hidden inside L1 (tmpfs); sharing it writable",
+                    dir.display()
+                );
+            }
+            shares.push(dir);
+        }
+    }
     let lab = Lab::prepare(LabConfig {
         mem_mib: args.mem_mib,
         timeout: Duration::from_secs(args.timeout),
-        shares: args.share,
+        shares,
         progress: !args.quiet,
         ..LabConfig::default()
     })?;
     let outcome = lab.run(&LabCommand::new(args.command), &mut std::io::stdout())?;
     Ok(outcome.exit_code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkout_under_tmp_is_shared_unless_already_covered() {
+        let cwd = Path::new("/tmp/ci/clients/cli");
+        assert_eq!(masked_cwd(cwd, &[]), Some(PathBuf::from("/tmp/ci")));
+        assert_eq!(masked_cwd(cwd, &[PathBuf::from("/tmp/ci")]), None);
+        assert_eq!(masked_cwd(cwd, &[PathBuf::from("/tmp")]), None);
+        assert_eq!(masked_cwd(Path::new("/work/main"), &[]), None);
+        assert_eq!(masked_cwd(Path::new("/tmp"), &[]), None);
+        assert_eq!(
+            masked_cwd(Path::new("/run/user/0/x"), &[]),
+            Some(PathBuf::from("/run/user"))
+        );
+    }
 }
