@@ -6,10 +6,24 @@ mkdir -p "$W"
 S=$W/vm.sock
 ok() { echo "CHECK $1 ok"; }
 fail() { echo "CHECK $1 FAIL $2"; }
+# Wait for the agent while the VM is alive; if the VMM exits first, say so at once.
+wait_ready() {
+  i=0
+  while [ $i -lt "$1" ]; do
+    if "$T" ping --socket "$S" --wait 2 >"$W/ping" 2>&1; then ok ready; return 0; fi
+    if ! kill -0 "$VM" 2>/dev/null; then
+      wait "$VM"; rc=$?
+      fail ready "VM exited ($rc) before its agent was ready; console tail: $(tail -c 1500 "$W/console.log" | tr '\n' '|')"
+      exit 1
+    fi
+    i=$((i + 2))
+  done
+  fail ready "$(cat "$W/ping")"; exit 1
+}
 
 "$T" run --image "$IMG" --vsock "$S" --console "$W/console.log" --quiet &
 VM=$!
-if "$T" ping --socket "$S" --wait 900 >"$W/ping" 2>&1; then ok ready; else fail ready "$(cat "$W/ping")"; fi
+wait_ready "900"
 
 out=$("$T" eval --socket "$S" 'numpy.zeros(5).tolist()' 2>&1)
 [ "$out" = "[0.0, 0.0, 0.0, 0.0, 0.0]" ] && ok numpy-zeros || fail numpy-zeros "$out"
