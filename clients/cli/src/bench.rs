@@ -294,7 +294,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     for &n in &b.counts {
         let t0 = Instant::now();
         let collected = std::sync::Mutex::new(Vec::new());
-        crate::fork::fork_children(&b.tag, n, Duration::from_secs(600), |r| {
+        crate::fork::fork_children(&b.tag, n, Duration::from_secs(120), |r| {
             collected.lock().unwrap().push(r)
         })?;
         let reports: Vec<crate::fork::ChildReport> = collected.into_inner().unwrap();
