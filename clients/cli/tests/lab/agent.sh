@@ -19,12 +19,12 @@ wait_ready() {
     fi
     i=$((i + 2))
   done
-  fail ready "$(cat "$W/ping")"; exit 1
+  fail ready "not ready after $1 s: $(cat "$W/ping"); console tail: $(tail -c 1500 "$W/console.log" | tr '\n' '|')"; exit 1
 }
 
 "$T" run --image "$IMG" --vsock "$S" --console "$W/console.log" --quiet &
 VM=$!
-wait_ready "600"
+wait_ready "300"
 
 out=$("$T" exec --socket "$S" -- uname -a)
 case "$out" in Linux*) ok uname; echo "uname: $out" ;; *) fail uname "$out" ;; esac

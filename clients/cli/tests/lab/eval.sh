@@ -18,12 +18,12 @@ wait_ready() {
     fi
     i=$((i + 2))
   done
-  fail ready "$(cat "$W/ping")"; exit 1
+  fail ready "not ready after $1 s: $(cat "$W/ping"); console tail: $(tail -c 1500 "$W/console.log" | tr '\n' '|')"; exit 1
 }
 
 "$T" run --image "$IMG" --vsock "$S" --console "$W/console.log" --quiet &
 VM=$!
-wait_ready "900"
+wait_ready "400"
 
 out=$("$T" eval --socket "$S" 'numpy.zeros(5).tolist()' 2>&1)
 [ "$out" = "[0.0, 0.0, 0.0, 0.0, 0.0]" ] && ok numpy-zeros || fail numpy-zeros "$out"
