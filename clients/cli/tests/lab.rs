@@ -153,7 +153,10 @@ fn scenario_args(script: &str, image: &str, extra: &[&str], expected: &[&str]) -
     // A guest that died while booting under the lab's emulated CPU (seen rarely, only under
     // load, and never on the same run twice) is retried once, loudly; any other failure and a
     // second death are reported as they are.
-    if out.contains("CHECK ready FAIL VM exited") || lab_timed_out(&out) {
+    if out.contains("CHECK ready FAIL VM exited")
+        || out.contains("CHECK ready FAIL not ready after")
+        || lab_timed_out(&out)
+    {
         eprintln!("NOTE: the guest VM died, or the scenario hung past the lab's limit (an open lab issue, see docs/fork.md); retrying the scenario once:\n{out}");
         (code, out) = where_linux_boots(&argv);
     }
