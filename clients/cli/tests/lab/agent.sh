@@ -5,26 +5,8 @@ set -u
 T=$1 IMG=$2 W=$3
 mkdir -p "$W"
 S=$W/vm.sock
-ok() { echo "CHECK $1 ok"; }
-fail() { echo "CHECK $1 FAIL $2"; }
-# Wait for the agent while the VM is alive; if the VMM exits first, say so at once.
-wait_ready() {
-  i=0
-  while [ $i -lt "$1" ]; do
-    if "$T" ping --socket "$S" --wait 2 >"$W/ping" 2>&1; then ok ready; return 0; fi
-    if ! kill -0 "$VM" 2>/dev/null; then
-      wait "$VM"; rc=$?
-      fail ready "VM exited ($rc) before its agent was ready; console tail: $(tail -c 1500 "$W/console.log" | tr '\n' '|')"
-      exit 1
-    fi
-    i=$((i + 2))
-  done
-  fail ready "not ready after $1 s: $(cat "$W/ping"); console tail: $(tail -c 1500 "$W/console.log" | tr '\n' '|')"; exit 1
-}
-
-"$T" run --image "$IMG" --vsock "$S" --console "$W/console.log" --quiet &
-VM=$!
-wait_ready "300"
+. "$(dirname "$0")/common.sh"
+boot_and_wait_ready 300
 
 out=$("$T" exec --socket "$S" -- uname -a)
 case "$out" in Linux*) ok uname; echo "uname: $out" ;; *) fail uname "$out" ;; esac
