@@ -15,6 +15,11 @@ fn collect_protos(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Packages that define gRPC services (the public and the executor API).
+fn is_grpc(proto_root: &Path, p: &Path) -> bool {
+    p.starts_with(proto_root.join("v1")) || p.starts_with(proto_root.join("executor"))
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);
     let proto_root = root.join("tine");
@@ -36,6 +41,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
         }
     }
-    config.compile_protos(&protos, &[root])?;
+    // The gRPC packages (with services) only when asked for, so the static guest agent,
+    // which needs just the message types, does not pull in tonic.
+    if std::env::var_os("CARGO_FEATURE_GRPC").is_none() {
+        protos.retain(|p| !is_grpc(&proto_root, p));
+        config.compile_protos(&protos, &[root])?;
+        return Ok(());
+    }
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    tonic_prost_build::configure()
+        // For gRPC server reflection.
+        .file_descriptor_set_path(out.join("tine_descriptor.bin"))
+        .compile_with_config(config, &protos, &[root])?;
     Ok(())
 }

@@ -14,3 +14,21 @@ pub mod agent {
         include!(concat!(env!("OUT_DIR"), "/tine.agent.v1.rs"));
     }
 }
+
+/// `tine.v1`: the public control-plane API.
+#[cfg(feature = "grpc")]
+pub mod v1 {
+    tonic::include_proto!("tine.v1");
+}
+
+/// `tine.executor.v1`: the internal API executors serve to the control plane.
+#[cfg(feature = "grpc")]
+pub mod executor {
+    pub mod v1 {
+        tonic::include_proto!("tine.executor.v1");
+    }
+}
+
+/// Encoded descriptors of every package, for gRPC server reflection.
+#[cfg(feature = "grpc")]
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("tine_descriptor");

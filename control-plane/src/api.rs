@@ -1,0 +1,910 @@
+//! The public services: Snapshots, Sandboxes, Executors.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use serde_json::json;
+use tine_proto::executor::v1 as xpb;
+use tine_proto::v1 as pb;
+use tine_proto::v1::sandboxes_server::Sandboxes;
+use tine_proto::v1::snapshots_server::Snapshots;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Request, Response, Status, Streaming};
+
+use crate::calls::{code_name, Ctx, Rpc};
+use crate::db::{
+    DbError, ExecutorReport, ExecutorRow, NewSnapshot, SandboxRow, SandboxState, SnapshotRow,
+};
+use crate::executors::ExecClient;
+use crate::scheduler::{self, Candidate, Policy};
+use crate::{now_ms, validate};
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// Default per-child readiness deadline.
+const DEFAULT_READY_TIMEOUT_MS: u32 = 120_000;
+/// Snapshot creation boots and warms a guest: minutes in the nested lab.
+const CREATE_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(1800);
+
+impl From<DbError> for Status {
+    fn from(e: DbError) -> Status {
+        match &e {
+            DbError::NoSnapshot(_) => Status::not_found(e.to_string()),
+            DbError::SnapshotExists(_) => Status::already_exists(e.to_string()),
+            DbError::HasDescendants { .. } => Status::failed_precondition(e.to_string()),
+            DbError::Sql(_) | DbError::Migrate(_) => {
+                tracing::error!("{e}");
+                Status::internal(e.to_string())
+            }
+        }
+    }
+}
+
+fn snapshot_msg(r: &SnapshotRow) -> pb::Snapshot {
+    pb::Snapshot {
+        tag: r.tag.clone(),
+        parent_tag: r.parent_tag.clone().unwrap_or_default(),
+        image: r.image.clone(),
+        vcpus: r.vcpus as u32,
+        mem_mib: r.mem_mib as u64,
+        created_unix_ms: r.created_ms,
+        executors: r.executor_list(),
+        source_sandbox: r.source_sandbox.clone().unwrap_or_default(),
+    }
+}
+
+fn sandbox_msg(r: &SandboxRow) -> pb::Sandbox {
+    let state = match r.state() {
+        SandboxState::Starting => pb::SandboxState::Starting,
+        SandboxState::Ready => pb::SandboxState::Ready,
+        SandboxState::Failed => pb::SandboxState::Failed,
+        SandboxState::Killed => pb::SandboxState::Killed,
+        SandboxState::Lost => pb::SandboxState::Lost,
+    };
+    pb::Sandbox {
+        id: r.id.clone(),
+        tag: r.tag.clone(),
+        executor: r.executor_id.clone(),
+        state: state as i32,
+        created_unix_ms: r.created_ms,
+        ready_us: r.ready_us.unwrap_or(0) as u64,
+    }
+}
+
+fn report_from(r: Option<pb::ExecutorReport>) -> ExecutorReport {
+    let r = r.unwrap_or_default();
+    let c = r.capacity.unwrap_or_default();
+    ExecutorReport {
+        max_sandboxes: c.max_sandboxes,
+        running_sandboxes: c.running_sandboxes,
+        mem_total_mib: c.mem_total_mib,
+        mem_available_mib: c.mem_available_mib,
+        cached_tags: r.cached_tags,
+        live_sandboxes: r.live_sandboxes,
+    }
+}
+
+fn new_sandbox_id() -> String {
+    let mut b = [0u8; 8];
+    getrandom::fill(&mut b).expect("getrandom");
+    format!("sbx-{}", hex::encode(b))
+}
+
+#[derive(Clone)]
+pub struct Api {
+    pub ctx: Arc<Ctx>,
+}
+
+impl Api {
+    /// Executors heard from within three heartbeat periods.
+    pub(crate) fn is_up(&self, e: &ExecutorRow) -> bool {
+        now_ms() - e.last_heartbeat_ms <= 3_000 * self.ctx.heartbeat_interval_s as i64
+    }
+
+    fn executor_msg(&self, e: &ExecutorRow, tags: Vec<String>) -> pb::Executor {
+        let state = if !self.is_up(e) {
+            pb::ExecutorState::Down
+        } else if e.draining {
+            pb::ExecutorState::Draining
+        } else {
+            pb::ExecutorState::Up
+        };
+        pb::Executor {
+            id: e.id.clone(),
+            addr: e.addr.clone(),
+            state: state as i32,
+            capacity: Some(pb::Capacity {
+                max_sandboxes: e.max_sandboxes as u32,
+                running_sandboxes: e.running_sandboxes as u32,
+                mem_total_mib: e.mem_total_mib as u64,
+                mem_available_mib: e.mem_available_mib as u64,
+            }),
+            last_heartbeat_unix_ms: e.last_heartbeat_ms,
+            cached_tags: tags,
+        }
+    }
+
+    async fn executor_client(&self, id: &str) -> Result<(ExecutorRow, ExecClient), Status> {
+        let e = self
+            .ctx
+            .db
+            .executor(id)
+            .await?
+            .ok_or_else(|| Status::not_found(format!("executor {id} is not registered")))?;
+        let c = self.ctx.executors.client(&e.addr)?;
+        Ok((e, c))
+    }
+
+    /// The ready sandbox `id` and a client for its executor.
+    async fn sandbox_client(&self, id: &str) -> Result<ExecClient, Status> {
+        validate::name("sandbox_id", id)?;
+        let s = self
+            .ctx
+            .db
+            .sandbox(id)
+            .await?
+            .ok_or_else(|| Status::not_found(format!("sandbox {id} does not exist")))?;
+        if s.state() != SandboxState::Ready {
+            return Err(Status::failed_precondition(format!(
+                "sandbox {id} is {}, not ready",
+                s.state().as_str()
+            )));
+        }
+        Ok(self.executor_client(&s.executor_id).await?.1)
+    }
+
+    // ---- Snapshots ----
+
+    async fn create_snapshot_inner(
+        &self,
+        r: pb::CreateSnapshotRequest,
+    ) -> Result<pb::Snapshot, Status> {
+        validate::name("tag", &r.tag)?;
+        validate::name("image", &r.image)?;
+        if r.vcpus > 64 {
+            return Err(Status::invalid_argument(format!(
+                "vcpus: {} is over 64",
+                r.vcpus
+            )));
+        }
+        if r.mem_mib != 0 && !(64..=262_144).contains(&r.mem_mib) {
+            return Err(Status::invalid_argument(format!(
+                "mem_mib: {} is outside 64..=262144",
+                r.mem_mib
+            )));
+        }
+        if r.warmup_eval.len() > 64 {
+            return Err(Status::invalid_argument(
+                "warmup_eval: more than 64 entries",
+            ));
+        }
+        for c in &r.warmup_eval {
+            validate::code("warmup_eval", c)?;
+        }
+        if self.ctx.db.snapshot(&r.tag).await?.is_some() {
+            return Err(Status::already_exists(format!(
+                "snapshot {} already exists",
+                r.tag
+            )));
+        }
+        let executor = if r.executor.is_empty() {
+            let counts: HashMap<String, i64> =
+                self.ctx.db.live_counts().await?.into_iter().collect();
+            self.ctx
+                .db
+                .executors()
+                .await?
+                .into_iter()
+                .filter(|e| self.is_up(e) && !e.draining)
+                .max_by_key(|e| e.max_sandboxes - counts.get(&e.id).copied().unwrap_or(0))
+                .ok_or_else(|| Status::unavailable("no executor is up to build the snapshot on"))?
+                .id
+        } else {
+            validate::name("executor", &r.executor)?;
+            r.executor.clone()
+        };
+        let (e, mut client) = self.executor_client(&executor).await?;
+        if !self.is_up(&e) {
+            return Err(Status::unavailable(format!("executor {executor} is down")));
+        }
+        let mut req = Request::new(r.clone());
+        req.set_timeout(CREATE_SNAPSHOT_TIMEOUT);
+        let made = client.create_snapshot(req).await?.into_inner();
+        self.ctx
+            .db
+            .insert_snapshot(&NewSnapshot {
+                tag: r.tag.clone(),
+                parent_tag: None,
+                image: r.image.clone(),
+                vcpus: made.vcpus,
+                mem_mib: made.mem_mib,
+                source_sandbox: None,
+                executor_id: executor,
+            })
+            .await?;
+        let row = self
+            .ctx
+            .db
+            .snapshot(&r.tag)
+            .await?
+            .ok_or_else(|| Status::internal("snapshot vanished"))?;
+        Ok(snapshot_msg(&row))
+    }
+
+    async fn delete_snapshot_inner(
+        &self,
+        r: pb::DeleteSnapshotRequest,
+    ) -> Result<pb::DeleteSnapshotResponse, Status> {
+        validate::name("tag", &r.tag)?;
+        let deleted = self.ctx.db.delete_snapshot(&r.tag, r.cascade).await?;
+        // The records are gone; now free the files. An executor that is unreachable keeps
+        // its copy, which no longer matches any record (reported as unknown, never used).
+        for s in &deleted {
+            for ex in s.executor_list() {
+                if let Ok((_, mut c)) = self.executor_client(&ex).await {
+                    let req = xpb::DeleteSnapshotRequest { tag: s.tag.clone() };
+                    if let Err(e) = c.delete_snapshot(req).await {
+                        tracing::warn!(tag = %s.tag, executor = %ex, "could not delete the copy: {e}");
+                    }
+                }
+            }
+        }
+        Ok(pb::DeleteSnapshotResponse {
+            deleted: deleted.into_iter().map(|s| s.tag).collect(),
+        })
+    }
+
+    // ---- Sandboxes ----
+
+    async fn start_spawn(
+        &self,
+        r: pb::SpawnRequest,
+    ) -> Result<ReceiverStream<Result<pb::SpawnEvent, Status>>, Status> {
+        validate::name("tag", &r.tag)?;
+        validate::spawn_count(r.count)?;
+        let placement = r.placement.clone().unwrap_or_default();
+        for id in &placement.executors {
+            validate::name("placement.executors", id)?;
+        }
+        let policy = match pb::PlacementPolicy::try_from(placement.policy) {
+            Ok(pb::PlacementPolicy::Pack) => Policy::Pack,
+            Ok(_) => Policy::Spread,
+            Err(_) => return Err(Status::invalid_argument("placement.policy: unknown value")),
+        };
+        let snap = self
+            .ctx
+            .db
+            .snapshot(&r.tag)
+            .await?
+            .ok_or_else(|| Status::not_found(format!("snapshot {} does not exist", r.tag)))?;
+        let holders = snap.executor_list();
+        let counts: HashMap<String, i64> = self.ctx.db.live_counts().await?.into_iter().collect();
+        let all = self.ctx.db.executors().await?;
+        for id in &placement.executors {
+            if !all.iter().any(|e| &e.id == id) {
+                return Err(Status::invalid_argument(format!(
+                    "placement.executors: {id} is not registered"
+                )));
+            }
+        }
+        // Only executors holding the snapshot can restore it today (no transfer between hosts yet).
+        let usable: Vec<&ExecutorRow> = all
+            .iter()
+            .filter(|e| self.is_up(e) && !e.draining)
+            .filter(|e| placement.executors.is_empty() || placement.executors.contains(&e.id))
+            .filter(|e| holders.contains(&e.id))
+            .collect();
+        let candidates: Vec<Candidate> = usable
+            .iter()
+            .map(|e| Candidate {
+                id: e.id.clone(),
+                free: (e.max_sandboxes - counts.get(&e.id).copied().unwrap_or(0)).max(0) as u32,
+                has_snapshot: true,
+            })
+            .collect();
+        let plan = scheduler::place(r.count, &candidates, policy);
+        let ids: Vec<String> = (0..r.count).map(|_| new_sandbox_id()).collect();
+        let rows: Vec<(String, String, String)> = plan
+            .iter()
+            .zip(&ids)
+            .filter_map(|(p, id)| p.map(|i| (id.clone(), r.tag.clone(), candidates[i].id.clone())))
+            .collect();
+        self.ctx.db.insert_sandboxes(&rows).await?;
+
+        let (tx, rx) = mpsc::channel(r.count as usize + 1);
+        let placed = rows.len();
+        for (index, (p, id)) in plan.iter().zip(&ids).enumerate() {
+            if p.is_none() {
+                let why = if candidates.is_empty() {
+                    format!("no up, non-draining executor holds snapshot {}", r.tag)
+                } else {
+                    format!("no free slot: {} of {} children placed", placed, r.count)
+                };
+                let _ = tx
+                    .send(Ok(failure_event(
+                        index as u32,
+                        id,
+                        "",
+                        Code::ResourceExhausted,
+                        &why,
+                    )))
+                    .await;
+            }
+        }
+        // One executor call per executor, all running at once.
+        let mut groups: HashMap<usize, Vec<(u32, String)>> = HashMap::new();
+        for (index, (p, id)) in plan.iter().zip(&ids).enumerate() {
+            if let Some(i) = p {
+                groups
+                    .entry(*i)
+                    .or_default()
+                    .push((index as u32, id.clone()));
+            }
+        }
+        let timeout = if r.ready_timeout_ms == 0 {
+            DEFAULT_READY_TIMEOUT_MS
+        } else {
+            r.ready_timeout_ms
+        };
+        for (i, children) in groups {
+            let executor = usable[i].clone();
+            let api = self.clone();
+            let tx = tx.clone();
+            let req = xpb::SpawnRequest {
+                tag: r.tag.clone(),
+                ids: children.iter().map(|(_, id)| id.clone()).collect(),
+                resources: r.resources,
+                ready_timeout_ms: timeout,
+            };
+            tokio::spawn(async move { api.run_spawn_group(executor, req, children, tx).await });
+        }
+        Ok(ReceiverStream::new(rx))
+    }
+
+    /// Ask one executor for its share of the children and relay each child's outcome.
+    async fn run_spawn_group(
+        &self,
+        executor: ExecutorRow,
+        req: xpb::SpawnRequest,
+        children: Vec<(u32, String)>,
+        tx: mpsc::Sender<Result<pb::SpawnEvent, Status>>,
+    ) {
+        let mut pending: HashMap<String, u32> =
+            children.iter().map(|(i, id)| (id.clone(), *i)).collect();
+        let tag = req.tag.clone();
+        let result: Result<(), Status> = async {
+            let mut client = self.ctx.executors.client(&executor.addr)?;
+            let mut stream = client.spawn(req).await?.into_inner();
+            while let Some(ev) = stream.message().await? {
+                let Some(index) = pending.remove(&ev.id) else {
+                    tracing::warn!(executor = %executor.id, id = %ev.id, "executor reported a child it was not asked for");
+                    continue;
+                };
+                let msg = match ev.result {
+                    Some(xpb::spawn_event::Result::ReadyUs(us)) => {
+                        self.ctx.db.set_sandbox_ready(&ev.id, us).await?;
+                        self.ctx.metrics.spawn_to_ready.observe(us as f64 / 1e6);
+                        let row = self.ctx.db.sandbox(&ev.id).await?;
+                        pb::SpawnEvent {
+                            index,
+                            result: row.map(|r| pb::spawn_event::Result::Ready(sandbox_msg(&r))),
+                        }
+                    }
+                    Some(xpb::spawn_event::Result::Error(e)) => {
+                        self.ctx.db.set_sandbox_ended(&ev.id, SandboxState::Failed, Some(&e)).await?;
+                        failure_event(index, &ev.id, &executor.id, Code::Internal, &e)
+                    }
+                    None => continue,
+                };
+                let _ = tx.send(Ok(msg)).await;
+            }
+            Ok(())
+        }
+        .await;
+        // Whatever the executor did not report failed: never drop a child silently.
+        let (code, why) = match result {
+            Ok(()) => (
+                Code::Internal,
+                "the executor ended the spawn without reporting this child".to_string(),
+            ),
+            Err(s) => (
+                s.code(),
+                format!("executor {}: {}", executor.id, s.message()),
+            ),
+        };
+        for (id, index) in pending {
+            let _ = self
+                .ctx
+                .db
+                .set_sandbox_ended(&id, SandboxState::Failed, Some(&why))
+                .await;
+            let _ = tx
+                .send(Ok(failure_event(index, &id, &executor.id, code, &why)))
+                .await;
+        }
+        tracing::debug!(tag = %tag, executor = %executor.id, "spawn group done");
+    }
+
+    async fn kill_inner(&self, id: &str) -> Result<pb::KillSandboxResponse, Status> {
+        validate::name("id", id)?;
+        let s = self
+            .ctx
+            .db
+            .sandbox(id)
+            .await?
+            .ok_or_else(|| Status::not_found(format!("sandbox {id} does not exist")))?;
+        if s.state().is_live() {
+            let (_, mut c) = self.executor_client(&s.executor_id).await?;
+            c.kill(xpb::KillRequest { id: id.to_string() }).await?;
+            self.ctx
+                .db
+                .set_sandbox_ended(id, SandboxState::Killed, None)
+                .await?;
+        }
+        let row = self
+            .ctx
+            .db
+            .sandbox(id)
+            .await?
+            .ok_or_else(|| Status::internal("sandbox vanished"))?;
+        Ok(pb::KillSandboxResponse {
+            sandbox: Some(sandbox_msg(&row)),
+        })
+    }
+
+    async fn write_file_inner(
+        &self,
+        mut incoming: Streaming<pb::WriteFileRequest>,
+        args: &mut serde_json::Value,
+    ) -> Result<pb::WriteFileResponse, Status> {
+        let header = match incoming.message().await? {
+            Some(pb::WriteFileRequest {
+                part: Some(pb::write_file_request::Part::Header(h)),
+            }) => h,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first WriteFile message must be the header",
+                ))
+            }
+        };
+        *args = json!({"sandbox_id": header.sandbox_id, "path": header.path, "mode": header.mode});
+        validate::guest_path("path", &header.path)?;
+        let mut client = self.sandbox_client(&header.sandbox_id).await?;
+        // Relay the data; if the caller's stream breaks, abandon the upstream call so the
+        // executor never mistakes a truncated upload for a complete one.
+        let (broken_tx, broken_rx) = tokio::sync::oneshot::channel::<Status>();
+        let mut broken_tx = Some(broken_tx);
+        let first = futures::stream::once(async move {
+            pb::WriteFileRequest {
+                part: Some(pb::write_file_request::Part::Header(header)),
+            }
+        });
+        let rest = incoming.filter_map(move |m| {
+            let out = match m {
+                Ok(pb::WriteFileRequest {
+                    part: Some(pb::write_file_request::Part::Data(d)),
+                }) => Some(pb::WriteFileRequest {
+                    part: Some(pb::write_file_request::Part::Data(d)),
+                }),
+                Ok(_) => {
+                    if let Some(b) = broken_tx.take() {
+                        let _ = b.send(Status::invalid_argument(
+                            "only data may follow the WriteFile header",
+                        ));
+                    }
+                    None
+                }
+                Err(e) => {
+                    if let Some(b) = broken_tx.take() {
+                        let _ = b.send(e);
+                    }
+                    None
+                }
+            };
+            async move { out }
+        });
+        let call = client.write_file(first.chain(rest));
+        tokio::select! {
+            r = call => Ok(r?.into_inner()),
+            Ok(s) = broken_rx => Err(Status::new(s.code(), format!("upload aborted: {}", s.message()))),
+        }
+    }
+}
+
+fn failure_event(
+    index: u32,
+    id: &str,
+    executor: &str,
+    code: Code,
+    message: &str,
+) -> pb::SpawnEvent {
+    pb::SpawnEvent {
+        index,
+        result: Some(pb::spawn_event::Result::Failed(pb::SpawnFailure {
+            sandbox_id: id.to_string(),
+            executor: executor.to_string(),
+            code: code_name(code).to_string(),
+            message: message.to_string(),
+        })),
+    }
+}
+
+#[tonic::async_trait]
+impl Snapshots for Api {
+    async fn create_snapshot(
+        &self,
+        req: Request<pb::CreateSnapshotRequest>,
+    ) -> Result<Response<pb::Snapshot>, Status> {
+        let r = req.get_ref();
+        let args = json!({"tag": r.tag, "image": r.image, "vcpus": r.vcpus, "mem_mib": r.mem_mib,
+                          "warmup_evals": r.warmup_eval.len(), "executor": r.executor});
+        let call = self.ctx.begin(Rpc::CreateSnapshot, &req, args)?;
+        let res = self.create_snapshot_inner(req.into_inner()).await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn list_snapshots(
+        &self,
+        req: Request<pb::ListSnapshotsRequest>,
+    ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
+        let call = self.ctx.begin(Rpc::ListSnapshots, &req, json!({}))?;
+        let res = async {
+            Ok(pb::ListSnapshotsResponse {
+                snapshots: self
+                    .ctx
+                    .db
+                    .snapshots()
+                    .await?
+                    .iter()
+                    .map(snapshot_msg)
+                    .collect(),
+            })
+        }
+        .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn get_snapshot(
+        &self,
+        req: Request<pb::GetSnapshotRequest>,
+    ) -> Result<Response<pb::GetSnapshotResponse>, Status> {
+        let tag = req.get_ref().tag.clone();
+        let call = self
+            .ctx
+            .begin(Rpc::GetSnapshot, &req, json!({"tag": tag}))?;
+        let res =
+            async {
+                validate::name("tag", &tag)?;
+                let s =
+                    self.ctx.db.snapshot(&tag).await?.ok_or_else(|| {
+                        Status::not_found(format!("snapshot {tag} does not exist"))
+                    })?;
+                Ok(pb::GetSnapshotResponse {
+                    snapshot: Some(snapshot_msg(&s)),
+                    ancestors: self
+                        .ctx
+                        .db
+                        .ancestors(&tag)
+                        .await?
+                        .iter()
+                        .map(snapshot_msg)
+                        .collect(),
+                    descendants: self
+                        .ctx
+                        .db
+                        .descendants(&tag)
+                        .await?
+                        .iter()
+                        .map(snapshot_msg)
+                        .collect(),
+                })
+            }
+            .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn delete_snapshot(
+        &self,
+        req: Request<pb::DeleteSnapshotRequest>,
+    ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
+        let r = req.get_ref();
+        let call = self.ctx.begin(
+            Rpc::DeleteSnapshot,
+            &req,
+            json!({"tag": r.tag, "cascade": r.cascade}),
+        )?;
+        let res = self.delete_snapshot_inner(req.into_inner()).await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+}
+
+#[tonic::async_trait]
+impl Sandboxes for Api {
+    type SpawnStream = ReceiverStream<Result<pb::SpawnEvent, Status>>;
+    type ExecStream = BoxStream<pb::ExecEvent>;
+    type ReadFileStream = BoxStream<pb::FileChunk>;
+
+    async fn spawn(
+        &self,
+        req: Request<pb::SpawnRequest>,
+    ) -> Result<Response<Self::SpawnStream>, Status> {
+        let r = req.get_ref();
+        let p = r.placement.clone().unwrap_or_default();
+        let args = json!({"tag": r.tag, "count": r.count, "policy": p.policy, "executors": p.executors,
+                          "ready_timeout_ms": r.ready_timeout_ms});
+        let call = self.ctx.begin(Rpc::Spawn, &req, args)?;
+        let res = self.start_spawn(req.into_inner()).await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn list_sandboxes(
+        &self,
+        req: Request<pb::ListSandboxesRequest>,
+    ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
+        let r = req.get_ref().clone();
+        let call = self.ctx.begin(
+            Rpc::ListSandboxes,
+            &req,
+            json!({"tag": r.tag, "all": r.all}),
+        )?;
+        let res = async {
+            let tag = if r.tag.is_empty() {
+                None
+            } else {
+                validate::name("tag", &r.tag)?;
+                Some(r.tag.as_str())
+            };
+            Ok(pb::ListSandboxesResponse {
+                sandboxes: self
+                    .ctx
+                    .db
+                    .sandboxes(tag, r.all)
+                    .await?
+                    .iter()
+                    .map(sandbox_msg)
+                    .collect(),
+            })
+        }
+        .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn get_sandbox(
+        &self,
+        req: Request<pb::GetSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let id = req.get_ref().id.clone();
+        let call = self.ctx.begin(Rpc::GetSandbox, &req, json!({"id": id}))?;
+        let res = async {
+            validate::name("id", &id)?;
+            let s = self
+                .ctx
+                .db
+                .sandbox(&id)
+                .await?
+                .ok_or_else(|| Status::not_found(format!("sandbox {id} does not exist")))?;
+            Ok(sandbox_msg(&s))
+        }
+        .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn kill_sandbox(
+        &self,
+        req: Request<pb::KillSandboxRequest>,
+    ) -> Result<Response<pb::KillSandboxResponse>, Status> {
+        let id = req.get_ref().id.clone();
+        let call = self.ctx.begin(Rpc::KillSandbox, &req, json!({"id": id}))?;
+        let res = self.kill_inner(&id).await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn exec(
+        &self,
+        req: Request<pb::ExecRequest>,
+    ) -> Result<Response<Self::ExecStream>, Status> {
+        let r = req.get_ref();
+        let args = json!({"sandbox_id": r.sandbox_id, "argv0": r.argv.first(), "args": r.argv.len(),
+                          "timeout_ms": r.timeout_ms});
+        let call = self.ctx.begin(Rpc::Exec, &req, args)?;
+        let res = async {
+            let r = req.into_inner();
+            validate::argv(&r.argv)?;
+            let mut c = self.sandbox_client(&r.sandbox_id).await?;
+            let s: Self::ExecStream = Box::pin(c.exec(r).await?.into_inner());
+            Ok(s)
+        }
+        .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn eval(
+        &self,
+        req: Request<pb::EvalRequest>,
+    ) -> Result<Response<pb::EvalResponse>, Status> {
+        let r = req.get_ref();
+        let args = json!({"sandbox_id": r.sandbox_id, "code_bytes": r.code.len(), "timeout_ms": r.timeout_ms});
+        let call = self.ctx.begin(Rpc::Eval, &req, args)?;
+        let res = async {
+            let r = req.into_inner();
+            validate::code("code", &r.code)?;
+            let mut c = self.sandbox_client(&r.sandbox_id).await?;
+            Ok(c.eval(r).await?.into_inner())
+        }
+        .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn read_file(
+        &self,
+        req: Request<pb::ReadFileRequest>,
+    ) -> Result<Response<Self::ReadFileStream>, Status> {
+        let r = req.get_ref();
+        let call = self.ctx.begin(
+            Rpc::ReadFile,
+            &req,
+            json!({"sandbox_id": r.sandbox_id, "path": r.path}),
+        )?;
+        let res = async {
+            let r = req.into_inner();
+            validate::guest_path("path", &r.path)?;
+            let mut c = self.sandbox_client(&r.sandbox_id).await?;
+            let s: Self::ReadFileStream = Box::pin(c.read_file(r).await?.into_inner());
+            Ok(s)
+        }
+        .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn write_file(
+        &self,
+        req: Request<Streaming<pb::WriteFileRequest>>,
+    ) -> Result<Response<pb::WriteFileResponse>, Status> {
+        let mut call = self.ctx.begin(Rpc::WriteFile, &req, json!({}))?;
+        let mut args = json!({});
+        let res = self.write_file_inner(req.into_inner(), &mut args).await;
+        call.args = args;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn branch(
+        &self,
+        req: Request<pb::BranchRequest>,
+    ) -> Result<Response<pb::Snapshot>, Status> {
+        let r = req.get_ref();
+        let call = self.ctx.begin(
+            Rpc::Branch,
+            &req,
+            json!({"sandbox_id": r.sandbox_id, "tag": r.tag}),
+        )?;
+        let res = (|| {
+            validate::name("sandbox_id", &r.sandbox_id)?;
+            validate::name("tag", &r.tag)?;
+            Err(Status::unimplemented(
+                "Branch (snapshotting a running sandbox) is not implemented yet; this RPC's shape is final",
+            ))
+        })();
+        self.ctx.finish(call, res)
+    }
+}
+
+#[tonic::async_trait]
+impl tine_proto::v1::executors_server::Executors for Api {
+    async fn register_executor(
+        &self,
+        req: Request<pb::RegisterExecutorRequest>,
+    ) -> Result<Response<pb::RegisterExecutorResponse>, Status> {
+        let r = req.get_ref();
+        let live = r.report.as_ref().map_or(0, |x| x.live_sandboxes.len());
+        let call = self.ctx.begin(
+            Rpc::RegisterExecutor,
+            &req,
+            json!({"id": r.id, "addr": r.addr, "live_sandboxes": live}),
+        )?;
+        let res = async {
+            let r = req.into_inner();
+            validate::name("id", &r.id)?;
+            validate::executor_addr(&r.addr)?;
+            let report = report_from(r.report);
+            for id in &report.live_sandboxes {
+                validate::name("report.live_sandboxes", id)?;
+            }
+            self.ctx.db.upsert_executor(&r.id, &r.addr, &report).await?;
+            let unknown = self.ctx.db.reconcile_sandboxes(&r.id, &report.live_sandboxes).await?;
+            tracing::info!(executor = %r.id, addr = %r.addr, live = report.live_sandboxes.len(), "executor registered");
+            Ok(pb::RegisterExecutorResponse {
+                heartbeat_interval_s: self.ctx.heartbeat_interval_s,
+                unknown_sandboxes: unknown,
+            })
+        }
+        .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let id = req.get_ref().id.clone();
+        let call = self.ctx.begin(Rpc::Heartbeat, &req, json!({"id": id}))?;
+        let res = async {
+            validate::name("id", &id)?;
+            let report = report_from(req.into_inner().report);
+            let registered = self.ctx.db.heartbeat(&id, &report).await?;
+            if registered {
+                self.ctx
+                    .db
+                    .reconcile_sandboxes(&id, &report.live_sandboxes)
+                    .await?;
+            }
+            Ok(pb::HeartbeatResponse { registered })
+        }
+        .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn list_executors(
+        &self,
+        req: Request<pb::ListExecutorsRequest>,
+    ) -> Result<Response<pb::ListExecutorsResponse>, Status> {
+        let call = self.ctx.begin(Rpc::ListExecutors, &req, json!({}))?;
+        let res = async {
+            let copies = self.ctx.db.copies().await?;
+            let executors = self
+                .ctx
+                .db
+                .executors()
+                .await?
+                .iter()
+                .map(|e| {
+                    let tags = copies
+                        .iter()
+                        .filter(|(x, _)| *x == e.id)
+                        .map(|(_, t)| t.clone())
+                        .collect();
+                    self.executor_msg(e, tags)
+                })
+                .collect();
+            Ok(pb::ListExecutorsResponse { executors })
+        }
+        .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn drain_executor(
+        &self,
+        req: Request<pb::DrainExecutorRequest>,
+    ) -> Result<Response<pb::Executor>, Status> {
+        let id = req.get_ref().id.clone();
+        let call = self
+            .ctx
+            .begin(Rpc::DrainExecutor, &req, json!({"id": id}))?;
+        let res = async {
+            validate::name("id", &id)?;
+            if !self.ctx.db.set_draining(&id).await? {
+                return Err(Status::not_found(format!(
+                    "executor {id} is not registered"
+                )));
+            }
+            let e = self
+                .ctx
+                .db
+                .executor(&id)
+                .await?
+                .ok_or_else(|| Status::internal("executor vanished"))?;
+            let copies = self.ctx.db.copies().await?;
+            let tags = copies
+                .into_iter()
+                .filter(|(x, _)| *x == id)
+                .map(|(_, t)| t)
+                .collect();
+            Ok(self.executor_msg(&e, tags))
+        }
+        .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+}

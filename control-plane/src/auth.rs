@@ -1,0 +1,284 @@
+//! Bearer-token authentication with named tokens and roles. Tokens are compared as SHA-256
+//! digests in constant time, so neither their content nor their length leaks through timing.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+use tonic::metadata::MetadataMap;
+use tonic::Status;
+
+/// What a token may do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Everything, including draining executors.
+    Admin,
+    /// Snapshots and sandboxes; read-only on executors.
+    User,
+    /// Executor daemons: register and heartbeat only. Also the secret the control plane
+    /// presents to executors.
+    Executor,
+}
+
+/// Who made a call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Principal {
+    pub name: String,
+    pub role: Role,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TokenEntry {
+    pub name: String,
+    pub role: Role,
+    pub token: String,
+}
+
+/// The tokens file: `{"tokens": [{"name": ..., "role": "admin"|"user"|"executor", "token": ...}]}`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct TokensFile {
+    pub tokens: Vec<TokenEntry>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    #[error("token {name:?} is too weak: {reason} (generate one with `tine token new`)")]
+    Weak { name: String, reason: &'static str },
+    #[error("token name {0:?} is used twice")]
+    DuplicateName(String),
+    #[error("the same token is given to {0:?} and {1:?}")]
+    DuplicateToken(String, String),
+    #[error("{path}: {what}")]
+    File { path: String, what: String },
+}
+
+pub const MIN_TOKEN_LEN: usize = 32;
+
+/// Refuse tokens a person typed or copied from an example.
+pub fn check_strength(name: &str, token: &str) -> Result<(), TokenError> {
+    let weak = |reason| {
+        Err(TokenError::Weak {
+            name: name.to_string(),
+            reason,
+        })
+    };
+    if token.len() < MIN_TOKEN_LEN {
+        return weak("shorter than 32 characters");
+    }
+    if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return weak("contains whitespace or control characters");
+    }
+    let lower = token.to_ascii_lowercase();
+    for placeholder in [
+        "changeme",
+        "change-me",
+        "password",
+        "example",
+        "placeholder",
+        "secret",
+        "xxxxxxxx",
+        "12345678",
+        "test-token",
+    ] {
+        if lower.contains(placeholder) {
+            return weak("looks like a placeholder");
+        }
+    }
+    let mut distinct: Vec<char> = token.chars().collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() < 10 {
+        return weak("fewer than 10 distinct characters");
+    }
+    Ok(())
+}
+
+/// A fresh random token: `tine_` and 64 hex digits (256 bits).
+pub fn generate_token() -> String {
+    let mut b = [0u8; 32];
+    getrandom::fill(&mut b).expect("getrandom");
+    format!("tine_{}", hex::encode(b))
+}
+
+struct Known {
+    principal: Principal,
+    digest: [u8; 32],
+}
+
+/// The accepted tokens.
+pub struct TokenSet {
+    known: Vec<Known>,
+}
+
+impl std::fmt::Debug for TokenSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenSet")
+            .field(
+                "names",
+                &self
+                    .known
+                    .iter()
+                    .map(|k| &k.principal.name)
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+impl TokenSet {
+    pub fn new(entries: &[TokenEntry]) -> Result<TokenSet, TokenError> {
+        let mut known: Vec<Known> = Vec::new();
+        for e in entries {
+            check_strength(&e.name, &e.token)?;
+            if known.iter().any(|k| k.principal.name == e.name) {
+                return Err(TokenError::DuplicateName(e.name.clone()));
+            }
+            let d = digest(&e.token);
+            if let Some(k) = known.iter().find(|k| k.digest == d) {
+                return Err(TokenError::DuplicateToken(
+                    k.principal.name.clone(),
+                    e.name.clone(),
+                ));
+            }
+            known.push(Known {
+                principal: Principal {
+                    name: e.name.clone(),
+                    role: e.role,
+                },
+                digest: d,
+            });
+        }
+        Ok(TokenSet { known })
+    }
+
+    /// Load a tokens file, refusing one that others can read.
+    pub fn load(path: &Path) -> Result<TokenSet, TokenError> {
+        let file_err = |what: String| TokenError::File {
+            path: path.display().to_string(),
+            what,
+        };
+        use std::os::unix::fs::PermissionsExt;
+        let meta = std::fs::metadata(path).map_err(|e| file_err(e.to_string()))?;
+        if meta.permissions().mode() & 0o077 != 0 {
+            return Err(file_err(format!(
+                "mode {:o} lets other users read the tokens; chmod 600 it",
+                meta.permissions().mode() & 0o777
+            )));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| file_err(e.to_string()))?;
+        let parsed: TokensFile =
+            serde_json::from_str(&text).map_err(|e| file_err(e.to_string()))?;
+        if parsed.tokens.is_empty() {
+            return Err(file_err("holds no tokens".into()));
+        }
+        TokenSet::new(&parsed.tokens)
+    }
+
+    /// The principal whose token `presented` is. Every entry is compared (no early exit).
+    pub fn check(&self, presented: &str) -> Option<Principal> {
+        let d = digest(presented);
+        let mut found = None;
+        for k in &self.known {
+            if bool::from(k.digest.ct_eq(&d)) {
+                found = Some(k.principal.clone());
+            }
+        }
+        found
+    }
+
+    /// Authenticate a call from its `authorization: Bearer <token>` metadata.
+    pub fn authenticate(&self, md: &MetadataMap) -> Result<Principal, Status> {
+        let Some(value) = md.get("authorization") else {
+            return Err(Status::unauthenticated(
+                "missing `authorization: Bearer <token>` metadata (set TINE_TOKEN)",
+            ));
+        };
+        let value = value
+            .to_str()
+            .map_err(|_| Status::unauthenticated("authorization metadata is not ASCII"))?;
+        let Some(token) = value.strip_prefix("Bearer ") else {
+            return Err(Status::unauthenticated(
+                "authorization must be `Bearer <token>`",
+            ));
+        };
+        self.check(token.trim())
+            .ok_or_else(|| Status::unauthenticated("unknown token"))
+    }
+}
+
+/// Write a tokens file atomically with mode 0600.
+pub fn write_tokens_file(path: &Path, file: &TokensFile) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(&serde_json::to_vec_pretty(file).map_err(std::io::Error::other)?)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, role: Role, token: &str) -> TokenEntry {
+        TokenEntry {
+            name: name.into(),
+            role,
+            token: token.into(),
+        }
+    }
+
+    #[test]
+    fn weak_tokens_are_refused() {
+        for t in [
+            "short",
+            "changeme-changeme-changeme-changeme",
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            "abababababababababababababababababab",
+            "my secret token that is long enough 123",
+        ] {
+            assert!(check_strength("t", t).is_err(), "{t} accepted");
+        }
+        check_strength("t", &generate_token()).unwrap();
+    }
+
+    #[test]
+    fn tokens_map_to_their_principal_only() {
+        let (a, u) = (generate_token(), generate_token());
+        let set =
+            TokenSet::new(&[entry("ops", Role::Admin, &a), entry("ci", Role::User, &u)]).unwrap();
+        assert_eq!(set.check(&a).unwrap().role, Role::Admin);
+        assert_eq!(set.check(&u).unwrap().name, "ci");
+        assert!(set.check(&generate_token()).is_none());
+        assert!(set.check(&a[..a.len() - 1]).is_none());
+        let dup = TokenSet::new(&[entry("a", Role::Admin, &a), entry("b", Role::User, &a)]);
+        assert!(matches!(dup, Err(TokenError::DuplicateToken(..))));
+    }
+
+    #[test]
+    fn readable_tokens_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("tokens.json");
+        let file = TokensFile {
+            tokens: vec![entry("ops", Role::Admin, &generate_token())],
+        };
+        write_tokens_file(&p, &file).unwrap();
+        TokenSet::load(&p).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = TokenSet::load(&p).unwrap_err().to_string();
+        assert!(err.contains("chmod 600"), "{err}");
+    }
+}

@@ -1,0 +1,228 @@
+//! Every RPC goes through `Ctx::begin` (authenticate, authorise) and `Ctx::finish` (audit
+//! line, metrics), so no handler can forget either, and rejected calls are audited too.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use tonic::{Code, Request, Status};
+
+use crate::audit::{rfc3339, AuditLog, AuditRecord};
+use crate::auth::{Principal, Role, TokenSet};
+use crate::db::Db;
+use crate::executors::ExecutorPool;
+use crate::metrics::Metrics;
+
+/// How callers prove who they are.
+pub enum Auth {
+    Tokens(TokenSet),
+    /// Everyone is admin. Only ever allowed on a loopback listener (see `server`).
+    Disabled,
+}
+
+/// The public RPCs, with who may call them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rpc {
+    CreateSnapshot,
+    ListSnapshots,
+    GetSnapshot,
+    DeleteSnapshot,
+    Spawn,
+    ListSandboxes,
+    GetSandbox,
+    KillSandbox,
+    Exec,
+    Eval,
+    ReadFile,
+    WriteFile,
+    Branch,
+    RegisterExecutor,
+    Heartbeat,
+    ListExecutors,
+    DrainExecutor,
+}
+
+impl Rpc {
+    pub fn name(self) -> &'static str {
+        match self {
+            Rpc::CreateSnapshot => "tine.v1.Snapshots/CreateSnapshot",
+            Rpc::ListSnapshots => "tine.v1.Snapshots/ListSnapshots",
+            Rpc::GetSnapshot => "tine.v1.Snapshots/GetSnapshot",
+            Rpc::DeleteSnapshot => "tine.v1.Snapshots/DeleteSnapshot",
+            Rpc::Spawn => "tine.v1.Sandboxes/Spawn",
+            Rpc::ListSandboxes => "tine.v1.Sandboxes/ListSandboxes",
+            Rpc::GetSandbox => "tine.v1.Sandboxes/GetSandbox",
+            Rpc::KillSandbox => "tine.v1.Sandboxes/KillSandbox",
+            Rpc::Exec => "tine.v1.Sandboxes/Exec",
+            Rpc::Eval => "tine.v1.Sandboxes/Eval",
+            Rpc::ReadFile => "tine.v1.Sandboxes/ReadFile",
+            Rpc::WriteFile => "tine.v1.Sandboxes/WriteFile",
+            Rpc::Branch => "tine.v1.Sandboxes/Branch",
+            Rpc::RegisterExecutor => "tine.v1.Executors/RegisterExecutor",
+            Rpc::Heartbeat => "tine.v1.Executors/Heartbeat",
+            Rpc::ListExecutors => "tine.v1.Executors/ListExecutors",
+            Rpc::DrainExecutor => "tine.v1.Executors/DrainExecutor",
+        }
+    }
+
+    pub fn allows(self, role: Role) -> bool {
+        match role {
+            Role::Admin => true,
+            Role::Executor => matches!(self, Rpc::RegisterExecutor | Rpc::Heartbeat),
+            Role::User => !matches!(
+                self,
+                Rpc::RegisterExecutor | Rpc::Heartbeat | Rpc::DrainExecutor
+            ),
+        }
+    }
+}
+
+/// Shared state of the control plane's services.
+pub struct Ctx {
+    pub db: Db,
+    pub auth: Auth,
+    pub audit: AuditLog,
+    pub metrics: Arc<Metrics>,
+    pub executors: ExecutorPool,
+    /// Heartbeat period executors are told to keep; three missed ones mark an executor down.
+    pub heartbeat_interval_s: u32,
+}
+
+/// An accepted call in progress.
+pub struct Call {
+    rpc: Rpc,
+    pub principal: Principal,
+    peer: Option<SocketAddr>,
+    start: Instant,
+    pub args: serde_json::Value,
+}
+
+pub fn code_name(c: Code) -> &'static str {
+    match c {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+impl Ctx {
+    /// Authenticate and authorise; a refusal is audited and counted before it is returned.
+    pub fn begin<T>(
+        &self,
+        rpc: Rpc,
+        req: &Request<T>,
+        args: serde_json::Value,
+    ) -> Result<Call, Status> {
+        let start = Instant::now();
+        let peer = req.remote_addr();
+        let principal = match &self.auth {
+            Auth::Tokens(t) => t.authenticate(req.metadata()),
+            Auth::Disabled => Ok(Principal {
+                name: "anonymous".into(),
+                role: Role::Admin,
+            }),
+        };
+        let principal = match principal {
+            Ok(p) if rpc.allows(p.role) => p,
+            Ok(p) => {
+                let status = Status::permission_denied(format!(
+                    "token {:?} (role {:?}) may not call {}",
+                    p.name,
+                    p.role,
+                    rpc.name()
+                ));
+                self.record(rpc, Some(&p.name), &args, &status, start, peer);
+                return Err(status);
+            }
+            Err(status) => {
+                self.record(rpc, None, &args, &status, start, peer);
+                return Err(status);
+            }
+        };
+        Ok(Call {
+            rpc,
+            principal,
+            peer,
+            start,
+            args,
+        })
+    }
+
+    /// Audit and count the outcome of an accepted call, passing it through.
+    pub fn finish<T>(&self, call: Call, result: Result<T, Status>) -> Result<T, Status> {
+        let ok = Status::ok("");
+        let status = match &result {
+            Ok(_) => &ok,
+            Err(s) => s,
+        };
+        self.record(
+            call.rpc,
+            Some(&call.principal.name),
+            &call.args,
+            status,
+            call.start,
+            call.peer,
+        );
+        result
+    }
+
+    fn record(
+        &self,
+        rpc: Rpc,
+        principal: Option<&str>,
+        args: &serde_json::Value,
+        status: &Status,
+        start: Instant,
+        peer: Option<SocketAddr>,
+    ) {
+        let elapsed = start.elapsed();
+        let code = code_name(status.code());
+        self.metrics
+            .rpcs
+            .with_label_values(&[rpc.name(), code])
+            .inc();
+        self.metrics
+            .rpc_seconds
+            .with_label_values(&[rpc.name()])
+            .observe(elapsed.as_secs_f64());
+        self.audit.record(&AuditRecord {
+            time: rfc3339(SystemTime::now()),
+            principal,
+            rpc: rpc.name(),
+            args: args.clone(),
+            status: code,
+            message: (status.code() != Code::Ok).then(|| status.message()),
+            latency_ms: elapsed.as_secs_f64() * 1e3,
+            peer: peer.map(|p| p.to_string()),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_gate_rpcs() {
+        assert!(Rpc::DrainExecutor.allows(Role::Admin));
+        assert!(!Rpc::DrainExecutor.allows(Role::User));
+        assert!(Rpc::Spawn.allows(Role::User));
+        assert!(!Rpc::Spawn.allows(Role::Executor));
+        assert!(Rpc::Heartbeat.allows(Role::Executor));
+        assert!(!Rpc::Heartbeat.allows(Role::User));
+    }
+}

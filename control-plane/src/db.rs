@@ -1,0 +1,507 @@
+//! The control plane's state in SQLite (WAL, foreign keys on): executors, snapshot lineage,
+//! where snapshots are held, and sandboxes. Everything survives a restart of the service.
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::SqlitePool;
+
+use crate::now_ms;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("database: {0}")]
+    Sql(#[from] sqlx::Error),
+    #[error("database migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("snapshot {0} does not exist")]
+    NoSnapshot(String),
+    #[error("snapshot {0} already exists")]
+    SnapshotExists(String),
+    #[error("snapshot {tag} has {} descendant(s) ({}); delete them first or ask for cascade", .descendants.len(), .descendants.join(", "))]
+    HasDescendants {
+        tag: String,
+        descendants: Vec<String>,
+    },
+}
+
+pub type Result<T, E = DbError> = std::result::Result<T, E>;
+
+/// Lifecycle of a sandbox as the control plane records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SandboxState {
+    Starting,
+    Ready,
+    Failed,
+    Killed,
+    Lost,
+}
+
+impl SandboxState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Starting => "starting",
+            SandboxState::Ready => "ready",
+            SandboxState::Failed => "failed",
+            SandboxState::Killed => "killed",
+            SandboxState::Lost => "lost",
+        }
+    }
+
+    /// Starting or ready: it occupies a slot on its executor.
+    pub fn is_live(self) -> bool {
+        matches!(self, SandboxState::Starting | SandboxState::Ready)
+    }
+}
+
+impl FromStr for SandboxState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "starting" => SandboxState::Starting,
+            "ready" => SandboxState::Ready,
+            "failed" => SandboxState::Failed,
+            "killed" => SandboxState::Killed,
+            "lost" => SandboxState::Lost,
+            other => return Err(format!("unknown sandbox state {other:?}")),
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, sqlx::FromRow)]
+pub struct SnapshotRow {
+    pub tag: String,
+    pub parent_tag: Option<String>,
+    pub image: String,
+    pub vcpus: i64,
+    pub mem_mib: i64,
+    pub source_sandbox: Option<String>,
+    pub created_ms: i64,
+    /// Executors holding it (comma-joined by the query, split here).
+    #[sqlx(default)]
+    pub executors: Option<String>,
+}
+
+impl SnapshotRow {
+    pub fn executor_list(&self) -> Vec<String> {
+        self.executors
+            .as_deref()
+            .filter(|s| !s.is_empty())
+            .map(|s| s.split(',').map(str::to_owned).collect())
+            .unwrap_or_default()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, sqlx::FromRow)]
+pub struct ExecutorRow {
+    pub id: String,
+    pub addr: String,
+    pub draining: bool,
+    pub max_sandboxes: i64,
+    pub running_sandboxes: i64,
+    pub mem_total_mib: i64,
+    pub mem_available_mib: i64,
+    pub registered_ms: i64,
+    pub last_heartbeat_ms: i64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, sqlx::FromRow)]
+pub struct SandboxRow {
+    pub id: String,
+    pub tag: String,
+    pub executor_id: String,
+    pub state: String,
+    pub created_ms: i64,
+    pub ready_us: Option<i64>,
+    pub error: Option<String>,
+}
+
+impl SandboxRow {
+    pub fn state(&self) -> SandboxState {
+        // The CHECK constraint keeps the column to known values.
+        self.state.parse().unwrap_or(SandboxState::Lost)
+    }
+}
+
+/// What an executor reports about itself (registration and heartbeats).
+#[derive(Clone, Debug, Default)]
+pub struct ExecutorReport {
+    pub max_sandboxes: u32,
+    pub running_sandboxes: u32,
+    pub mem_total_mib: u64,
+    pub mem_available_mib: u64,
+    pub cached_tags: Vec<String>,
+    pub live_sandboxes: Vec<String>,
+}
+
+/// New snapshot as recorded after an executor made it.
+#[derive(Clone, Debug)]
+pub struct NewSnapshot {
+    pub tag: String,
+    pub parent_tag: Option<String>,
+    pub image: String,
+    pub vcpus: u32,
+    pub mem_mib: u64,
+    pub source_sandbox: Option<String>,
+    pub executor_id: String,
+}
+
+/// Ready sandboxes an executor no longer reports are only declared lost after this long, so a
+/// heartbeat composed just before a spawn finished cannot condemn the new child.
+const LOST_GRACE_MS: i64 = 30_000;
+
+const SNAPSHOT_COLUMNS: &str = "s.tag, s.parent_tag, s.image, s.vcpus, s.mem_mib, s.source_sandbox, s.created_ms, \
+     (SELECT group_concat(executor_id, ',') FROM snapshot_copies c WHERE c.tag = s.tag) AS executors";
+
+#[derive(Clone)]
+pub struct Db {
+    pool: SqlitePool,
+}
+
+impl Db {
+    /// Open (creating if needed) the database file and bring its schema up to date.
+    pub async fn open(path: &Path) -> Result<Db> {
+        let opts = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .foreign_keys(true)
+            .busy_timeout(Duration::from_secs(5));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(opts)
+            .await?;
+        sqlx::migrate!("./migrations").run(&pool).await?;
+        Ok(Db { pool })
+    }
+
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    // ---- executors ----
+
+    /// Insert or refresh an executor; a draining executor stays draining across re-registration.
+    pub async fn upsert_executor(&self, id: &str, addr: &str, r: &ExecutorReport) -> Result<()> {
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO executors (id, addr, max_sandboxes, running_sandboxes, mem_total_mib, \
+             mem_available_mib, registered_ms, last_heartbeat_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?) \
+             ON CONFLICT(id) DO UPDATE SET addr = excluded.addr, max_sandboxes = excluded.max_sandboxes, \
+             running_sandboxes = excluded.running_sandboxes, mem_total_mib = excluded.mem_total_mib, \
+             mem_available_mib = excluded.mem_available_mib, registered_ms = excluded.registered_ms, \
+             last_heartbeat_ms = excluded.last_heartbeat_ms",
+        )
+        .bind(id)
+        .bind(addr)
+        .bind(r.max_sandboxes as i64)
+        .bind(r.running_sandboxes as i64)
+        .bind(r.mem_total_mib as i64)
+        .bind(r.mem_available_mib as i64)
+        .bind(now)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        set_copies(&mut tx, id, &r.cached_tags).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Record a heartbeat; false when the executor is unknown (it must register again).
+    pub async fn heartbeat(&self, id: &str, r: &ExecutorReport) -> Result<bool> {
+        let mut tx = self.pool.begin().await?;
+        let done = sqlx::query(
+            "UPDATE executors SET max_sandboxes = ?, running_sandboxes = ?, mem_total_mib = ?, \
+             mem_available_mib = ?, last_heartbeat_ms = ? WHERE id = ?",
+        )
+        .bind(r.max_sandboxes as i64)
+        .bind(r.running_sandboxes as i64)
+        .bind(r.mem_total_mib as i64)
+        .bind(r.mem_available_mib as i64)
+        .bind(now_ms())
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        if done.rows_affected() == 0 {
+            return Ok(false);
+        }
+        set_copies(&mut tx, id, &r.cached_tags).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// Reconcile the executor's live sandboxes with the records: ready sandboxes it no longer
+    /// runs become lost; returns the ids it runs that the control plane has no live record of.
+    pub async fn reconcile_sandboxes(
+        &self,
+        executor: &str,
+        live: &[String],
+    ) -> Result<Vec<String>> {
+        let mut tx = self.pool.begin().await?;
+        let known: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT id, state, created_ms FROM sandboxes WHERE executor_id = ? AND state IN ('starting', 'ready')",
+        )
+        .bind(executor)
+        .fetch_all(&mut *tx)
+        .await?;
+        let cutoff = now_ms() - LOST_GRACE_MS;
+        for (id, state, created) in &known {
+            if state == "ready" && *created < cutoff && !live.contains(id) {
+                sqlx::query("UPDATE sandboxes SET state = 'lost', error = 'its executor no longer runs it' WHERE id = ?")
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(live
+            .iter()
+            .filter(|id| !known.iter().any(|(k, _, _)| k == *id))
+            .cloned()
+            .collect())
+    }
+
+    pub async fn set_draining(&self, id: &str) -> Result<bool> {
+        let r = sqlx::query("UPDATE executors SET draining = 1 WHERE id = ?")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    pub async fn executors(&self) -> Result<Vec<ExecutorRow>> {
+        Ok(sqlx::query_as("SELECT * FROM executors ORDER BY id")
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    pub async fn executor(&self, id: &str) -> Result<Option<ExecutorRow>> {
+        Ok(sqlx::query_as("SELECT * FROM executors WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    /// Live (starting or ready) sandboxes per executor, as recorded here.
+    pub async fn live_counts(&self) -> Result<Vec<(String, i64)>> {
+        Ok(sqlx::query_as(
+            "SELECT executor_id, count(*) FROM sandboxes WHERE state IN ('starting', 'ready') GROUP BY executor_id",
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// (executor, tag) for every held snapshot copy.
+    pub async fn copies(&self) -> Result<Vec<(String, String)>> {
+        Ok(
+            sqlx::query_as(
+                "SELECT executor_id, tag FROM snapshot_copies ORDER BY executor_id, tag",
+            )
+            .fetch_all(&self.pool)
+            .await?,
+        )
+    }
+
+    // ---- snapshots ----
+
+    pub async fn insert_snapshot(&self, s: &NewSnapshot) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        let r = sqlx::query(
+            "INSERT INTO snapshots (tag, parent_tag, image, vcpus, mem_mib, source_sandbox, created_ms) \
+             VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(tag) DO NOTHING",
+        )
+        .bind(&s.tag)
+        .bind(&s.parent_tag)
+        .bind(&s.image)
+        .bind(s.vcpus as i64)
+        .bind(s.mem_mib as i64)
+        .bind(&s.source_sandbox)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?;
+        if r.rows_affected() == 0 {
+            return Err(DbError::SnapshotExists(s.tag.clone()));
+        }
+        sqlx::query("INSERT OR IGNORE INTO snapshot_copies (tag, executor_id) VALUES (?, ?)")
+            .bind(&s.tag)
+            .bind(&s.executor_id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub async fn snapshot(&self, tag: &str) -> Result<Option<SnapshotRow>> {
+        let q = format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots s WHERE s.tag = ?");
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(q))
+            .bind(tag)
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    pub async fn snapshots(&self) -> Result<Vec<SnapshotRow>> {
+        let q = format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots s ORDER BY s.created_ms, s.tag");
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(q))
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    /// Parent, grandparent, ... of `tag` (nearest first).
+    pub async fn ancestors(&self, tag: &str) -> Result<Vec<SnapshotRow>> {
+        let q = format!(
+            "WITH RECURSIVE up(tag, depth) AS ( \
+               SELECT parent_tag, 1 FROM snapshots WHERE tag = ? AND parent_tag IS NOT NULL \
+               UNION ALL \
+               SELECT p.parent_tag, up.depth + 1 FROM snapshots p JOIN up ON p.tag = up.tag \
+               WHERE p.parent_tag IS NOT NULL) \
+             SELECT {SNAPSHOT_COLUMNS} FROM up JOIN snapshots s ON s.tag = up.tag ORDER BY up.depth"
+        );
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(q))
+            .bind(tag)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    /// Every snapshot descending from `tag`, parents before their children.
+    pub async fn descendants(&self, tag: &str) -> Result<Vec<SnapshotRow>> {
+        let q = format!(
+            "WITH RECURSIVE down(tag, depth) AS ( \
+               SELECT tag, 1 FROM snapshots WHERE parent_tag = ? \
+               UNION ALL \
+               SELECT c.tag, down.depth + 1 FROM snapshots c JOIN down ON c.parent_tag = down.tag) \
+             SELECT {SNAPSHOT_COLUMNS} FROM down JOIN snapshots s ON s.tag = down.tag ORDER BY down.depth, s.tag"
+        );
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(q))
+            .bind(tag)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    /// Delete `tag` (and with `cascade` all its descendants, deepest first) in one
+    /// transaction. Returns the deleted rows (with where they were held).
+    pub async fn delete_snapshot(&self, tag: &str, cascade: bool) -> Result<Vec<SnapshotRow>> {
+        let Some(me) = self.snapshot(tag).await? else {
+            return Err(DbError::NoSnapshot(tag.to_string()));
+        };
+        let descendants = self.descendants(tag).await?;
+        if !descendants.is_empty() && !cascade {
+            return Err(DbError::HasDescendants {
+                tag: tag.to_string(),
+                descendants: descendants.into_iter().map(|d| d.tag).collect(),
+            });
+        }
+        let mut doomed = descendants;
+        doomed.reverse(); // children before parents (RESTRICT on parent_tag)
+        doomed.push(me);
+        let mut tx = self.pool.begin().await?;
+        for s in &doomed {
+            sqlx::query("DELETE FROM snapshots WHERE tag = ?")
+                .bind(&s.tag)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(doomed)
+    }
+
+    // ---- sandboxes ----
+
+    /// Record new children as starting, all or none.
+    pub async fn insert_sandboxes(&self, rows: &[(String, String, String)]) -> Result<()> {
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        for (id, tag, executor) in rows {
+            sqlx::query(
+                "INSERT INTO sandboxes (id, tag, executor_id, state, created_ms) VALUES (?, ?, ?, 'starting', ?)",
+            )
+            .bind(id)
+            .bind(tag)
+            .bind(executor)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub async fn set_sandbox_ready(&self, id: &str, ready_us: u64) -> Result<()> {
+        sqlx::query("UPDATE sandboxes SET state = 'ready', ready_us = ? WHERE id = ? AND state = 'starting'")
+            .bind(ready_us as i64)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn set_sandbox_ended(
+        &self,
+        id: &str,
+        state: SandboxState,
+        error: Option<&str>,
+    ) -> Result<()> {
+        sqlx::query("UPDATE sandboxes SET state = ?, error = ? WHERE id = ?")
+            .bind(state.as_str())
+            .bind(error)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn sandbox(&self, id: &str) -> Result<Option<SandboxRow>> {
+        Ok(sqlx::query_as("SELECT * FROM sandboxes WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    pub async fn sandboxes(
+        &self,
+        tag: Option<&str>,
+        include_ended: bool,
+    ) -> Result<Vec<SandboxRow>> {
+        Ok(sqlx::query_as(
+            "SELECT * FROM sandboxes WHERE (?1 IS NULL OR tag = ?1) \
+             AND (?2 OR state IN ('starting', 'ready')) ORDER BY created_ms, id",
+        )
+        .bind(tag)
+        .bind(include_ended)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    pub async fn count_live_sandboxes(&self) -> Result<i64> {
+        let (n,): (i64,) =
+            sqlx::query_as("SELECT count(*) FROM sandboxes WHERE state IN ('starting', 'ready')")
+                .fetch_one(&self.pool)
+                .await?;
+        Ok(n)
+    }
+}
+
+/// Replace the executor's list of held snapshots with `tags` (unknown tags are ignored).
+async fn set_copies(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    executor: &str,
+    tags: &[String],
+) -> Result<()> {
+    sqlx::query("DELETE FROM snapshot_copies WHERE executor_id = ?")
+        .bind(executor)
+        .execute(&mut **tx)
+        .await?;
+    for tag in tags {
+        sqlx::query(
+            "INSERT OR IGNORE INTO snapshot_copies (tag, executor_id) SELECT tag, ? FROM snapshots WHERE tag = ?",
+        )
+        .bind(executor)
+        .bind(tag)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,225 @@
+//! Assemble and run the control plane: gRPC services (with health and reflection), the
+//! metrics endpoint, SIGHUP audit reopening, and the safety checks on where it listens.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use tine_proto::v1::executors_server::ExecutorsServer;
+use tine_proto::v1::sandboxes_server::SandboxesServer;
+use tine_proto::v1::snapshots_server::SnapshotsServer;
+use tokio::sync::oneshot;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::{Certificate, ClientTlsConfig, Identity, Server, ServerTlsConfig};
+
+use crate::api::Api;
+use crate::audit::AuditLog;
+use crate::calls::{Auth, Ctx};
+use crate::db::Db;
+use crate::executors::ExecutorPool;
+use crate::metrics::{self, Metrics};
+use crate::validate::MAX_MESSAGE_BYTES;
+
+/// PEM certificate chain and private key.
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub db_path: PathBuf,
+    pub auth: Auth,
+    pub audit_path: PathBuf,
+    /// Where `/metrics` is served (None: not served).
+    pub metrics_listen: Option<SocketAddr>,
+    pub tls: Option<TlsFiles>,
+    /// The secret presented to executors (role "executor" in the tokens file).
+    pub executor_token: Option<String>,
+    /// CA that signed the executors' certificates, for https:// executor addresses.
+    pub executor_ca: Option<PathBuf>,
+    pub heartbeat_interval_s: u32,
+    /// Serve plaintext gRPC on a non-loopback address (tokens would cross the network in clear).
+    pub allow_plaintext_remote: bool,
+}
+
+/// Refuse configurations that would expose the API unsafely.
+pub fn check_exposure(cfg: &ServerConfig) -> Result<()> {
+    if cfg.listen.ip().is_loopback() {
+        return Ok(());
+    }
+    if matches!(cfg.auth, Auth::Disabled) {
+        bail!(
+            "refusing to listen on {} without authentication: give a tokens file, or listen on a loopback address",
+            cfg.listen
+        );
+    }
+    if cfg.tls.is_none() && !cfg.allow_plaintext_remote {
+        bail!(
+            "refusing to listen on {} without TLS (bearer tokens would cross the network in clear): \
+             give --tls-cert/--tls-key, or --allow-plaintext-remote on a trusted network",
+            cfg.listen
+        );
+    }
+    Ok(())
+}
+
+pub struct RunningServer {
+    pub addr: SocketAddr,
+    pub metrics_addr: Option<SocketAddr>,
+    pub ctx: Arc<Ctx>,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    background: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RunningServer {
+    /// Stop accepting calls, let running ones finish, close the database.
+    pub async fn shutdown(mut self) -> Result<()> {
+        if let Some(s) = self.shutdown.take() {
+            let _ = s.send(());
+        }
+        for b in &self.background {
+            b.abort();
+        }
+        (&mut self.task).await.context("server task")??;
+        self.ctx.db.close().await;
+        Ok(())
+    }
+}
+
+pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
+    check_exposure(&cfg)?;
+    if let Some(dir) = cfg.db_path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let db = Db::open(&cfg.db_path)
+        .await
+        .with_context(|| format!("opening the database {}", cfg.db_path.display()))?;
+    let audit = AuditLog::open(&cfg.audit_path)
+        .with_context(|| format!("opening the audit log {}", cfg.audit_path.display()))?;
+    let executor_tls = match &cfg.executor_ca {
+        Some(ca) => Some(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(
+            std::fs::read(ca).with_context(|| format!("reading {}", ca.display()))?,
+        ))),
+        None => None,
+    };
+    let executors = ExecutorPool::new(cfg.executor_token.as_deref(), executor_tls)
+        .map_err(|e| anyhow::anyhow!("executor token: {e}"))?;
+    let metrics = Arc::new(Metrics::new());
+    let ctx = Arc::new(Ctx {
+        db,
+        auth: cfg.auth,
+        audit,
+        metrics: metrics.clone(),
+        executors,
+        heartbeat_interval_s: cfg.heartbeat_interval_s.max(1),
+    });
+    let api = Api { ctx: ctx.clone() };
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<SnapshotsServer<Api>>().await;
+    health.set_serving::<SandboxesServer<Api>>().await;
+    health.set_serving::<ExecutorsServer<Api>>().await;
+    // grpcurl 1.8 speaks only v1alpha reflection, newer tools v1: serve both.
+    let reflection = |b: tonic_reflection::server::Builder<'static>| {
+        b.register_encoded_file_descriptor_set(tine_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection(tonic_reflection::server::Builder::configure()).build_v1()?;
+    let reflection_v1alpha =
+        reflection(tonic_reflection::server::Builder::configure()).build_v1alpha()?;
+
+    let mut builder = Server::builder();
+    if let Some(tls) = &cfg.tls {
+        let cert =
+            std::fs::read(&tls.cert).with_context(|| format!("reading {}", tls.cert.display()))?;
+        let key =
+            std::fs::read(&tls.key).with_context(|| format!("reading {}", tls.key.display()))?;
+        builder =
+            builder.tls_config(ServerTlsConfig::new().identity(Identity::from_pem(cert, key)))?;
+    }
+    let router = builder
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(
+            SnapshotsServer::new(api.clone())
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .add_service(
+            SandboxesServer::new(api.clone())
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .add_service(
+            ExecutorsServer::new(api.clone())
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        );
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("binding {}", cfg.listen))?;
+    let addr = listener.local_addr()?;
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(router.serve_with_incoming_shutdown(
+        TcpListenerStream::new(listener),
+        async {
+            let _ = rx.await;
+        },
+    ));
+
+    let mut background = Vec::new();
+    let mut metrics_addr = None;
+    if let Some(m) = cfg.metrics_listen {
+        let (bound, t) = metrics::serve(m, metrics.clone())
+            .await
+            .with_context(|| format!("binding the metrics listener {m}"))?;
+        metrics_addr = Some(bound);
+        background.push(t);
+    }
+    background.push(tokio::spawn(reopen_audit_on_sighup(ctx.clone())));
+    background.push(tokio::spawn(refresh_gauges(api)));
+    tracing::info!(%addr, "control plane listening");
+    Ok(RunningServer {
+        addr,
+        metrics_addr,
+        ctx,
+        shutdown: Some(tx),
+        task,
+        background,
+    })
+}
+
+async fn reopen_audit_on_sighup(ctx: Arc<Ctx>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot watch SIGHUP: the audit log will not be reopened on rotation");
+        return;
+    };
+    while hup.recv().await.is_some() {
+        match ctx.audit.reopen() {
+            Ok(()) => tracing::info!(path = %ctx.audit.path().display(), "audit log reopened"),
+            Err(e) => tracing::error!("reopening the audit log: {e}"),
+        }
+    }
+}
+
+/// Keep the gauges current (they are read by scrapes, not by calls).
+async fn refresh_gauges(api: Api) {
+    let period = Duration::from_secs(api.ctx.heartbeat_interval_s as u64);
+    loop {
+        if let Ok(n) = api.ctx.db.count_live_sandboxes().await {
+            api.ctx.metrics.sandboxes_active.set(n);
+        }
+        if let Ok(ex) = api.ctx.db.executors().await {
+            let up = ex.iter().filter(|e| api.is_up(e)).count();
+            api.ctx.metrics.executors_up.set(up as i64);
+        }
+        tokio::time::sleep(period).await;
+    }
+}

@@ -1,0 +1,91 @@
+//! Input checks shared by every RPC: each failure is an INVALID_ARGUMENT naming the field.
+
+use tonic::Status;
+
+/// Most children one Spawn may ask for.
+pub const MAX_SPAWN: u32 = 1000;
+/// Largest gRPC message accepted (file chunks are 1 MiB).
+pub const MAX_MESSAGE_BYTES: usize = 8 << 20;
+const MAX_CODE_BYTES: usize = 1 << 20;
+const MAX_ARGV: usize = 4096;
+const MAX_PATH: usize = 4096;
+
+fn invalid(field: &str, why: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!("{field}: {why}"))
+}
+
+/// Snapshot tags, sandbox and executor ids: the snapshot store's tag rules (no `/`, no `..`,
+/// letters, digits, `.`, `_`, `-`, `+`, at most 128 bytes).
+pub fn name(field: &str, value: &str) -> Result<(), Status> {
+    tine_snapshot_store::tag::validate_tag(value).map_err(|e| invalid(field, e))
+}
+
+pub fn spawn_count(n: u32) -> Result<(), Status> {
+    if n == 0 || n > MAX_SPAWN {
+        return Err(invalid("count", format!("{n} is outside 1..={MAX_SPAWN}")));
+    }
+    Ok(())
+}
+
+/// An absolute guest path (the agent enforces the guest root on top of this).
+pub fn guest_path(field: &str, p: &str) -> Result<(), Status> {
+    if p.is_empty() || !p.starts_with('/') {
+        return Err(invalid(field, format!("{p:?} is not an absolute path")));
+    }
+    if p.len() > MAX_PATH || p.contains('\0') {
+        return Err(invalid(field, "too long or contains NUL"));
+    }
+    Ok(())
+}
+
+pub fn code(field: &str, c: &str) -> Result<(), Status> {
+    if c.len() > MAX_CODE_BYTES {
+        return Err(invalid(
+            field,
+            format!("{} bytes is over the {MAX_CODE_BYTES} limit", c.len()),
+        ));
+    }
+    Ok(())
+}
+
+pub fn argv(a: &[String]) -> Result<(), Status> {
+    if a.is_empty() {
+        return Err(invalid("argv", "empty"));
+    }
+    if a.len() > MAX_ARGV || a.iter().any(|s| s.contains('\0')) {
+        return Err(invalid(
+            "argv",
+            "too many arguments or an argument contains NUL",
+        ));
+    }
+    Ok(())
+}
+
+/// An executor's advertised address: http(s)://host:port.
+pub fn executor_addr(a: &str) -> Result<(), Status> {
+    let ok = (a.starts_with("http://") || a.starts_with("https://"))
+        && a.len() <= 256
+        && a.parse::<tonic::codegen::http::Uri>()
+            .is_ok_and(|u| u.port().is_some());
+    if !ok {
+        return Err(invalid("addr", format!("{a:?} is not http(s)://host:port")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostile_names_are_refused() {
+        for bad in ["", "../x", "a/b", "..", ".hidden", "a\nb", &"x".repeat(200)] {
+            assert!(name("tag", bad).is_err(), "{bad:?}");
+        }
+        name("tag", "py-numpy_1.2").unwrap();
+        assert!(spawn_count(0).is_err() && spawn_count(MAX_SPAWN + 1).is_err());
+        assert!(guest_path("path", "etc/passwd").is_err());
+        assert!(executor_addr("127.0.0.1:80").is_err());
+        executor_addr("http://127.0.0.1:7071").unwrap();
+    }
+}

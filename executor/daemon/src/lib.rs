@@ -1,0 +1,1 @@
+//! Tine executor daemon.
