@@ -3,16 +3,17 @@
 //! RAM mapped copy-on-write; "spawned" means its guest agent answered a ping.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use tine_agent::client::{AgentClient, Connector, AGENT_PORT};
+use tine_executor::parent::{create_snapshot, ParentSpec};
+use tine_executor::ready::make_ready;
 use tine_vmm::host::KvmFlavor;
 use tine_vmm::vm::RestoreOptions;
-use tine_vmm::{GuestRam, LinuxBoot, Vm, DEFAULT_CMDLINE};
+use tine_vmm::Vm;
 
-use crate::run::open_console;
 use crate::vms::{self, VmMeta};
+use tine_executor::console::open_console;
 
 /// Most children one `tine fork` may ask for.
 pub const MAX_CHILDREN: usize = 1000;
@@ -22,13 +23,6 @@ fn refuse_pvm(allow: bool) -> Result<()> {
         bail!("this host's /dev/kvm is PVM: Linux guests cannot run here; use `tine lab -- tine ...` (or --allow-pvm)");
     }
     Ok(())
-}
-
-fn agent(sock: &Path) -> AgentClient {
-    AgentClient::new(Connector::Vsock {
-        uds: sock.to_path_buf(),
-        port: AGENT_PORT,
-    })
 }
 
 #[derive(clap::Args)]
@@ -59,73 +53,25 @@ pub struct SnapshotArgs {
 
 pub fn snapshot(a: SnapshotArgs) -> Result<i32> {
     refuse_pvm(a.allow_pvm)?;
-    let dir = vms::snapshot_dir(&a.tag)?;
-    if dir.exists() {
-        if !a.force {
-            bail!(
-                "snapshot {} already exists at {} (use --force to replace it)",
-                a.tag,
-                dir.display()
-            );
-        }
-        std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
-    }
-    let image = tine_image::load_image(&a.image).context("loading the image")?;
-    let work = vms::vms_dir()?.join(vms::new_id(&format!("parent-{}", a.tag)));
-    std::fs::create_dir_all(&work)?;
-    let sock = work.join("vsock.sock");
-    let t0 = Instant::now();
-    let mem = a.mem_mib.unwrap_or(image.memory_mib as u64);
-    let mut vm = Vm::create(
-        a.vcpus,
-        GuestRam::new_memfd(mem)?,
-        open_console(Some(&work.join("console.log")))?,
-    )?;
-    vm.add_vsock(3, &sock)?;
-    let cmdline = if image.cmdline_append.is_empty() {
-        DEFAULT_CMDLINE.to_string()
-    } else {
-        format!("{DEFAULT_CMDLINE} {}", image.cmdline_append)
-    };
-    vm.load_linux(&LinuxBoot {
-        kernel: image.kernel_path(),
-        initrd: Some(image.initrd_path()),
-        cmdline,
+    let made = create_snapshot(&ParentSpec {
+        image: a.image,
+        tag: a.tag.clone(),
+        vcpus: a.vcpus,
+        mem_mib: a.mem_mib,
+        evals: a.evals,
+        ready_timeout: Duration::from_secs(a.ready_timeout_secs),
+        replace: a.force,
     })?;
-    let running = vm.start()?;
-    let client = agent(&sock);
-    let result = (|| -> Result<()> {
-        client
-            .wait_ready(Duration::from_secs(a.ready_timeout_secs))
-            .with_context(|| {
-                format!(
-                    "parent never became ready (console: {})",
-                    work.join("console.log").display()
-                )
-            })?;
-        let ready = t0.elapsed();
-        for code in &a.evals {
-            let r = client.eval(code)?;
-            if let Some(err) = r.error {
-                bail!("--eval {code:?} raised:\n{err}");
-            }
-        }
-        let t1 = Instant::now();
-        let header = running.snapshot(&dir)?;
-        eprintln!(
-            "[tine] snapshot {}: {} vCPU, {} MiB; parent ready after {:.2} s, snapshot written in {:.1} ms -> {}",
-            a.tag,
-            header.vcpus,
-            header.mem_size >> 20,
-            ready.as_secs_f64(),
-            t1.elapsed().as_secs_f64() * 1000.0,
-            dir.display()
-        );
-        Ok(())
-    })();
-    running.stop();
-    let _ = std::fs::remove_dir_all(&work);
-    result.map(|()| 0)
+    eprintln!(
+        "[tine] snapshot {}: {} vCPU, {} MiB; parent ready after {:.2} s, snapshot written in {:.1} ms -> {}",
+        a.tag,
+        made.header.vcpus,
+        made.header.mem_size >> 20,
+        made.ready_after.as_secs_f64(),
+        made.written_in.as_secs_f64() * 1000.0,
+        made.dir.display()
+    );
+    Ok(0)
 }
 
 /// One child as `tine fork` saw it.
@@ -215,73 +161,6 @@ fn spawn_child(snapshot: &Path, tag: &str) -> Result<(PathBuf, VmMeta, std::fs::
     drop(write_end);
     vms::write_meta(&dir, &meta)?;
     Ok((dir, meta, read_end))
-}
-
-/// Wait for a child's agent, then fix what a clone must not share: wall clock and RNG.
-fn make_ready(
-    dir: &Path,
-    pid: u32,
-    started: std::fs::File,
-    timeout: Duration,
-) -> Result<(), String> {
-    let log = || std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
-    // Block until the child restored its VM (no polling while it works): one byte, or EOF if
-    // the child failed first.
-    if !wait_byte(&started, timeout)? {
-        return Err(format!("child VMM failed to restore: {}", log().trim()));
-    }
-    let client = agent(&dir.join("vsock.sock")).with_io_timeout(Some(Duration::from_secs(10)));
-    let deadline = Instant::now() + timeout;
-    loop {
-        // The agent's listener survived the snapshot, so the first ping normally succeeds as
-        // soon as the guest runs; retries only cover a guest that is slow to get there.
-        match client.wait_ready_polling(
-            Duration::from_secs(5),
-            Duration::from_millis(1),
-            Duration::from_millis(20),
-        ) {
-            Ok(_) => break,
-            Err(e) => {
-                if !vms::alive(pid) {
-                    return Err(format!("child VMM exited: {}", log().trim()));
-                }
-                if Instant::now() > deadline {
-                    return Err(format!("not ready after {timeout:?}: {e}"));
-                }
-            }
-        }
-    }
-    client
-        .set_time(SystemTime::now())
-        .map_err(|e| format!("set_time: {e}"))?;
-    let mut seed = [0u8; 64];
-    getrandom::fill(&mut seed).map_err(|e| format!("getrandom: {e}"))?;
-    client.reseed(&seed).map_err(|e| format!("reseed: {e}"))?;
-    Ok(())
-}
-
-/// Wait up to `timeout` for one byte on `f`: Ok(true) for the byte, Ok(false) at EOF.
-fn wait_byte(f: &std::fs::File, timeout: Duration) -> Result<bool, String> {
-    use std::io::Read;
-    use std::os::fd::AsRawFd;
-    let mut pfd = libc::pollfd {
-        fd: f.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd.
-    let n = unsafe {
-        libc::poll(
-            &mut pfd,
-            1,
-            timeout.as_millis().min(i32::MAX as u128) as i32,
-        )
-    };
-    if n == 0 {
-        return Err(format!("child VMM did not restore within {timeout:?}"));
-    }
-    let mut b = [0u8; 1];
-    Ok(matches!((&*f).read(&mut b), Ok(1)))
 }
 
 /// Fork `n` children from the snapshot `tag`; `report` is called (from several threads) as

@@ -4,9 +4,12 @@ mod bench;
 mod defaults;
 mod doctor;
 mod fork;
+mod remote;
 mod restore;
 mod run;
-mod vms;
+mod serve;
+
+use tine_executor::vms;
 
 use std::process::ExitCode;
 
@@ -52,6 +55,27 @@ enum Command {
     Agent(tine_agent::cli::AgentCommand),
     #[command(flatten)]
     Store(tine_snapshot_store::cli::StoreCommand),
+    /// Start the embedded default: control plane + local executor in one process.
+    Up(serve::UpArgs),
+    /// Run the control plane (multi-host deployments).
+    ControlPlane(serve::ControlPlaneArgs),
+    /// Run an executor daemon on this KVM host (multi-host deployments).
+    Executor(serve::ExecutorArgs),
+    /// Bearer tokens for the control plane.
+    #[command(subcommand)]
+    Token(serve::TokenCommand),
+    /// Sandboxes through the control plane (TINE_ADDR, TINE_TOKEN).
+    #[command(subcommand, visible_alias = "sb")]
+    Sandbox(remote::SandboxCommand),
+    /// Snapshots and their lineage through the control plane.
+    #[command(subcommand)]
+    Snapshots(remote::SnapshotsCommand),
+    /// Executor hosts known to the control plane.
+    #[command(subcommand)]
+    Executors(remote::ExecutorsCommand),
+    /// (internal) A pre-started VMM process waiting for a snapshot to restore.
+    #[command(name = "__vmm-worker", hide = true)]
+    VmmWorker,
     /// Benchmarks that print figures and how they were measured.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -77,6 +101,14 @@ fn main() -> ExitCode {
         Command::Image(c) => tine_image::cli::run(c).map(|()| 0),
         Command::Lab(a) => tine_lab::cli::run(a),
         Command::Bench(c) => bench::run(c),
+        Command::Up(a) => serve::up(a),
+        Command::ControlPlane(a) => serve::control_plane(a),
+        Command::Executor(a) => serve::executor(a),
+        Command::Token(c) => serve::token(c),
+        Command::Sandbox(c) => remote::sandbox(c),
+        Command::Snapshots(c) => remote::snapshots(c),
+        Command::Executors(c) => remote::executors(c),
+        Command::VmmWorker => tine_executor::worker::worker_main(),
         Command::Store(c) => tine_snapshot_store::cli::run_blocking(c).map(|()| 0),
         Command::Agent(c) => tine_agent::cli::run_with(
             &cli.agent,

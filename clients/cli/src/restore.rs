@@ -8,7 +8,8 @@ use tine_vmm::host::KvmFlavor;
 use tine_vmm::vm::RestoreOptions;
 use tine_vmm::Vm;
 
-use crate::run::{open_console, report_exit};
+use crate::run::report_exit;
+use tine_executor::console::open_console;
 
 #[derive(clap::Args)]
 pub struct RestoreArgs {

@@ -9,6 +9,7 @@ use tine_vmm::host::KvmFlavor;
 use tine_vmm::{GuestRam, LinuxBoot, Vm, DEFAULT_CMDLINE};
 
 use crate::defaults;
+use tine_executor::console::open_console;
 
 #[derive(clap::Args)]
 pub struct RunArgs {
@@ -58,22 +59,6 @@ pub struct RunArgs {
     /// Print nothing but the guest console.
     #[arg(short, long)]
     quiet: bool,
-}
-
-/// Console writer that pushes every write straight out, so a reader sees output as it happens.
-struct Unbuffered<W: Write>(W);
-
-impl<W: Write> Write for Unbuffered<W> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.0.write(buf)?;
-        if buf.contains(&b'\n') {
-            self.0.flush()?;
-        }
-        Ok(n)
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.0.flush()
-    }
 }
 
 pub fn run(a: RunArgs) -> Result<i32> {
@@ -176,15 +161,6 @@ pub fn report_exit(quiet: bool, exit: tine_vmm::GuestExit, started: Instant) {
             started.elapsed().as_secs_f64()
         );
     }
-}
-
-pub fn open_console(path: Option<&std::path::Path>) -> Result<Box<dyn Write + Send>> {
-    Ok(match path {
-        Some(p) => Box::new(Unbuffered(
-            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
-        )),
-        None => Box::new(Unbuffered(std::io::stdout())),
-    })
 }
 
 /// Passes console output through and reports (once) when a marker string has gone by.

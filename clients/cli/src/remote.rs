@@ -1,0 +1,536 @@
+//! Commands that talk to the control plane over gRPC: `tine sandbox`, `tine snapshots`,
+//! `tine executors`. Address from TINE_ADDR (default http://127.0.0.1:7070); token from
+//! TINE_TOKEN, else the file TINE_TOKEN_FILE, else `<data dir>/admin.token` (`tine up`).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use futures::StreamExt;
+use tine_control_plane::executors::Bearer;
+use tine_proto::v1 as pb;
+use tine_proto::v1::executors_client::ExecutorsClient;
+use tine_proto::v1::sandboxes_client::SandboxesClient;
+use tine_proto::v1::snapshots_client::SnapshotsClient;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+
+type Svc = InterceptedService<Channel, Bearer>;
+
+struct Conn {
+    rt: tokio::runtime::Runtime,
+    channel: Channel,
+    bearer: Bearer,
+}
+
+fn status_err(s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!(
+        "{}: {}",
+        tine_control_plane::calls::code_name(s.code()),
+        s.message()
+    )
+}
+
+impl Conn {
+    fn open() -> Result<Conn> {
+        let mut addr =
+            std::env::var("TINE_ADDR").unwrap_or_else(|_| "http://127.0.0.1:7070".into());
+        if !addr.contains("://") {
+            addr = format!("http://{addr}");
+        }
+        let token = match std::env::var("TINE_TOKEN") {
+            Ok(t) => Some(t),
+            Err(_) => {
+                let file = match std::env::var_os("TINE_TOKEN_FILE") {
+                    Some(f) => Some(PathBuf::from(f)),
+                    None => crate::vms::data_dir()
+                        .ok()
+                        .map(|d| d.join("admin.token"))
+                        .filter(|p| p.exists()),
+                };
+                match file {
+                    Some(f) => Some(
+                        std::fs::read_to_string(&f)
+                            .with_context(|| format!("reading the token file {}", f.display()))?
+                            .trim()
+                            .to_string(),
+                    ),
+                    None => None,
+                }
+            }
+        };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let mut ep =
+            Endpoint::from_shared(addr.clone()).with_context(|| format!("TINE_ADDR {addr:?}"))?;
+        if addr.starts_with("https://") {
+            let mut tls = ClientTlsConfig::new();
+            if let Some(ca) = std::env::var_os("TINE_CA") {
+                tls = tls.ca_certificate(Certificate::from_pem(std::fs::read(&ca)?));
+            }
+            ep = ep.tls_config(tls)?;
+        }
+        let channel = rt.block_on(ep.connect()).with_context(|| {
+            format!("connecting to the control plane at {addr} (is `tine up` running?)")
+        })?;
+        Ok(Conn {
+            rt,
+            channel,
+            bearer: Bearer::new(token.as_deref()).map_err(|e| anyhow::anyhow!(e))?,
+        })
+    }
+
+    fn sandboxes(&self) -> SandboxesClient<Svc> {
+        SandboxesClient::with_interceptor(self.channel.clone(), self.bearer.clone())
+    }
+    fn snapshots(&self) -> SnapshotsClient<Svc> {
+        SnapshotsClient::with_interceptor(self.channel.clone(), self.bearer.clone())
+    }
+    fn executors(&self) -> ExecutorsClient<Svc> {
+        ExecutorsClient::with_interceptor(self.channel.clone(), self.bearer.clone())
+    }
+}
+
+#[derive(clap::Subcommand)]
+pub enum SandboxCommand {
+    /// Fork N sandboxes from a snapshot; one line per child as it becomes ready.
+    Spawn {
+        #[arg(long)]
+        tag: String,
+        #[arg(short = 'n', long, default_value_t = 1)]
+        count: u32,
+        /// spread (balance executors) or pack (fill one first).
+        #[arg(long, default_value = "spread")]
+        policy: String,
+        /// Only these executors (repeatable).
+        #[arg(long = "executor")]
+        executors: Vec<String>,
+        #[arg(long, default_value_t = 0)]
+        ready_timeout_ms: u32,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List sandboxes.
+    Ls {
+        #[arg(long)]
+        tag: Option<String>,
+        /// Include killed, failed and lost ones.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Kill sandboxes.
+    Kill { ids: Vec<String> },
+    /// Run a command in a sandbox; exits with its exit code.
+    Exec {
+        id: String,
+        #[arg(long)]
+        timeout_ms: Option<u32>,
+        #[arg(trailing_var_arg = true, required = true)]
+        argv: Vec<String>,
+    },
+    /// Evaluate Python in a sandbox's warm interpreter.
+    Eval { id: String, code: String },
+    /// Copy a file: `ID:/path LOCAL` (out) or `LOCAL ID:/path` (in).
+    Cp { from: String, to: String },
+}
+
+fn split_remote(s: &str) -> Option<(&str, &str)> {
+    s.split_once(':')
+        .filter(|(id, p)| !id.is_empty() && p.starts_with('/'))
+}
+
+pub fn sandbox(c: SandboxCommand) -> Result<i32> {
+    let conn = Conn::open()?;
+    let mut sb = conn.sandboxes();
+    conn.rt.block_on(async {
+        match c {
+            SandboxCommand::Spawn {
+                tag,
+                count,
+                policy,
+                executors,
+                ready_timeout_ms,
+                json,
+            } => {
+                let policy = match policy.as_str() {
+                    "spread" => pb::PlacementPolicy::Spread,
+                    "pack" => pb::PlacementPolicy::Pack,
+                    other => bail!("--policy {other:?}: spread or pack"),
+                };
+                let t0 = Instant::now();
+                let mut stream = sb
+                    .spawn(pb::SpawnRequest {
+                        tag,
+                        count,
+                        resources: None,
+                        placement: Some(pb::Placement {
+                            policy: policy as i32,
+                            executors,
+                        }),
+                        ready_timeout_ms,
+                    })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                let (mut ok, mut failed) = (Vec::new(), 0);
+                while let Some(ev) = stream.next().await {
+                    let ev = ev.map_err(status_err)?;
+                    match ev.result {
+                        Some(pb::spawn_event::Result::Ready(s)) => {
+                            ok.push(s.ready_us);
+                            if json {
+                                println!(
+                                    "{{\"index\":{},\"id\":{:?},\"executor\":{:?},\"ready_us\":{}}}",
+                                    ev.index, s.id, s.executor, s.ready_us
+                                );
+                            } else {
+                                println!(
+                                    "{:<22} on {:<12} ready in {:>9.2} ms",
+                                    s.id,
+                                    s.executor,
+                                    s.ready_us as f64 / 1e3
+                                );
+                            }
+                        }
+                        Some(pb::spawn_event::Result::Failed(f)) => {
+                            failed += 1;
+                            if json {
+                                println!(
+                                    "{{\"index\":{},\"id\":{:?},\"code\":{:?},\"error\":{:?}}}",
+                                    ev.index, f.sandbox_id, f.code, f.message
+                                );
+                            } else {
+                                println!("{:<22} FAILED ({}): {}", f.sandbox_id, f.code, f.message);
+                            }
+                        }
+                        None => {}
+                    }
+                }
+                ok.sort_unstable();
+                if !json && !ok.is_empty() {
+                    let p = |q: f64| ok[((ok.len() - 1) as f64 * q).round() as usize] as f64 / 1e3;
+                    println!(
+                        "{} ready, {failed} failed in {:.1} ms (p50 {:.1} ms, p90 {:.1} ms, max {:.1} ms)",
+                        ok.len(),
+                        t0.elapsed().as_secs_f64() * 1e3,
+                        p(0.5),
+                        p(0.9),
+                        p(1.0)
+                    );
+                }
+                Ok(if failed > 0 { 1 } else { 0 })
+            }
+            SandboxCommand::Ls { tag, all } => {
+                let r = sb
+                    .list_sandboxes(pb::ListSandboxesRequest {
+                        tag: tag.unwrap_or_default(),
+                        all,
+                    })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                println!("{:<22} {:<10} {:<16} {:<12} {:>10}", "ID", "STATE", "SNAPSHOT", "EXECUTOR", "READY ms");
+                for s in r.sandboxes {
+                    let state = pb::SandboxState::try_from(s.state)
+                        .map(|st| st.as_str_name().trim_start_matches("SANDBOX_STATE_").to_lowercase())
+                        .unwrap_or_default();
+                    println!(
+                        "{:<22} {:<10} {:<16} {:<12} {:>10.2}",
+                        s.id,
+                        state,
+                        s.tag,
+                        s.executor,
+                        s.ready_us as f64 / 1e3
+                    );
+                }
+                Ok(0)
+            }
+            SandboxCommand::Kill { ids } => {
+                if ids.is_empty() {
+                    bail!("name the sandboxes to kill (see `tine sandbox ls`)");
+                }
+                for id in ids {
+                    sb.kill_sandbox(pb::KillSandboxRequest { id: id.clone() })
+                        .await
+                        .map_err(status_err)?;
+                    eprintln!("[tine] killed {id}");
+                }
+                Ok(0)
+            }
+            SandboxCommand::Exec { id, timeout_ms, argv } => {
+                let mut stream = sb
+                    .exec(pb::ExecRequest {
+                        sandbox_id: id,
+                        argv,
+                        env: Default::default(),
+                        cwd: String::new(),
+                        stdin: Vec::new(),
+                        timeout_ms: timeout_ms.unwrap_or(0),
+                    })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                while let Some(ev) = stream.next().await {
+                    match ev.map_err(status_err)?.event {
+                        Some(pb::exec_event::Event::Stdout(d)) => std::io::stdout().write_all(&d)?,
+                        Some(pb::exec_event::Event::Stderr(d)) => std::io::stderr().write_all(&d)?,
+                        Some(pb::exec_event::Event::Exit(e)) => {
+                            std::io::stdout().flush()?;
+                            if e.timed_out {
+                                eprintln!("[tine] command timed out and was killed");
+                            }
+                            return Ok(match e.how {
+                                Some(pb::exit_status::How::Code(c)) => c,
+                                Some(pb::exit_status::How::Signal(s)) => 128 + s,
+                                None => 1,
+                            });
+                        }
+                        None => {}
+                    }
+                }
+                bail!("the exec stream ended without an exit status")
+            }
+            SandboxCommand::Eval { id, code } => {
+                let r = sb
+                    .eval(pb::EvalRequest {
+                        sandbox_id: id,
+                        code,
+                        timeout_ms: 0,
+                    })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                print!("{}", r.stdout);
+                eprint!("{}", r.stderr);
+                if let Some(err) = r.error {
+                    eprintln!("{err}");
+                    return Ok(1);
+                }
+                if let Some(v) = r.value {
+                    println!("{v}");
+                }
+                Ok(0)
+            }
+            SandboxCommand::Cp { from, to } => match (split_remote(&from), split_remote(&to)) {
+                (Some((id, path)), None) => {
+                    let mut stream = sb
+                        .read_file(pb::ReadFileRequest {
+                            sandbox_id: id.into(),
+                            path: path.into(),
+                        })
+                        .await
+                        .map_err(status_err)?
+                        .into_inner();
+                    let tmp = PathBuf::from(format!("{to}.tine-partial"));
+                    let mut f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+                    let mut n = 0u64;
+                    while let Some(c) = stream.next().await {
+                        let c = c.map_err(status_err)?;
+                        f.write_all(&c.data)?;
+                        n += c.data.len() as u64;
+                    }
+                    f.sync_all()?;
+                    std::fs::rename(&tmp, &to)?;
+                    eprintln!("[tine] {n} bytes -> {to}");
+                    Ok(0)
+                }
+                (None, Some((id, path))) => {
+                    let data = std::fs::read(&from).with_context(|| format!("reading {from}"))?;
+                    let mut msgs = vec![pb::WriteFileRequest {
+                        part: Some(pb::write_file_request::Part::Header(pb::WriteFileHeader {
+                            sandbox_id: id.into(),
+                            path: path.into(),
+                            mode: 0o644,
+                        })),
+                    }];
+                    for chunk in data.chunks(1 << 20) {
+                        msgs.push(pb::WriteFileRequest {
+                            part: Some(pb::write_file_request::Part::Data(chunk.to_vec())),
+                        });
+                    }
+                    let r = sb
+                        .write_file(futures::stream::iter(msgs))
+                        .await
+                        .map_err(status_err)?
+                        .into_inner();
+                    eprintln!("[tine] {} bytes -> {id}:{path}", r.size);
+                    Ok(0)
+                }
+                _ => bail!("give exactly one side as SANDBOX_ID:/absolute/path"),
+            },
+        }
+    })
+}
+
+#[derive(clap::Subcommand)]
+pub enum SnapshotsCommand {
+    /// Boot an image on an executor, warm it, snapshot it.
+    Create {
+        #[arg(long)]
+        tag: String,
+        #[arg(long)]
+        image: String,
+        #[arg(long = "eval", value_name = "CODE")]
+        evals: Vec<String>,
+        #[arg(long, default_value_t = 1)]
+        vcpus: u32,
+        #[arg(long, default_value_t = 0)]
+        mem_mib: u64,
+        #[arg(long, default_value = "")]
+        executor: String,
+    },
+    Ls,
+    /// One snapshot with its ancestors and descendants.
+    Get {
+        tag: String,
+    },
+    /// Delete a snapshot (refused while it has descendants, unless --cascade).
+    Rm {
+        tag: String,
+        #[arg(long)]
+        cascade: bool,
+    },
+}
+
+fn print_snapshot(s: &pb::Snapshot, indent: &str) {
+    println!(
+        "{indent}{:<20} parent {:<16} image {:<16} {} vCPU {:>6} MiB on [{}]",
+        s.tag,
+        if s.parent_tag.is_empty() {
+            "-"
+        } else {
+            &s.parent_tag
+        },
+        s.image,
+        s.vcpus,
+        s.mem_mib,
+        s.executors.join(",")
+    );
+}
+
+pub fn snapshots(c: SnapshotsCommand) -> Result<i32> {
+    let conn = Conn::open()?;
+    let mut sn = conn.snapshots();
+    conn.rt.block_on(async {
+        match c {
+            SnapshotsCommand::Create {
+                tag,
+                image,
+                evals,
+                vcpus,
+                mem_mib,
+                executor,
+            } => {
+                let t0 = Instant::now();
+                let s = sn
+                    .create_snapshot(pb::CreateSnapshotRequest {
+                        tag,
+                        image,
+                        vcpus,
+                        mem_mib,
+                        warmup_eval: evals,
+                        executor,
+                    })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                print_snapshot(&s, "");
+                eprintln!("[tine] created in {:.1} s", t0.elapsed().as_secs_f64());
+            }
+            SnapshotsCommand::Ls => {
+                for s in sn
+                    .list_snapshots(pb::ListSnapshotsRequest {})
+                    .await
+                    .map_err(status_err)?
+                    .into_inner()
+                    .snapshots
+                {
+                    print_snapshot(&s, "");
+                }
+            }
+            SnapshotsCommand::Get { tag } => {
+                let r = sn
+                    .get_snapshot(pb::GetSnapshotRequest { tag })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                if let Some(s) = &r.snapshot {
+                    print_snapshot(s, "");
+                }
+                for a in &r.ancestors {
+                    print_snapshot(a, "  ancestor   ");
+                }
+                for d in &r.descendants {
+                    print_snapshot(d, "  descendant ");
+                }
+            }
+            SnapshotsCommand::Rm { tag, cascade } => {
+                let r = sn
+                    .delete_snapshot(pb::DeleteSnapshotRequest { tag, cascade })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                eprintln!("[tine] deleted {}", r.deleted.join(", "));
+            }
+        }
+        Ok(0)
+    })
+}
+
+#[derive(clap::Subcommand)]
+pub enum ExecutorsCommand {
+    Ls,
+    /// Place no new sandboxes on an executor.
+    Drain {
+        id: String,
+    },
+}
+
+pub fn executors(c: ExecutorsCommand) -> Result<i32> {
+    let conn = Conn::open()?;
+    let mut ex = conn.executors();
+    conn.rt.block_on(async {
+        let list = match c {
+            ExecutorsCommand::Ls => {
+                ex.list_executors(pb::ListExecutorsRequest {})
+                    .await
+                    .map_err(status_err)?
+                    .into_inner()
+                    .executors
+            }
+            ExecutorsCommand::Drain { id } => vec![ex
+                .drain_executor(pb::DrainExecutorRequest { id })
+                .await
+                .map_err(status_err)?
+                .into_inner()],
+        };
+        println!(
+            "{:<14} {:<9} {:<28} {:>9} {:>12}  SNAPSHOTS",
+            "ID", "STATE", "ADDR", "RUNNING", "MEM FREE MiB"
+        );
+        for e in list {
+            let cap = e.capacity.unwrap_or_default();
+            let state = pb::ExecutorState::try_from(e.state)
+                .map(|s| {
+                    s.as_str_name()
+                        .trim_start_matches("EXECUTOR_STATE_")
+                        .to_lowercase()
+                })
+                .unwrap_or_default();
+            println!(
+                "{:<14} {:<9} {:<28} {:>4}/{:<4} {:>12}  {}",
+                e.id,
+                state,
+                e.addr,
+                cap.running_sandboxes,
+                cap.max_sandboxes,
+                cap.mem_available_mib,
+                e.cached_tags.join(",")
+            );
+        }
+        Ok(0)
+    })
+}

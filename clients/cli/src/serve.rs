@@ -1,0 +1,384 @@
+//! The long-running services: `tine up` (embedded default), `tine control-plane`,
+//! `tine executor`, and `tine token`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use tine_control_plane::auth::{self, Role, TokenEntry, TokenSet, TokensFile};
+use tine_control_plane::calls::Auth;
+use tine_control_plane::server::{self, ServerConfig, TlsFiles};
+use tine_executor::daemon::{self, ExecutorConfig};
+use tine_vmm::host::KvmFlavor;
+
+use crate::vms;
+
+fn tls(cert: &Option<PathBuf>, key: &Option<PathBuf>) -> Result<Option<TlsFiles>> {
+    match (cert, key) {
+        (Some(c), Some(k)) => Ok(Some(TlsFiles {
+            cert: c.clone(),
+            key: k.clone(),
+        })),
+        (None, None) => Ok(None),
+        _ => bail!("give both --tls-cert and --tls-key"),
+    }
+}
+
+fn pvm_refusal(allow: bool) -> Option<String> {
+    (KvmFlavor::detect() == KvmFlavor::Pvm && !allow).then(|| {
+        "this executor's /dev/kvm is PVM: Linux guests cannot run here (use a VMX/SVM host or the nested lab)".to_string()
+    })
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+async fn until_stopped() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        _ = term.recv() => {},
+    }
+}
+
+/// The tokens of the embedded default: created once (admin + local executor), mode 0600.
+fn embedded_tokens(data: &Path) -> Result<(TokensFile, PathBuf)> {
+    let path = data.join("tokens.json");
+    let admin_file = data.join("admin.token");
+    if !path.exists() {
+        let file = TokensFile {
+            tokens: vec![
+                TokenEntry {
+                    name: "admin".into(),
+                    role: Role::Admin,
+                    token: auth::generate_token(),
+                },
+                TokenEntry {
+                    name: "local-executor".into(),
+                    role: Role::Executor,
+                    token: auth::generate_token(),
+                },
+            ],
+        };
+        auth::write_tokens_file(&path, &file)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    TokenSet::load(&path)?;
+    let file: TokensFile = serde_json::from_slice(&std::fs::read(&path)?)?;
+    if let Some(admin) = file.tokens.iter().find(|t| t.role == Role::Admin) {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let tmp = admin_file.with_extension("tmp");
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(admin.token.as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &admin_file)?;
+    }
+    Ok((file, admin_file))
+}
+
+#[derive(clap::Args)]
+pub struct UpArgs {
+    /// Where the database, audit log, tokens, snapshots and VMs live ($TINE_DATA_DIR or
+    /// ~/.local/share/tine).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+    /// Prometheus metrics endpoint.
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    metrics_listen: SocketAddr,
+    /// Most sandboxes the local executor runs at once.
+    #[arg(long, default_value_t = 256)]
+    max_sandboxes: u32,
+    /// VMM worker processes kept started for fast spawns.
+    #[arg(long, default_value_t = 8)]
+    pool: usize,
+    /// Start even though /dev/kvm is PVM (VM calls will fail).
+    #[arg(long)]
+    allow_pvm: bool,
+}
+
+pub fn up(a: UpArgs) -> Result<i32> {
+    if let Some(d) = &a.data_dir {
+        std::fs::create_dir_all(d)?;
+        // Single-threaded still: every module reads the data directory from here.
+        std::env::set_var("TINE_DATA_DIR", d.canonicalize()?);
+    }
+    let data = vms::data_dir()?;
+    std::fs::create_dir_all(&data)?;
+    let (tokens, admin_file) = embedded_tokens(&data)?;
+    let executor_token = tokens
+        .tokens
+        .iter()
+        .find(|t| t.role == Role::Executor)
+        .map(|t| t.token.clone())
+        .context("tokens.json has no executor token")?;
+    let rt = runtime()?;
+    rt.block_on(async {
+        let cp = server::start(ServerConfig {
+            listen: a.listen,
+            db_path: data.join("tine.db"),
+            auth: Auth::Tokens(TokenSet::new(&tokens.tokens)?),
+            audit_path: data.join("audit.log"),
+            metrics_listen: Some(a.metrics_listen),
+            // Embedded mode listens on loopback; multi-host setups use `tine control-plane`.
+            tls: None,
+            executor_token: Some(executor_token.clone()),
+            executor_ca: None,
+            heartbeat_interval_s: 5,
+            allow_plaintext_remote: false,
+        })
+        .await?;
+        let ex = daemon::start(ExecutorConfig {
+            id: "local".into(),
+            listen: "127.0.0.1:0".parse()?,
+            advertise: None,
+            token: Some(executor_token),
+            control_plane: Some(format!("http://{}", cp.addr)),
+            control_plane_ca: None,
+            tls: None,
+            max_sandboxes: a.max_sandboxes,
+            pool_size: a.pool,
+            worker_exe: std::env::current_exe()?,
+            allow_plaintext_remote: false,
+            vm_refusal: pvm_refusal(a.allow_pvm),
+        })
+        .await?;
+        let cp_url = format!("http://{}", cp.addr);
+        println!("TINE_ADDR={cp_url}");
+        println!("TINE_TOKEN_FILE={}", admin_file.display());
+        eprintln!(
+            "[tine] up: control plane {cp_url}, metrics http://{}/metrics, executor \"local\" on {}\n\
+             [tine] admin token in {} (mode 0600); data in {}\n\
+             [tine] try: TINE_ADDR={cp_url} tine snapshots ls",
+            cp.metrics_addr.map(|m| m.to_string()).unwrap_or_default(),
+            ex.addr,
+            admin_file.display(),
+            data.display()
+        );
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        until_stopped().await;
+        eprintln!("[tine] stopping: killing local sandboxes");
+        ex.shutdown(true).await?;
+        cp.shutdown().await?;
+        Ok::<_, anyhow::Error>(0)
+    })
+}
+
+#[derive(clap::Args)]
+pub struct ControlPlaneArgs {
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+    /// SQLite database file.
+    #[arg(long)]
+    db: PathBuf,
+    /// Tokens file (JSON, mode 0600): {"tokens": [{"name", "role": admin|user|executor, "token"}]}.
+    #[arg(long, required_unless_present = "no_auth")]
+    tokens: Option<PathBuf>,
+    /// No authentication (refused unless listening on loopback).
+    #[arg(long)]
+    no_auth: bool,
+    #[arg(long)]
+    audit_log: PathBuf,
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
+    #[arg(long)]
+    tls_cert: Option<PathBuf>,
+    #[arg(long)]
+    tls_key: Option<PathBuf>,
+    /// CA for executors served over https.
+    #[arg(long)]
+    executor_ca: Option<PathBuf>,
+    /// Name of the tokens-file entry (role executor) presented to executors.
+    #[arg(long, default_value = "executors")]
+    executor_token_name: String,
+    #[arg(long, default_value_t = 5)]
+    heartbeat_interval_s: u32,
+    #[arg(long)]
+    allow_plaintext_remote: bool,
+}
+
+pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
+    let (auth, executor_token) = match &a.tokens {
+        Some(p) => {
+            let set = TokenSet::load(p)?;
+            let file: TokensFile = serde_json::from_slice(&std::fs::read(p)?)?;
+            let t = file
+                .tokens
+                .iter()
+                .find(|t| t.name == a.executor_token_name && t.role == Role::Executor)
+                .map(|t| t.token.clone());
+            if t.is_none() {
+                eprintln!(
+                    "[tine] warning: no token named {:?} with role executor: calls to executors carry no token",
+                    a.executor_token_name
+                );
+            }
+            (Auth::Tokens(set), t)
+        }
+        None => (Auth::Disabled, None),
+    };
+    runtime()?.block_on(async {
+        let cp = server::start(ServerConfig {
+            listen: a.listen,
+            db_path: a.db.clone(),
+            auth,
+            audit_path: a.audit_log.clone(),
+            metrics_listen: a.metrics_listen,
+            tls: tls(&a.tls_cert, &a.tls_key)?,
+            executor_token,
+            executor_ca: a.executor_ca.clone(),
+            heartbeat_interval_s: a.heartbeat_interval_s,
+            allow_plaintext_remote: a.allow_plaintext_remote,
+        })
+        .await?;
+        println!(
+            "TINE_ADDR={}://{}",
+            if a.tls_cert.is_some() {
+                "https"
+            } else {
+                "http"
+            },
+            cp.addr
+        );
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        until_stopped().await;
+        cp.shutdown().await?;
+        Ok(0)
+    })
+}
+
+#[derive(clap::Args)]
+pub struct ExecutorArgs {
+    /// Executor id (default: the host name).
+    #[arg(long)]
+    id: Option<String>,
+    #[arg(long, default_value = "127.0.0.1:7071")]
+    listen: SocketAddr,
+    /// Address the control plane uses to reach this executor (default http(s)://<listen>).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Control plane to register with, e.g. http://10.0.0.1:7070.
+    #[arg(long)]
+    control_plane: Option<String>,
+    /// File holding the cluster's executor token (or set TINE_EXECUTOR_TOKEN).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    #[arg(long)]
+    control_plane_ca: Option<PathBuf>,
+    #[arg(long)]
+    tls_cert: Option<PathBuf>,
+    #[arg(long)]
+    tls_key: Option<PathBuf>,
+    #[arg(long, default_value_t = 256)]
+    max_sandboxes: u32,
+    #[arg(long, default_value_t = 8)]
+    pool: usize,
+    #[arg(long)]
+    allow_plaintext_remote: bool,
+    #[arg(long)]
+    allow_pvm: bool,
+}
+
+pub fn executor(a: ExecutorArgs) -> Result<i32> {
+    let token = match (&a.token_file, std::env::var("TINE_EXECUTOR_TOKEN")) {
+        (Some(p), _) => Some(
+            std::fs::read_to_string(p)
+                .with_context(|| format!("reading {}", p.display()))?
+                .trim()
+                .to_string(),
+        ),
+        (None, Ok(t)) => Some(t),
+        (None, Err(_)) => None,
+    };
+    let id = match a.id {
+        Some(id) => id,
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "executor".into()),
+    };
+    runtime()?.block_on(async {
+        let ex = daemon::start(ExecutorConfig {
+            id,
+            listen: a.listen,
+            advertise: a.advertise.clone(),
+            token,
+            control_plane: a.control_plane.clone(),
+            control_plane_ca: a.control_plane_ca.clone(),
+            tls: tls(&a.tls_cert, &a.tls_key)?,
+            max_sandboxes: a.max_sandboxes,
+            pool_size: a.pool,
+            worker_exe: std::env::current_exe()?,
+            allow_plaintext_remote: a.allow_plaintext_remote,
+            vm_refusal: pvm_refusal(a.allow_pvm),
+        })
+        .await?;
+        eprintln!("[tine] executor listening on {}", ex.addr);
+        until_stopped().await;
+        // Children keep running; a restarted daemon re-adopts them.
+        ex.shutdown(false).await?;
+        Ok(0)
+    })
+}
+
+#[derive(clap::Subcommand)]
+pub enum TokenCommand {
+    /// Print a new random token, or add it to a tokens file.
+    New {
+        /// Add it to this tokens file (created with mode 0600) instead of printing only.
+        #[arg(long)]
+        file: Option<PathBuf>,
+        #[arg(long, requires = "file")]
+        name: Option<String>,
+        #[arg(long, value_enum, default_value = "user")]
+        role: RoleArg,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum RoleArg {
+    Admin,
+    User,
+    Executor,
+}
+
+pub fn token(c: TokenCommand) -> Result<i32> {
+    let TokenCommand::New { file, name, role } = c;
+    let token = auth::generate_token();
+    if let Some(path) = file {
+        let mut f: TokensFile = if path.exists() {
+            TokenSet::load(&path)?;
+            serde_json::from_slice(&std::fs::read(&path)?)?
+        } else {
+            TokensFile::default()
+        };
+        let name = name.context("--name is needed with --file")?;
+        if f.tokens.iter().any(|t| t.name == name) {
+            bail!("{} already has a token named {name:?}", path.display());
+        }
+        f.tokens.push(TokenEntry {
+            name,
+            role: match role {
+                RoleArg::Admin => Role::Admin,
+                RoleArg::User => Role::User,
+                RoleArg::Executor => Role::Executor,
+            },
+            token: token.clone(),
+        });
+        auth::write_tokens_file(&path, &f)?;
+    }
+    println!("{token}");
+    Ok(0)
+}

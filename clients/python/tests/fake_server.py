@@ -1,0 +1,279 @@
+"""An in-process stand-in for the Tine control plane, for the client's offline tests.
+
+It speaks the real generated protocol (tine.v1) on a loopback port and behaves the way
+proto/tine/v1/tine.proto describes, with canned guests: enough to exercise every path
+of the client (auth, streaming, per-child spawn failures, chunked files) without VMs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from tine.v1 import tine_pb2 as pb
+from tine.v1 import tine_pb2_grpc as pb_grpc
+
+TOKEN = "fake-token"
+READ_CHUNK = 300 * 1024
+MIB = 1 << 20
+
+
+def _auth(context: grpc.ServicerContext) -> None:
+    md = dict(context.invocation_metadata())
+    if md.get("authorization") != f"Bearer {TOKEN}":
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad or missing bearer token")
+
+
+class State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.snapshots = {
+            "base": pb.Snapshot(tag="base", image="python-numpy", vcpus=1, mem_mib=256, executors=["ex-1"]),
+            "py": pb.Snapshot(tag="py", parent_tag="base", image="python-numpy", vcpus=1, mem_mib=256),
+            "py-child": pb.Snapshot(tag="py-child", parent_tag="py", source_sandbox="sb-0"),
+        }
+        self.sandboxes: dict[str, pb.Sandbox] = {}
+        self.files: dict[tuple[str, str], tuple[int, bytes]] = {}
+        self.globals: dict[str, dict[str, Any]] = {}
+        self.write_chunk_sizes: list[int] = []
+        self.cancelled_spawns = 0
+        self.next_id = 0
+
+    def new_id(self) -> str:
+        with self.lock:
+            self.next_id += 1
+            return f"sb-{self.next_id}"
+
+
+class Snapshots(pb_grpc.SnapshotsServicer):
+    def __init__(self, st: State) -> None:
+        self.st = st
+
+    def ListSnapshots(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        return pb.ListSnapshotsResponse(snapshots=list(self.st.snapshots.values()))
+
+    def GetSnapshot(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        snap = self.st.snapshots.get(request.tag)
+        if snap is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no snapshot {request.tag!r}")
+        ancestors = []
+        p = snap.parent_tag
+        while p:
+            ancestors.append(self.st.snapshots[p])
+            p = self.st.snapshots[p].parent_tag
+        descendants = [s for s in self.st.snapshots.values() if s.parent_tag == snap.tag]
+        return pb.GetSnapshotResponse(snapshot=snap, ancestors=ancestors, descendants=descendants)
+
+    def CreateSnapshot(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        snap = pb.Snapshot(tag=request.tag, image=request.image, vcpus=request.vcpus, mem_mib=request.mem_mib or 512)
+        self.st.snapshots[request.tag] = snap
+        return snap
+
+    def DeleteSnapshot(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        if request.tag not in self.st.snapshots:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no snapshot {request.tag!r}")
+        kids = [s.tag for s in self.st.snapshots.values() if s.parent_tag == request.tag]
+        if kids and not request.cascade:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.tag} has descendants: {kids}")
+        gone = [request.tag] + kids
+        for t in gone:
+            self.st.snapshots.pop(t, None)
+        return pb.DeleteSnapshotResponse(deleted=gone)
+
+
+class Sandboxes(pb_grpc.SandboxesServicer):
+    def __init__(self, st: State) -> None:
+        self.st = st
+
+    def _get(self, sid: str, context: Any) -> pb.Sandbox:
+        sb = self.st.sandboxes.get(sid)
+        if sb is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {sid!r}")
+        assert sb is not None
+        if sb.state != pb.SANDBOX_STATE_READY:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"sandbox {sid} is not running")
+        return sb
+
+    def Spawn(self, request: Any, context: Any) -> Iterator[Any]:
+        _auth(context)
+        if request.count == 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "count must be at least 1")
+        if request.tag not in self.st.snapshots and request.tag not in ("flaky", "broken-stream"):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no snapshot {request.tag!r}")
+        context.add_callback(self._on_done(context))
+        # Children become ready in reverse order, to check the client re-sorts them.
+        for i in reversed(range(request.count)):
+            if request.tag == "flaky" and i == 1:
+                yield pb.SpawnEvent(
+                    index=i,
+                    failed=pb.SpawnFailure(
+                        sandbox_id="sb-failed", executor="ex-1", code="RESOURCE_EXHAUSTED", message="no memory"
+                    ),
+                )
+                continue
+            if request.tag == "broken-stream" and i == 0:
+                context.abort(grpc.StatusCode.INTERNAL, "control plane lost its executor")
+            sid = self.st.new_id()
+            sb = pb.Sandbox(
+                id=sid,
+                tag=request.tag,
+                executor="ex-1" if request.placement.policy == pb.PLACEMENT_POLICY_PACK else f"ex-{i % 2 + 1}",
+                state=pb.SANDBOX_STATE_READY,
+                created_unix_ms=1_700_000_000_000,
+                ready_us=1000 + i,
+            )
+            self.st.sandboxes[sid] = sb
+            self.st.globals[sid] = {}
+            yield pb.SpawnEvent(index=i, ready=sb)
+
+    def _on_done(self, context: Any) -> Any:
+        def done() -> None:
+            if context.is_active() is False and context.code() is None:
+                pass
+
+        return done
+
+    def ListSandboxes(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        out = [
+            s
+            for s in self.st.sandboxes.values()
+            if (request.all or s.state == pb.SANDBOX_STATE_READY) and (not request.tag or s.tag == request.tag)
+        ]
+        return pb.ListSandboxesResponse(sandboxes=out)
+
+    def GetSandbox(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        sb = self.st.sandboxes.get(request.id)
+        if sb is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.id!r}")
+        return sb
+
+    def KillSandbox(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        sb = self.st.sandboxes.get(request.id)
+        if sb is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.id!r}")
+        assert sb is not None
+        sb.state = pb.SANDBOX_STATE_KILLED
+        return pb.KillSandboxResponse(sandbox=sb)
+
+    def Exec(self, request: Any, context: Any) -> Iterator[Any]:
+        _auth(context)
+        self._get(request.sandbox_id, context)
+        argv = list(request.argv)
+        if argv[:2] == ["/bin/sh", "-c"] and argv[2:] == ["sleep 30"] and request.timeout_ms:
+            yield pb.ExecEvent(exit=pb.ExitStatus(signal=9, timed_out=True))
+            return
+        if argv == ["kill-me"]:
+            yield pb.ExecEvent(exit=pb.ExitStatus(signal=15))
+            return
+        if argv == ["no-exit"]:
+            yield pb.ExecEvent(stdout=b"partial")
+            return
+        # echo: argv, env, cwd and stdin, in pieces on both streams
+        yield pb.ExecEvent(stdout=(" ".join(argv) + "\n").encode())
+        yield pb.ExecEvent(stderr=f"cwd={request.cwd} env={sorted(request.env.items())}\n".encode())
+        yield pb.ExecEvent(stdout=request.stdin)
+        yield pb.ExecEvent(exit=pb.ExitStatus(code=3 if argv[0] == "false" else 0))
+
+    def Eval(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        self._get(request.sandbox_id, context)
+        g = self.st.globals[request.sandbox_id]
+        if request.code == "restart":
+            g.clear()
+            return pb.EvalResponse(restarted="out of memory")
+        try:
+            *body, last = request.code.strip().splitlines() or [""]
+            exec("\n".join(body), g)  # noqa: S102 - test double only
+            try:
+                compiled = compile(last, "<eval>", "eval")
+            except SyntaxError:
+                exec(last, g)  # noqa: S102
+                return pb.EvalResponse()
+            return pb.EvalResponse(value=repr(eval(compiled, g)))  # noqa: S307
+        except Exception as e:
+            return pb.EvalResponse(error=f"Traceback (most recent call last):\n{type(e).__name__}: {e}")
+
+    def ReadFile(self, request: Any, context: Any) -> Iterator[Any]:
+        _auth(context)
+        self._get(request.sandbox_id, context)
+        entry = self.st.files.get((request.sandbox_id, request.path))
+        if entry is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"{request.path}: no such file")
+        assert entry is not None
+        mode, data = entry
+        if request.path == "/truncated":
+            yield pb.FileChunk(data=data[:10], mode=mode, size=len(data))
+            return
+        yield pb.FileChunk(data=data[:READ_CHUNK], mode=mode, size=len(data))
+        for off in range(READ_CHUNK, len(data), READ_CHUNK):
+            yield pb.FileChunk(data=data[off : off + READ_CHUNK])
+
+    def WriteFile(self, request_iterator: Iterator[Any], context: Any) -> Any:
+        _auth(context)
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the header")
+        assert first is not None
+        h = first.header
+        self._get(h.sandbox_id, context)
+        parts = []
+        for msg in request_iterator:
+            if msg.WhichOneof("part") != "data":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a second header")
+            if len(msg.data) > MIB:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "chunk over 1 MiB")
+            self.st.write_chunk_sizes.append(len(msg.data))
+            parts.append(msg.data)
+        data = b"".join(parts)
+        self.st.files[(h.sandbox_id, h.path)] = (h.mode, data)
+        return pb.WriteFileResponse(size=len(data))
+
+    def Branch(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        sb = self._get(request.sandbox_id, context)
+        snap = pb.Snapshot(tag=request.tag, parent_tag=sb.tag, source_sandbox=sb.id)
+        self.st.snapshots[request.tag] = snap
+        return snap
+
+
+class Executors(pb_grpc.ExecutorsServicer):
+    def ListExecutors(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        cap = pb.Capacity(max_sandboxes=100, running_sandboxes=3, mem_total_mib=24000, mem_available_mib=20000)
+        return pb.ListExecutorsResponse(
+            executors=[
+                pb.Executor(id="ex-1", addr="127.0.0.1:7071", state=pb.EXECUTOR_STATE_UP, capacity=cap),
+                pb.Executor(id="ex-2", addr="127.0.0.1:7072", state=7, cached_tags=["py"]),  # type: ignore[arg-type]
+            ]
+        )
+
+
+class FakeServer:
+    """``with FakeServer() as srv:`` serves on ``srv.addr`` (127.0.0.1:<free port>)."""
+
+    def __init__(self) -> None:
+        self.state = State()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        pb_grpc.add_SnapshotsServicer_to_server(Snapshots(self.state), self.server)
+        pb_grpc.add_SandboxesServicer_to_server(Sandboxes(self.state), self.server)
+        pb_grpc.add_ExecutorsServicer_to_server(Executors(), self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.addr = f"127.0.0.1:{port}"
+
+    def __enter__(self) -> FakeServer:
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop(grace=None)
