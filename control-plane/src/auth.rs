@@ -214,6 +214,11 @@ impl TokenSet {
 
 /// Write a tokens file atomically with mode 0600.
 pub fn write_tokens_file(path: &Path, file: &TokensFile) -> std::io::Result<()> {
+    write_private_file(path, &serde_json::to_vec_pretty(file).map_err(std::io::Error::other)?)
+}
+
+/// Write `data` to `path` atomically (temp file, fsync, rename), readable by the owner only.
+pub fn write_private_file(path: &Path, data: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("tmp");
@@ -223,7 +228,7 @@ pub fn write_tokens_file(path: &Path, file: &TokensFile) -> std::io::Result<()> 
         .create_new(true)
         .mode(0o600)
         .open(&tmp)?;
-    f.write_all(&serde_json::to_vec_pretty(file).map_err(std::io::Error::other)?)?;
+    f.write_all(data)?;
     f.sync_all()?;
     std::fs::rename(&tmp, path)
 }

@@ -29,6 +29,32 @@ pub struct TlsFiles {
     pub key: PathBuf,
 }
 
+impl TlsFiles {
+    /// The rustls server configuration from the two PEM files.
+    pub fn server_config(&self) -> Result<ServerTlsConfig> {
+        let cert = std::fs::read(&self.cert).with_context(|| format!("reading {}", self.cert.display()))?;
+        let key = std::fs::read(&self.key).with_context(|| format!("reading {}", self.key.display()))?;
+        Ok(ServerTlsConfig::new().identity(Identity::from_pem(cert, key)))
+    }
+}
+
+/// A listener off loopback needs authentication, and TLS unless plaintext is explicitly allowed.
+pub fn check_listen(listen: SocketAddr, has_auth: bool, has_tls: bool, allow_plaintext_remote: bool) -> Result<()> {
+    if listen.ip().is_loopback() {
+        return Ok(());
+    }
+    if !has_auth {
+        bail!("refusing to listen on {listen} without authentication: give tokens, or listen on a loopback address");
+    }
+    if !has_tls && !allow_plaintext_remote {
+        bail!(
+            "refusing to listen on {listen} without TLS (bearer tokens would cross the network in clear): \
+             give --tls-cert/--tls-key, or --allow-plaintext-remote on a trusted network"
+        );
+    }
+    Ok(())
+}
+
 pub struct ServerConfig {
     pub listen: SocketAddr,
     pub db_path: PathBuf,
@@ -48,23 +74,12 @@ pub struct ServerConfig {
 
 /// Refuse configurations that would expose the API unsafely.
 pub fn check_exposure(cfg: &ServerConfig) -> Result<()> {
-    if cfg.listen.ip().is_loopback() {
-        return Ok(());
-    }
-    if matches!(cfg.auth, Auth::Disabled) {
-        bail!(
-            "refusing to listen on {} without authentication: give a tokens file, or listen on a loopback address",
-            cfg.listen
-        );
-    }
-    if cfg.tls.is_none() && !cfg.allow_plaintext_remote {
-        bail!(
-            "refusing to listen on {} without TLS (bearer tokens would cross the network in clear): \
-             give --tls-cert/--tls-key, or --allow-plaintext-remote on a trusted network",
-            cfg.listen
-        );
-    }
-    Ok(())
+    check_listen(
+        cfg.listen,
+        matches!(cfg.auth, Auth::Tokens(_)),
+        cfg.tls.is_some(),
+        cfg.allow_plaintext_remote,
+    )
 }
 
 pub struct RunningServer {
@@ -135,12 +150,7 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
 
     let mut builder = Server::builder();
     if let Some(tls) = &cfg.tls {
-        let cert =
-            std::fs::read(&tls.cert).with_context(|| format!("reading {}", tls.cert.display()))?;
-        let key =
-            std::fs::read(&tls.key).with_context(|| format!("reading {}", tls.key.display()))?;
-        builder =
-            builder.tls_config(ServerTlsConfig::new().identity(Identity::from_pem(cert, key)))?;
+        builder = builder.tls_config(tls.server_config()?)?;
     }
     let router = builder
         .add_service(health_service)

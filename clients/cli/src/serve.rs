@@ -70,18 +70,7 @@ fn embedded_tokens(data: &Path) -> Result<(TokensFile, PathBuf)> {
     TokenSet::load(&path)?;
     let file: TokensFile = serde_json::from_slice(&std::fs::read(&path)?)?;
     if let Some(admin) = file.tokens.iter().find(|t| t.role == Role::Admin) {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        let tmp = admin_file.with_extension("tmp");
-        let _ = std::fs::remove_file(&tmp);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(admin.token.as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &admin_file)?;
+        auth::write_private_file(&admin_file, admin.token.as_bytes())?;
     }
     Ok((file, admin_file))
 }

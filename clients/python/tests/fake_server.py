@@ -40,7 +40,6 @@ class State:
         self.files: dict[tuple[str, str], tuple[int, bytes]] = {}
         self.globals: dict[str, dict[str, Any]] = {}
         self.write_chunk_sizes: list[int] = []
-        self.cancelled_spawns = 0
         self.next_id = 0
 
     def new_id(self) -> str:
@@ -62,6 +61,7 @@ class Snapshots(pb_grpc.SnapshotsServicer):
         snap = self.st.snapshots.get(request.tag)
         if snap is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no snapshot {request.tag!r}")
+        assert snap is not None
         ancestors = []
         p = snap.parent_tag
         while p:
@@ -108,7 +108,6 @@ class Sandboxes(pb_grpc.SandboxesServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "count must be at least 1")
         if request.tag not in self.st.snapshots and request.tag not in ("flaky", "broken-stream"):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no snapshot {request.tag!r}")
-        context.add_callback(self._on_done(context))
         # Children become ready in reverse order, to check the client re-sorts them.
         for i in reversed(range(request.count)):
             if request.tag == "flaky" and i == 1:
@@ -133,13 +132,6 @@ class Sandboxes(pb_grpc.SandboxesServicer):
             self.st.sandboxes[sid] = sb
             self.st.globals[sid] = {}
             yield pb.SpawnEvent(index=i, ready=sb)
-
-    def _on_done(self, context: Any) -> Any:
-        def done() -> None:
-            if context.is_active() is False and context.code() is None:
-                pass
-
-        return done
 
     def ListSandboxes(self, request: Any, context: Any) -> Any:
         _auth(context)
@@ -248,15 +240,32 @@ class Sandboxes(pb_grpc.SandboxesServicer):
 
 
 class Executors(pb_grpc.ExecutorsServicer):
+    def __init__(self) -> None:
+        cap = pb.Capacity(max_sandboxes=100, running_sandboxes=3, mem_total_mib=24000, mem_available_mib=20000)
+        self.executors = {
+            "ex-1": pb.Executor(id="ex-1", addr="127.0.0.1:7071", state=pb.EXECUTOR_STATE_UP, capacity=cap),
+            # A state value newer than the client knows.
+            "ex-2": pb.Executor(id="ex-2", addr="127.0.0.1:7072", state=7, cached_tags=["py"]),  # type: ignore[arg-type]
+        }
+
     def ListExecutors(self, request: Any, context: Any) -> Any:
         _auth(context)
-        cap = pb.Capacity(max_sandboxes=100, running_sandboxes=3, mem_total_mib=24000, mem_available_mib=20000)
-        return pb.ListExecutorsResponse(
-            executors=[
-                pb.Executor(id="ex-1", addr="127.0.0.1:7071", state=pb.EXECUTOR_STATE_UP, capacity=cap),
-                pb.Executor(id="ex-2", addr="127.0.0.1:7072", state=7, cached_tags=["py"]),  # type: ignore[arg-type]
-            ]
-        )
+        return pb.ListExecutorsResponse(executors=list(self.executors.values()))
+
+    def DrainExecutor(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        ex = self.executors.get(request.id)
+        if ex is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no executor {request.id!r}")
+        assert ex is not None
+        ex.state = pb.EXECUTOR_STATE_DRAINING
+        return ex
+
+    def RegisterExecutor(self, request: Any, context: Any) -> Any:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "the fake has no executors to register")
+
+    def Heartbeat(self, request: Any, context: Any) -> Any:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "the fake has no executors to register")
 
 
 class FakeServer:

@@ -15,7 +15,7 @@ use tine_proto::v1 as pb;
 use tine_proto::v1::executors_client::ExecutorsClient;
 use tokio::sync::oneshot;
 use tokio_stream::wrappers::TcpListenerStream;
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Server};
 
 use crate::service::{ExecutorService, State};
 use crate::worker::WorkerPool;
@@ -71,17 +71,12 @@ impl RunningExecutor {
 pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
     tine_snapshot_store::tag::validate_tag(&cfg.id)
         .map_err(|e| anyhow::anyhow!("executor id: {e}"))?;
-    if !cfg.listen.ip().is_loopback() {
-        if cfg.token.is_none() {
-            bail!("refusing to listen on {} without a token", cfg.listen);
-        }
-        if cfg.tls.is_none() && !cfg.allow_plaintext_remote {
-            bail!(
-                "refusing to listen on {} without TLS: give --tls-cert/--tls-key or --allow-plaintext-remote",
-                cfg.listen
-            );
-        }
-    }
+    tine_control_plane::server::check_listen(
+        cfg.listen,
+        cfg.token.is_some(),
+        cfg.tls.is_some(),
+        cfg.allow_plaintext_remote,
+    )?;
     let tokens = match &cfg.token {
         Some(t) => Some(Arc::new(TokenSet::new(&[TokenEntry {
             name: "control-plane".into(),
@@ -115,12 +110,7 @@ pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
     };
     let mut builder = Server::builder();
     if let Some(tls) = &cfg.tls {
-        let cert =
-            std::fs::read(&tls.cert).with_context(|| format!("reading {}", tls.cert.display()))?;
-        let key =
-            std::fs::read(&tls.key).with_context(|| format!("reading {}", tls.key.display()))?;
-        builder =
-            builder.tls_config(ServerTlsConfig::new().identity(Identity::from_pem(cert, key)))?;
+        builder = builder.tls_config(tls.server_config()?)?;
     }
     let router = builder.add_service(tonic::service::interceptor::InterceptedService::new(
         svc, check,

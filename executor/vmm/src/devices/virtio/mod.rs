@@ -39,6 +39,11 @@ impl IrqLine {
         let _ = self.evt.write(1);
     }
 
+    /// Raise the line again for status bits already set (a lost interrupt).
+    pub fn resend(&self) {
+        let _ = self.evt.write(1);
+    }
+
     pub fn status(&self) -> u32 {
         self.status.load(Ordering::SeqCst)
     }

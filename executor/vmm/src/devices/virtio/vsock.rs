@@ -601,6 +601,12 @@ impl Inner {
             self.handshake(token);
             return;
         }
+        // A client that gave up before the guest answered its request: withdraw the request
+        // instead of letting the guest open (and serve) a connection nobody reads.
+        if c.state == ConnState::Requested && events.contains(EventSet::HANG_UP) {
+            self.reset_conn(token);
+            return;
+        }
         if events.contains(EventSet::OUT) && !self.flush_to_host(token) {
             self.reset_conn(token);
             return;
@@ -679,10 +685,15 @@ impl Vsock {
     }
 }
 
+/// How long the interrupt status may stay un-acknowledged before the interrupt is sent again.
+const IRQ_RESEND_AFTER: std::time::Duration = std::time::Duration::from_millis(1000);
+
 fn event_loop(inner: Arc<Mutex<Inner>>, epoll: Arc<Epoll>, listener: UnixListener) {
     let mut events = vec![EpollEvent::default(); 64];
+    let mut watchdog = IrqWatchdog::default();
     loop {
-        let n = match epoll.wait(-1, &mut events) {
+        // Wake periodically even when idle, for the interrupt watchdog.
+        let n = match epoll.wait(IRQ_RESEND_AFTER.as_millis() as i32 / 2, &mut events) {
             Ok(n) => n,
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => {
@@ -699,6 +710,47 @@ fn event_loop(inner: Arc<Mutex<Inner>>, epoll: Arc<Epoll>, listener: UnixListene
             }
         }
         g.process_rx();
+        watchdog.check(&g);
+    }
+}
+
+/// Linux acknowledges the interrupt status in its handler right away, so a status that stays
+/// set means an interrupt never reached the guest (seen in nested virtualization). Without a
+/// resend the guest never refills its receive queue and the device, having no buffers, never
+/// signals again: a silent, permanent stall. Resending is harmless if the guest was just slow.
+#[derive(Default)]
+struct IrqWatchdog {
+    pending_since: Option<std::time::Instant>,
+    resent: u64,
+}
+
+impl IrqWatchdog {
+    fn check(&mut self, g: &Inner) {
+        let Some(irq) = g.irq.as_ref().filter(|_| !g.paused) else {
+            self.pending_since = None;
+            return;
+        };
+        if irq.status() == 0 {
+            self.pending_since = None;
+            return;
+        }
+        let now = std::time::Instant::now();
+        match self.pending_since {
+            None => self.pending_since = Some(now),
+            Some(t) if now.duration_since(t) >= IRQ_RESEND_AFTER => {
+                self.resent += 1;
+                if self.resent.is_power_of_two() {
+                    tracing::warn!(
+                        resent = self.resent,
+                        status = irq.status(),
+                        "vsock: interrupt not acknowledged for {IRQ_RESEND_AFTER:?}; sending it again"
+                    );
+                }
+                irq.resend();
+                self.pending_since = Some(now);
+            }
+            Some(_) => {}
+        }
     }
 }
 
