@@ -814,7 +814,7 @@ impl tine_proto::v1::executors_server::Executors for Api {
                 validate::name("report.live_sandboxes", id)?;
             }
             self.ctx.db.upsert_executor(&r.id, &r.addr, &report).await?;
-            let unknown = self.ctx.db.reconcile_sandboxes(&r.id, &report.live_sandboxes).await?;
+            let unknown = self.ctx.db.reconcile_sandboxes(&r.id, &report.live_sandboxes, self.ctx.lost_grace_ms).await?;
             tracing::info!(executor = %r.id, addr = %r.addr, live = report.live_sandboxes.len(), "executor registered");
             Ok(pb::RegisterExecutorResponse {
                 heartbeat_interval_s: self.ctx.heartbeat_interval_s,
@@ -838,7 +838,7 @@ impl tine_proto::v1::executors_server::Executors for Api {
             if registered {
                 self.ctx
                     .db
-                    .reconcile_sandboxes(&id, &report.live_sandboxes)
+                    .reconcile_sandboxes(&id, &report.live_sandboxes, self.ctx.lost_grace_ms)
                     .await?;
             }
             Ok(pb::HeartbeatResponse { registered })

@@ -214,7 +214,10 @@ impl TokenSet {
 
 /// Write a tokens file atomically with mode 0600.
 pub fn write_tokens_file(path: &Path, file: &TokensFile) -> std::io::Result<()> {
-    write_private_file(path, &serde_json::to_vec_pretty(file).map_err(std::io::Error::other)?)
+    write_private_file(
+        path,
+        &serde_json::to_vec_pretty(file).map_err(std::io::Error::other)?,
+    )
 }
 
 /// Write `data` to `path` atomically (temp file, fsync, rename), readable by the owner only.

@@ -86,6 +86,8 @@ pub struct Ctx {
     pub executors: ExecutorPool,
     /// Heartbeat period executors are told to keep; three missed ones mark an executor down.
     pub heartbeat_interval_s: u32,
+    /// How long a ready sandbox its executor stopped reporting is given before it is lost.
+    pub lost_grace_ms: i64,
 }
 
 /// An accepted call in progress.

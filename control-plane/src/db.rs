@@ -150,7 +150,7 @@ pub struct NewSnapshot {
 
 /// Ready sandboxes an executor no longer reports are only declared lost after this long, so a
 /// heartbeat composed just before a spawn finished cannot condemn the new child.
-const LOST_GRACE_MS: i64 = 30_000;
+pub const LOST_GRACE_MS: i64 = 30_000;
 
 const SNAPSHOT_COLUMNS: &str = "s.tag, s.parent_tag, s.image, s.vcpus, s.mem_mib, s.source_sandbox, s.created_ms, \
      (SELECT group_concat(executor_id, ',') FROM snapshot_copies c WHERE c.tag = s.tag) AS executors";
@@ -240,6 +240,7 @@ impl Db {
         &self,
         executor: &str,
         live: &[String],
+        grace_ms: i64,
     ) -> Result<Vec<String>> {
         let mut tx = self.pool.begin().await?;
         let known: Vec<(String, String, i64)> = sqlx::query_as(
@@ -248,7 +249,7 @@ impl Db {
         .bind(executor)
         .fetch_all(&mut *tx)
         .await?;
-        let cutoff = now_ms() - LOST_GRACE_MS;
+        let cutoff = now_ms() - grace_ms;
         for (id, state, created) in &known {
             if state == "ready" && *created < cutoff && !live.contains(id) {
                 sqlx::query("UPDATE sandboxes SET state = 'lost', error = 'its executor no longer runs it' WHERE id = ?")

@@ -32,14 +32,21 @@ pub struct TlsFiles {
 impl TlsFiles {
     /// The rustls server configuration from the two PEM files.
     pub fn server_config(&self) -> Result<ServerTlsConfig> {
-        let cert = std::fs::read(&self.cert).with_context(|| format!("reading {}", self.cert.display()))?;
-        let key = std::fs::read(&self.key).with_context(|| format!("reading {}", self.key.display()))?;
+        let cert = std::fs::read(&self.cert)
+            .with_context(|| format!("reading {}", self.cert.display()))?;
+        let key =
+            std::fs::read(&self.key).with_context(|| format!("reading {}", self.key.display()))?;
         Ok(ServerTlsConfig::new().identity(Identity::from_pem(cert, key)))
     }
 }
 
 /// A listener off loopback needs authentication, and TLS unless plaintext is explicitly allowed.
-pub fn check_listen(listen: SocketAddr, has_auth: bool, has_tls: bool, allow_plaintext_remote: bool) -> Result<()> {
+pub fn check_listen(
+    listen: SocketAddr,
+    has_auth: bool,
+    has_tls: bool,
+    allow_plaintext_remote: bool,
+) -> Result<()> {
     if listen.ip().is_loopback() {
         return Ok(());
     }
@@ -68,6 +75,8 @@ pub struct ServerConfig {
     /// CA that signed the executors' certificates, for https:// executor addresses.
     pub executor_ca: Option<PathBuf>,
     pub heartbeat_interval_s: u32,
+    /// See `db::LOST_GRACE_MS` (the default).
+    pub lost_grace_ms: i64,
     /// Serve plaintext gRPC on a non-loopback address (tokens would cross the network in clear).
     pub allow_plaintext_remote: bool,
 }
@@ -132,6 +141,7 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
         metrics: metrics.clone(),
         executors,
         heartbeat_interval_s: cfg.heartbeat_interval_s.max(1),
+        lost_grace_ms: cfg.lost_grace_ms,
     });
     let api = Api { ctx: ctx.clone() };
 

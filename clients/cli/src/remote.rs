@@ -68,7 +68,7 @@ impl Conn {
             Endpoint::from_shared(addr.clone()).with_context(|| format!("TINE_ADDR {addr:?}"))?;
         if addr.starts_with("https://") {
             let mut tls = ClientTlsConfig::new();
-            if let Some(ca) = std::env::var_os("TINE_CA") {
+            if let Some(ca) = std::env::var_os("TINE_TLS_CA") {
                 tls = tls.ca_certificate(Certificate::from_pem(std::fs::read(&ca)?));
             }
             ep = ep.tls_config(tls)?;

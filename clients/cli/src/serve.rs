@@ -125,6 +125,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
             executor_token: Some(executor_token.clone()),
             executor_ca: None,
             heartbeat_interval_s: 5,
+            lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,
             allow_plaintext_remote: false,
         })
         .await?;
@@ -229,6 +230,7 @@ pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
             executor_token,
             executor_ca: a.executor_ca.clone(),
             heartbeat_interval_s: a.heartbeat_interval_s,
+            lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,
             allow_plaintext_remote: a.allow_plaintext_remote,
         })
         .await?;

@@ -207,9 +207,15 @@ class Sandboxes(pb_grpc.SandboxesServicer):
         if request.path == "/truncated":
             yield pb.FileChunk(data=data[:10], mode=mode, size=len(data))
             return
-        yield pb.FileChunk(data=data[:READ_CHUNK], mode=mode, size=len(data))
-        for off in range(READ_CHUNK, len(data), READ_CHUNK):
-            yield pb.FileChunk(data=data[off : off + READ_CHUNK])
+        # Data chunks in order; the last carries mode and size, with data or without.
+        chunks = [data[off : off + READ_CHUNK] for off in range(0, len(data), READ_CHUNK)]
+        if len(data) % 2 == 0:
+            chunks.append(b"")
+        for i, c in enumerate(chunks):
+            last = i == len(chunks) - 1
+            yield pb.FileChunk(data=c, mode=mode if last else 0, size=len(data) if last else 0)
+        if not chunks:
+            yield pb.FileChunk(mode=mode, size=0)
 
     def WriteFile(self, request_iterator: Iterator[Any], context: Any) -> Any:
         _auth(context)

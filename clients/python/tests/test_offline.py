@@ -82,7 +82,7 @@ def test_resolve_addr() -> None:
     }
     for raw, want in cases.items():
         assert tine.resolve_addr(raw) == want, (raw, tine.resolve_addr(raw))
-    for bad in ("ftp://x:1", "http://x:1/path", "x:0", "x:http", "[::1"):
+    for bad in ("ftp://x:1", "http://x:1/path", "x:0", "x:http", "[::1", ":7070", "http://"):
         try:
             tine.resolve_addr(bad)
         except ValueError:

@@ -119,6 +119,8 @@ def resolve_addr(addr: str | None = None) -> tuple[str, bool | None]:
         host, port = rest.rsplit(":", 1)
     else:
         host, port = rest, str(DEFAULT_PORT)
+    if not host:
+        raise ValueError(f"tine: empty host in address {raw!r}")
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"tine: bad port in address {raw!r}")
     target_host = f"[{host}]" if ":" in host else host
@@ -311,13 +313,14 @@ class Files:
         client = self._sb._client
         req = pb.ReadFileRequest(sandbox_id=self._sb.id, path=path)
         parts: list[bytes] = []
-        announced: int | None = None
+        # The file's size rides on one chunk (the last; its data may be empty).
+        announced = 0
         for chunk in client._stream(client._sandboxes.ReadFile, req, None):
-            if announced is None:
-                announced = chunk.size
-            parts.append(chunk.data)
+            announced = max(announced, chunk.size)
+            if chunk.data:
+                parts.append(chunk.data)
         data = b"".join(parts)
-        if announced is not None and len(data) < announced:
+        if len(data) < announced:
             raise TineError("DATA_LOSS", f"read {path}: got {len(data)} of {announced} bytes")
         return data
 

@@ -11,8 +11,8 @@ boot_and_wait_ready() {
   VM=$!
   # Wall-clock bound (each ping may take up to its own --wait), so a failure is reported
   # before the lab's own limit kills everything.
-  deadline=$((SECONDS + $1))
-  while [ "$SECONDS" -lt "$deadline" ]; do
+  deadline=$(($(date +%s) + $1))
+  while [ "$(date +%s)" -lt "$deadline" ]; do
     if "$T" ping --socket "$S" --wait 5 >"$W/ping" 2>&1; then ok ready; return 0; fi
     if ! kill -0 "$VM" 2>/dev/null; then
       wait "$VM"; rc=$?

@@ -1,0 +1,936 @@
+//! The control plane over real loopback gRPC with a real SQLite file. The executors are test
+//! doubles at the executor-API seam (real gRPC servers that answer without VMs), so placement,
+//! restarts and relaying are checked without KVM.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use futures::{Stream, StreamExt};
+use tine_control_plane::auth::{generate_token, Role, TokenEntry, TokenSet};
+use tine_control_plane::calls::Auth;
+use tine_control_plane::db::NewSnapshot;
+use tine_control_plane::executors::Bearer;
+use tine_control_plane::server::{self, RunningServer, ServerConfig};
+use tine_proto::executor::v1 as xpb;
+use tine_proto::executor::v1::executor_server::{Executor, ExecutorServer};
+use tine_proto::v1 as pb;
+use tine_proto::v1::executors_client::ExecutorsClient;
+use tine_proto::v1::sandboxes_client::SandboxesClient;
+use tine_proto::v1::snapshots_client::SnapshotsClient;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Response, Status, Streaming};
+
+// ---------- a test executor at the gRPC seam ----------
+
+#[derive(Default)]
+struct FakeState {
+    live: HashSet<String>,
+    files: HashMap<(String, String), Vec<u8>>,
+    deleted_tags: Vec<String>,
+    spawn_calls: usize,
+}
+
+#[derive(Clone, Default)]
+struct FakeExecutor {
+    state: Arc<Mutex<FakeState>>,
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Executor for FakeExecutor {
+    type SpawnStream = ReceiverStream<Result<xpb::SpawnEvent, Status>>;
+    type ExecStream = BoxStream<pb::ExecEvent>;
+    type ReadFileStream = BoxStream<pb::FileChunk>;
+
+    async fn info(
+        &self,
+        _: Request<xpb::InfoRequest>,
+    ) -> Result<Response<pb::ExecutorReport>, Status> {
+        Ok(Response::new(pb::ExecutorReport::default()))
+    }
+
+    async fn create_snapshot(
+        &self,
+        req: Request<pb::CreateSnapshotRequest>,
+    ) -> Result<Response<pb::Snapshot>, Status> {
+        let r = req.into_inner();
+        Ok(Response::new(pb::Snapshot {
+            tag: r.tag,
+            image: r.image,
+            vcpus: r.vcpus.max(1),
+            mem_mib: 512,
+            ..Default::default()
+        }))
+    }
+
+    async fn delete_snapshot(
+        &self,
+        req: Request<xpb::DeleteSnapshotRequest>,
+    ) -> Result<Response<xpb::DeleteSnapshotResponse>, Status> {
+        self.state
+            .lock()
+            .unwrap()
+            .deleted_tags
+            .push(req.into_inner().tag);
+        Ok(Response::new(xpb::DeleteSnapshotResponse { existed: true }))
+    }
+
+    async fn spawn(
+        &self,
+        req: Request<xpb::SpawnRequest>,
+    ) -> Result<Response<Self::SpawnStream>, Status> {
+        let r = req.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(r.ids.len() + 1);
+        let mut st = self.state.lock().unwrap();
+        st.spawn_calls += 1;
+        for (i, id) in r.ids.into_iter().enumerate() {
+            st.live.insert(id.clone());
+            let _ = tx.try_send(Ok(xpb::SpawnEvent {
+                id,
+                result: Some(xpb::spawn_event::Result::ReadyUs(1000 + i as u64)),
+            }));
+        }
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn kill(
+        &self,
+        req: Request<xpb::KillRequest>,
+    ) -> Result<Response<xpb::KillResponse>, Status> {
+        let existed = self.state.lock().unwrap().live.remove(&req.into_inner().id);
+        Ok(Response::new(xpb::KillResponse { existed }))
+    }
+
+    async fn exec(
+        &self,
+        req: Request<pb::ExecRequest>,
+    ) -> Result<Response<Self::ExecStream>, Status> {
+        let r = req.into_inner();
+        let out = r.argv.join(" ").into_bytes();
+        let events = vec![
+            Ok(pb::ExecEvent {
+                event: Some(pb::exec_event::Event::Stdout(out)),
+            }),
+            Ok(pb::ExecEvent {
+                event: Some(pb::exec_event::Event::Stderr(b"warn".to_vec())),
+            }),
+            Ok(pb::ExecEvent {
+                event: Some(pb::exec_event::Event::Exit(pb::ExitStatus {
+                    how: Some(pb::exit_status::How::Code(3)),
+                    timed_out: false,
+                })),
+            }),
+        ];
+        Ok(Response::new(Box::pin(futures::stream::iter(events))))
+    }
+
+    async fn eval(
+        &self,
+        req: Request<pb::EvalRequest>,
+    ) -> Result<Response<pb::EvalResponse>, Status> {
+        let r = req.into_inner();
+        Ok(Response::new(pb::EvalResponse {
+            value: Some(format!("evaluated {} on {}", r.code, r.sandbox_id)),
+            ..Default::default()
+        }))
+    }
+
+    async fn read_file(
+        &self,
+        req: Request<pb::ReadFileRequest>,
+    ) -> Result<Response<Self::ReadFileStream>, Status> {
+        let r = req.into_inner();
+        let data = self
+            .state
+            .lock()
+            .unwrap()
+            .files
+            .get(&(r.sandbox_id, r.path.clone()))
+            .cloned()
+            .ok_or_else(|| Status::not_found(format!("{} does not exist", r.path)))?;
+        let size = data.len() as u64;
+        let chunks: Vec<Result<pb::FileChunk, Status>> = data
+            .chunks(1 << 20)
+            .map(|c| {
+                Ok(pb::FileChunk {
+                    data: c.to_vec(),
+                    mode: 0,
+                    size: 0,
+                })
+            })
+            .chain(std::iter::once(Ok(pb::FileChunk {
+                data: vec![],
+                mode: 0o644,
+                size,
+            })))
+            .collect();
+        Ok(Response::new(Box::pin(futures::stream::iter(chunks))))
+    }
+
+    async fn write_file(
+        &self,
+        req: Request<Streaming<pb::WriteFileRequest>>,
+    ) -> Result<Response<pb::WriteFileResponse>, Status> {
+        let mut s = req.into_inner();
+        let Some(pb::WriteFileRequest {
+            part: Some(pb::write_file_request::Part::Header(h)),
+        }) = s.message().await?
+        else {
+            return Err(Status::invalid_argument("header first"));
+        };
+        let mut data = Vec::new();
+        while let Some(m) = s.message().await? {
+            if let Some(pb::write_file_request::Part::Data(d)) = m.part {
+                data.extend_from_slice(&d);
+            }
+        }
+        let size = data.len() as u64;
+        self.state
+            .lock()
+            .unwrap()
+            .files
+            .insert((h.sandbox_id, h.path), data);
+        Ok(Response::new(pb::WriteFileResponse { size }))
+    }
+}
+
+/// Serve a test executor that only accepts the cluster's executor token.
+async fn start_executor(token: &str) -> (FakeExecutor, SocketAddr) {
+    let fake = FakeExecutor::default();
+    let set = Arc::new(
+        TokenSet::new(&[TokenEntry {
+            name: "cp".into(),
+            role: Role::Executor,
+            token: token.into(),
+        }])
+        .unwrap(),
+    );
+    let check = move |req: Request<()>| -> Result<Request<()>, Status> {
+        set.authenticate(req.metadata())?;
+        Ok(req)
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let svc = InterceptedService::new(ExecutorServer::new(fake.clone()), check);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    (fake, addr)
+}
+
+// ---------- harness ----------
+
+struct Tokens {
+    admin: String,
+    user: String,
+    executor: String,
+}
+
+fn tokens() -> Tokens {
+    Tokens {
+        admin: generate_token(),
+        user: generate_token(),
+        executor: generate_token(),
+    }
+}
+
+fn config(dir: &Path, t: &Tokens) -> ServerConfig {
+    ServerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        db_path: dir.join("tine.db"),
+        auth: Auth::Tokens(
+            TokenSet::new(&[
+                TokenEntry {
+                    name: "ops".into(),
+                    role: Role::Admin,
+                    token: t.admin.clone(),
+                },
+                TokenEntry {
+                    name: "alice".into(),
+                    role: Role::User,
+                    token: t.user.clone(),
+                },
+                TokenEntry {
+                    name: "executors".into(),
+                    role: Role::Executor,
+                    token: t.executor.clone(),
+                },
+            ])
+            .unwrap(),
+        ),
+        audit_path: dir.join("audit.log"),
+        metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
+        tls: None,
+        executor_token: Some(t.executor.clone()),
+        executor_ca: None,
+        heartbeat_interval_s: 5,
+        lost_grace_ms: 0,
+        allow_plaintext_remote: false,
+    }
+}
+
+type Svc = InterceptedService<Channel, Bearer>;
+
+async fn channel(addr: SocketAddr) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+async fn clients(
+    addr: SocketAddr,
+    token: Option<&str>,
+) -> (
+    SnapshotsClient<Svc>,
+    SandboxesClient<Svc>,
+    ExecutorsClient<Svc>,
+) {
+    let ch = channel(addr).await;
+    let b = Bearer::new(token).unwrap();
+    (
+        SnapshotsClient::with_interceptor(ch.clone(), b.clone()),
+        SandboxesClient::with_interceptor(ch.clone(), b.clone()),
+        ExecutorsClient::with_interceptor(ch, b),
+    )
+}
+
+async fn register(
+    cp: SocketAddr,
+    t: &Tokens,
+    id: &str,
+    addr: SocketAddr,
+    max: u32,
+    tags: &[&str],
+    live: &[String],
+) -> pb::RegisterExecutorResponse {
+    let (_, _, mut ex) = clients(cp, Some(&t.executor)).await;
+    ex.register_executor(pb::RegisterExecutorRequest {
+        id: id.into(),
+        addr: format!("http://{addr}"),
+        report: Some(pb::ExecutorReport {
+            capacity: Some(pb::Capacity {
+                max_sandboxes: max,
+                running_sandboxes: 0,
+                mem_total_mib: 1024,
+                mem_available_mib: 512,
+            }),
+            cached_tags: tags.iter().map(|s| s.to_string()).collect(),
+            live_sandboxes: live.to_vec(),
+        }),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+async fn add_snapshot(cp: &RunningServer, tag: &str, parent: Option<&str>, executor: &str) {
+    cp.ctx
+        .db
+        .insert_snapshot(&NewSnapshot {
+            tag: tag.into(),
+            parent_tag: parent.map(str::to_owned),
+            image: "python-numpy".into(),
+            vcpus: 1,
+            mem_mib: 512,
+            source_sandbox: None,
+            executor_id: executor.into(),
+        })
+        .await
+        .unwrap();
+}
+
+async fn spawn_all(
+    sb: &mut SandboxesClient<Svc>,
+    tag: &str,
+    n: u32,
+    policy: pb::PlacementPolicy,
+) -> Vec<pb::SpawnEvent> {
+    let mut s = sb
+        .spawn(pb::SpawnRequest {
+            tag: tag.into(),
+            count: n,
+            resources: None,
+            placement: Some(pb::Placement {
+                policy: policy as i32,
+                executors: vec![],
+            }),
+            ready_timeout_ms: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(ev) = s.next().await {
+        out.push(ev.unwrap());
+    }
+    out.sort_by_key(|e| e.index);
+    out
+}
+
+fn ready_on(events: &[pb::SpawnEvent]) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for e in events {
+        if let Some(pb::spawn_event::Result::Ready(s)) = &e.result {
+            *m.entry(s.executor.clone()).or_default() += 1;
+        }
+    }
+    m
+}
+
+fn audit_lines(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("audit.log"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+// ---------- tests ----------
+
+#[tokio::test]
+async fn placement_across_three_executors() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let mut fakes = Vec::new();
+    for id in ["ex-a", "ex-b", "ex-c"] {
+        let (fake, addr) = start_executor(&t.executor).await;
+        register(cp.addr, &t, id, addr, 4, &[], &[]).await;
+        fakes.push(fake);
+    }
+    // ex-c does not hold the snapshot: it must get nothing.
+    add_snapshot(&cp, "py", None, "ex-a").await;
+    add_snapshot(&cp, "other", None, "ex-c").await;
+    cp.ctx
+        .db
+        .heartbeat(
+            "ex-b",
+            &tine_control_plane::db::ExecutorReport {
+                max_sandboxes: 4,
+                cached_tags: vec!["py".into()],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+
+    let (_, mut sb, _) = clients(cp.addr, Some(&t.user)).await;
+    let ev = spawn_all(&mut sb, "py", 4, pb::PlacementPolicy::Spread).await;
+    assert_eq!(ev.len(), 4);
+    let on = ready_on(&ev);
+    assert_eq!(
+        (on.get("ex-a"), on.get("ex-b"), on.get("ex-c")),
+        (Some(&2), Some(&2), None),
+        "{on:?}"
+    );
+
+    // Pack fills the fuller holder first: both have 2 left, ties go to the smaller id.
+    let ev = spawn_all(&mut sb, "py", 2, pb::PlacementPolicy::Pack).await;
+    assert_eq!(ready_on(&ev).get("ex-a"), Some(&2));
+
+    // 2 slots left among holders: 5 asked, 2 ready, 3 reported failed (none dropped).
+    let ev = spawn_all(&mut sb, "py", 5, pb::PlacementPolicy::Spread).await;
+    assert_eq!(ev.len(), 5);
+    let failed: Vec<&pb::SpawnFailure> = ev
+        .iter()
+        .filter_map(|e| match &e.result {
+            Some(pb::spawn_event::Result::Failed(f)) => Some(f),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed.len(), 3);
+    assert!(
+        failed.iter().all(|f| f.code == "RESOURCE_EXHAUSTED"),
+        "{failed:?}"
+    );
+    assert_eq!(
+        ev.iter().map(|e| e.index).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3, 4]
+    );
+    let live = sb
+        .list_sandboxes(pb::ListSandboxesRequest {
+            tag: "py".into(),
+            all: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .sandboxes;
+    assert_eq!(live.len(), 8);
+    assert!(live
+        .iter()
+        .all(|s| s.state == pb::SandboxState::Ready as i32 && s.ready_us >= 1000));
+
+    // Draining ex-a sends new children elsewhere... nowhere here, as ex-b is full: clear error.
+    let (_, _, mut admin_ex) = clients(cp.addr, Some(&t.admin)).await;
+    admin_ex
+        .drain_executor(pb::DrainExecutorRequest { id: "ex-a".into() })
+        .await
+        .unwrap();
+    let (_, id) = {
+        let s = &live[0];
+        (s.executor.clone(), s.id.clone())
+    };
+    sb.kill_sandbox(pb::KillSandboxRequest { id: id.clone() })
+        .await
+        .unwrap();
+    let killed = sb
+        .get_sandbox(pb::GetSandboxRequest { id })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(killed.state, pb::SandboxState::Killed as i32);
+
+    // Metrics saw the spawns.
+    let metrics = http_get(cp.metrics_addr.unwrap(), "/metrics").await;
+    assert!(
+        metrics.contains("tine_spawn_to_ready_seconds_count 8"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tine_rpcs_total{code=\"OK\",rpc=\"tine.v1.Sandboxes/Spawn\"} 3"),
+        "{metrics}"
+    );
+    cp.shutdown().await.unwrap();
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+#[tokio::test]
+async fn lineage_queries_and_delete_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (fake, addr) = start_executor(&t.executor).await;
+    register(cp.addr, &t, "ex-a", addr, 4, &[], &[]).await;
+    // root -> mid -> leaf, root -> side
+    add_snapshot(&cp, "root", None, "ex-a").await;
+    add_snapshot(&cp, "mid", Some("root"), "ex-a").await;
+    add_snapshot(&cp, "leaf", Some("mid"), "ex-a").await;
+    add_snapshot(&cp, "side", Some("root"), "ex-a").await;
+
+    let (mut sn, _, _) = clients(cp.addr, Some(&t.user)).await;
+    let g = sn
+        .get_snapshot(pb::GetSnapshotRequest { tag: "leaf".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    let anc: Vec<String> = g.ancestors.iter().map(|s| s.tag.clone()).collect();
+    assert_eq!(anc, vec!["mid", "root"]);
+    assert!(g.descendants.is_empty());
+    let g = sn
+        .get_snapshot(pb::GetSnapshotRequest { tag: "root".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    let desc: Vec<String> = g.descendants.iter().map(|s| s.tag.clone()).collect();
+    assert_eq!(desc, vec!["mid", "side", "leaf"]);
+    assert_eq!(g.snapshot.unwrap().executors, vec!["ex-a"]);
+
+    let err = sn
+        .delete_snapshot(pb::DeleteSnapshotRequest {
+            tag: "root".into(),
+            cascade: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("leaf") && err.message().contains("cascade"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(
+        sn.list_snapshots(pb::ListSnapshotsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .snapshots
+            .len(),
+        4
+    );
+
+    let d = sn
+        .delete_snapshot(pb::DeleteSnapshotRequest {
+            tag: "leaf".into(),
+            cascade: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(d.deleted, vec!["leaf"]);
+    let d = sn
+        .delete_snapshot(pb::DeleteSnapshotRequest {
+            tag: "root".into(),
+            cascade: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(d.deleted.len(), 3);
+    assert_eq!(d.deleted.last().unwrap(), "root", "children before parents");
+    assert!(sn
+        .list_snapshots(pb::ListSnapshotsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshots
+        .is_empty());
+    let mut freed = fake.state.lock().unwrap().deleted_tags.clone();
+    freed.sort();
+    assert_eq!(freed, vec!["leaf", "mid", "root", "side"]);
+    let err = sn
+        .get_snapshot(pb::GetSnapshotRequest { tag: "root".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+
+    // Create goes through an executor and records where the snapshot lives.
+    let s = sn
+        .create_snapshot(pb::CreateSnapshotRequest {
+            tag: "fresh".into(),
+            image: "python-numpy".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((s.executors, s.mem_mib), (vec!["ex-a".to_string()], 512));
+    let err = sn
+        .create_snapshot(pb::CreateSnapshotRequest {
+            tag: "fresh".into(),
+            image: "python-numpy".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists);
+    cp.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn restart_keeps_everything_and_executors_readopt_their_sandboxes() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (fake, addr) = start_executor(&t.executor).await;
+    register(cp.addr, &t, "ex-a", addr, 8, &[], &[]).await;
+    add_snapshot(&cp, "py", None, "ex-a").await;
+    let (_, mut sb, _) = clients(cp.addr, Some(&t.user)).await;
+    let ev = spawn_all(&mut sb, "py", 3, pb::PlacementPolicy::Spread).await;
+    assert_eq!(ready_on(&ev).get("ex-a"), Some(&3));
+    cp.shutdown().await.unwrap();
+
+    // Same database, new process-equivalent: nothing lost.
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (mut sn, mut sb, _) = clients(cp.addr, Some(&t.user)).await;
+    assert_eq!(
+        sn.list_snapshots(pb::ListSnapshotsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .snapshots
+            .len(),
+        1
+    );
+    let before = sb
+        .list_sandboxes(pb::ListSandboxesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .sandboxes;
+    assert_eq!(before.len(), 3);
+
+    // The executor re-registers: it still runs two of them, one died meanwhile, and it runs
+    // one the control plane never heard of.
+    let mut live: Vec<String> = fake.state.lock().unwrap().live.iter().cloned().collect();
+    live.sort();
+    let dead = live.pop().unwrap();
+    live.push("sbx-stranger".into());
+    let r = register(cp.addr, &t, "ex-a", addr, 8, &["py"], &live).await;
+    assert_eq!(r.unknown_sandboxes, vec!["sbx-stranger"]);
+    let after = sb
+        .list_sandboxes(pb::ListSandboxesRequest {
+            tag: String::new(),
+            all: true,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .sandboxes;
+    for s in &after {
+        let want = if s.id == dead {
+            pb::SandboxState::Lost
+        } else {
+            pb::SandboxState::Ready
+        };
+        assert_eq!(s.state, want as i32, "{s:?}");
+    }
+    // Re-adopted sandboxes are usable through the control plane.
+    let alive = after.iter().find(|s| s.id != dead).unwrap();
+    let v = sb
+        .eval(pb::EvalRequest {
+            sandbox_id: alive.id.clone(),
+            code: "1 + 1".into(),
+            timeout_ms: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(v.value.unwrap(), format!("evaluated 1 + 1 on {}", alive.id));
+    let err = sb
+        .eval(pb::EvalRequest {
+            sandbox_id: dead.clone(),
+            code: "1".into(),
+            timeout_ms: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    cp.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn exec_and_files_are_relayed() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (_fake, addr) = start_executor(&t.executor).await;
+    register(cp.addr, &t, "ex-a", addr, 8, &[], &[]).await;
+    add_snapshot(&cp, "py", None, "ex-a").await;
+    let (_, mut sb, _) = clients(cp.addr, Some(&t.user)).await;
+    let ev = spawn_all(&mut sb, "py", 1, pb::PlacementPolicy::Spread).await;
+    let Some(pb::spawn_event::Result::Ready(s)) = &ev[0].result else {
+        panic!("{ev:?}")
+    };
+
+    let mut out = sb
+        .exec(pb::ExecRequest {
+            sandbox_id: s.id.clone(),
+            argv: vec!["echo".into(), "hi".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut events = Vec::new();
+    while let Some(e) = out.next().await {
+        events.push(e.unwrap().event.unwrap());
+    }
+    assert_eq!(events.len(), 3);
+    assert!(matches!(&events[0], pb::exec_event::Event::Stdout(d) if d == b"echo hi"));
+    assert!(matches!(
+        &events[2],
+        pb::exec_event::Event::Exit(pb::ExitStatus {
+            how: Some(pb::exit_status::How::Code(3)),
+            ..
+        })
+    ));
+
+    // 3.5 MiB up in 1 MiB chunks and back.
+    let data: Vec<u8> = (0..(3 << 20) + (1 << 19))
+        .map(|i| (i * 7 % 251) as u8)
+        .collect();
+    let mut msgs = vec![pb::WriteFileRequest {
+        part: Some(pb::write_file_request::Part::Header(pb::WriteFileHeader {
+            sandbox_id: s.id.clone(),
+            path: "/tmp/x".into(),
+            mode: 0o600,
+        })),
+    }];
+    msgs.extend(data.chunks(1 << 20).map(|c| pb::WriteFileRequest {
+        part: Some(pb::write_file_request::Part::Data(c.to_vec())),
+    }));
+    let w = sb
+        .write_file(futures::stream::iter(msgs))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(w.size, data.len() as u64);
+    let mut back = Vec::new();
+    let mut r = sb
+        .read_file(pb::ReadFileRequest {
+            sandbox_id: s.id.clone(),
+            path: "/tmp/x".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    while let Some(c) = r.next().await {
+        back.extend_from_slice(&c.unwrap().data);
+    }
+    assert!(back == data);
+
+    // A relative path never reaches the executor.
+    let err = sb
+        .read_file(pb::ReadFileRequest {
+            sandbox_id: s.id.clone(),
+            path: "etc/passwd".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    let err = sb
+        .branch(pb::BranchRequest {
+            sandbox_id: s.id.clone(),
+            tag: "b".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unimplemented);
+    cp.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn auth_rejections_and_bad_input_are_audited_and_write_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (_fake, addr) = start_executor(&t.executor).await;
+    register(cp.addr, &t, "ex-a", addr, 8, &[], &[]).await;
+    add_snapshot(&cp, "py", None, "ex-a").await;
+
+    let (mut anon, _, _) = clients(cp.addr, None).await;
+    let e = anon
+        .list_snapshots(pb::ListSnapshotsRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated);
+    let wrong = generate_token();
+    let (_, mut bad_sb, _) = clients(cp.addr, Some(&wrong)).await;
+    let e = bad_sb
+        .spawn(pb::SpawnRequest {
+            tag: "py".into(),
+            count: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated);
+    let (_, _, mut user_ex) = clients(cp.addr, Some(&t.user)).await;
+    let e = user_ex
+        .drain_executor(pb::DrainExecutorRequest { id: "ex-a".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied);
+    let (_, mut exec_sb, _) = clients(cp.addr, Some(&t.executor)).await;
+    let e = exec_sb
+        .spawn(pb::SpawnRequest {
+            tag: "py".into(),
+            count: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied);
+
+    let (_, mut sb, _) = clients(cp.addr, Some(&t.user)).await;
+    let spawn = |tag: &str, count: u32| pb::SpawnRequest {
+        tag: tag.into(),
+        count,
+        ..Default::default()
+    };
+    for (req, code) in [
+        (spawn("py", 0), Code::InvalidArgument),
+        (spawn("py", 1001), Code::InvalidArgument),
+        (spawn("nope", 1), Code::NotFound),
+        (spawn("a/b", 1), Code::InvalidArgument),
+        (spawn("..", 1), Code::InvalidArgument),
+        (spawn("../../etc", 1), Code::InvalidArgument),
+    ] {
+        let e = sb.spawn(req.clone()).await.unwrap_err();
+        assert_eq!(e.code(), code, "{req:?}: {}", e.message());
+    }
+    // Oversized message: refused by the server's decoder.
+    let big = "x".repeat(9 << 20);
+    let e = sb
+        .eval(pb::EvalRequest {
+            sandbox_id: "sbx-1".into(),
+            code: big,
+            timeout_ms: 0,
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e.code(),
+            Code::ResourceExhausted | Code::OutOfRange | Code::Internal
+        ),
+        "{e:?}"
+    );
+    let e = sb
+        .kill_sandbox(pb::KillSandboxRequest { id: "../x".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+
+    // Nothing was written by any rejected mutation.
+    assert!(cp.ctx.db.sandboxes(None, true).await.unwrap().is_empty());
+    assert!(!cp.ctx.db.executor("ex-a").await.unwrap().unwrap().draining);
+
+    let lines = audit_lines(dir.path());
+    let statuses: Vec<(&str, &str)> = lines
+        .iter()
+        .map(|l| (l["rpc"].as_str().unwrap(), l["status"].as_str().unwrap()))
+        .collect();
+    assert!(statuses.contains(&("tine.v1.Snapshots/ListSnapshots", "UNAUTHENTICATED")));
+    assert!(statuses.contains(&("tine.v1.Executors/DrainExecutor", "PERMISSION_DENIED")));
+    assert!(statuses.contains(&("tine.v1.Sandboxes/Spawn", "NOT_FOUND")));
+    assert!(statuses.contains(&("tine.v1.Executors/RegisterExecutor", "OK")));
+    let denied = lines
+        .iter()
+        .find(|l| l["status"] == "PERMISSION_DENIED")
+        .unwrap();
+    assert_eq!(denied["principal"], "alice");
+    assert_eq!(denied["args"]["id"], "ex-a");
+    assert!(denied["peer"].as_str().unwrap().starts_with("127.0.0.1:"));
+    let unauth = lines
+        .iter()
+        .find(|l| l["status"] == "UNAUTHENTICATED")
+        .unwrap();
+    assert!(unauth["principal"].is_null());
+    cp.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn exposure_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let mut cfg = config(dir.path(), &t);
+    cfg.listen = "0.0.0.0:0".parse().unwrap();
+    cfg.auth = Auth::Disabled;
+    let err = server::start(cfg).await.err().expect("refused").to_string();
+    assert!(err.contains("without authentication"), "{err}");
+    let mut cfg = config(dir.path(), &t);
+    cfg.listen = "0.0.0.0:0".parse().unwrap();
+    let err = server::start(cfg).await.err().expect("refused").to_string();
+    assert!(err.contains("without TLS"), "{err}");
+    // Loopback without auth is allowed (development), and says who called: "anonymous".
+    let mut cfg = config(dir.path(), &t);
+    cfg.auth = Auth::Disabled;
+    let cp = server::start(cfg).await.unwrap();
+    let (mut sn, _, _) = clients(cp.addr, None).await;
+    sn.list_snapshots(pb::ListSnapshotsRequest {})
+        .await
+        .unwrap();
+    cp.shutdown().await.unwrap();
+}
