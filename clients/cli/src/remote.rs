@@ -1,5 +1,6 @@
 //! Commands that talk to the control plane over gRPC: `tine sandbox`, `tine snapshots`,
-//! `tine executors`. Address from TINE_ADDR (default http://127.0.0.1:7070); token from
+//! `tine executors`. Address from TINE_ADDR, else the `up.json` a local `tine up` wrote, else
+//! http://127.0.0.1:7070; token from
 //! TINE_TOKEN, else the file TINE_TOKEN_FILE, else `<data dir>/admin.token` (`tine up`).
 
 use std::io::Write;
@@ -34,8 +35,16 @@ fn status_err(s: tonic::Status) -> anyhow::Error {
 
 impl Conn {
     fn open() -> Result<Conn> {
-        let mut addr =
-            std::env::var("TINE_ADDR").unwrap_or_else(|_| "http://127.0.0.1:7070".into());
+        let mut addr = match std::env::var("TINE_ADDR") {
+            Ok(a) => a,
+            // A `tine up` on this machine says where it listens.
+            Err(_) => crate::vms::data_dir()
+                .ok()
+                .and_then(|d| std::fs::read(d.join("up.json")).ok())
+                .and_then(|raw| serde_json::from_slice::<serde_json::Value>(&raw).ok())
+                .and_then(|v| v["addr"].as_str().map(str::to_owned))
+                .unwrap_or_else(|| "http://127.0.0.1:7070".into()),
+        };
         if !addr.contains("://") {
             addr = format!("http://{addr}");
         }

@@ -145,6 +145,15 @@ pub fn up(a: UpArgs) -> Result<i32> {
         })
         .await?;
         let cp_url = format!("http://{}", cp.addr);
+        // Where a local `tine` finds this instance when TINE_ADDR is not set.
+        let up_file = data.join("up.json");
+        let info = serde_json::json!({
+            "addr": cp_url,
+            "metrics": cp.metrics_addr.map(|m| m.to_string()),
+            "token_file": admin_file,
+            "pid": std::process::id(),
+        });
+        auth::write_private_file(&up_file, info.to_string().as_bytes())?;
         println!("TINE_ADDR={cp_url}");
         println!("TINE_TOKEN_FILE={}", admin_file.display());
         eprintln!(
@@ -160,6 +169,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
         let _ = std::io::stdout().flush();
         until_stopped().await;
         eprintln!("[tine] stopping: killing local sandboxes");
+        let _ = std::fs::remove_file(&up_file);
         ex.shutdown(true).await?;
         cp.shutdown().await?;
         Ok::<_, anyhow::Error>(0)
