@@ -1,1 +1,6 @@
-//! Filled in by a later issue; the crate boundary is fixed now.
+//! Load generation against the control plane: N concurrent gRPC clients issuing
+//! spawn / exec / kill mixes, latencies in HDR histograms, reported as a table and JSON.
+
+pub mod null_executor;
+pub mod report;
+pub mod run;

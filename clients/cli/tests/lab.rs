@@ -2,6 +2,7 @@
 //! nested lab (`tine lab`). Slow (tens of seconds each), hence `#[ignore]`; CI runs them with
 //! `cargo test -p tine-cli --test lab -- --ignored`.
 
+use std::path::Path;
 use std::process::Command;
 
 const TINE: &str = env!("CARGO_BIN_EXE_tine");
@@ -244,4 +245,34 @@ fn snapshot_a_warm_parent_and_fork_children() {
     for l in out.lines().filter(|l| !l.starts_with("CHECK")) {
         println!("{l}");
     }
+}
+
+#[test]
+#[ignore = "boots Linux: needs VMX/SVM or the nested lab; builds a Debian root filesystem (slow)"]
+fn control_plane_end_to_end_with_the_python_client() {
+    build_image("python-numpy");
+    let venv = std::env::var("TINE_PY_VENV").unwrap_or_else(|_| {
+        format!(
+            "{}/.cache/tine/pyclient-venv",
+            std::env::var("HOME").unwrap_or_else(|_| "/root".into())
+        )
+    });
+    assert!(
+        Path::new(&venv).join("bin/python").exists(),
+        "no Python client venv at {venv}: run clients/python/run_tests.sh (the api test does)"
+    );
+    scenario_args(
+        "up.sh",
+        "python-numpy",
+        &[&venv],
+        &[
+            "up",
+            "snapshot-api",
+            "spawn-cli",
+            "eval-cli",
+            "python-example",
+            "python-tests",
+            "shutdown",
+        ],
+    );
 }

@@ -1,0 +1,52 @@
+#!/bin/sh
+# Control plane end to end: `tine up` (control plane + local executor), a snapshot made through
+# the API, sandboxes spawned through the CLI and the Python client, evals in each.
+# Usage: up.sh TINE IMAGE WORKDIR PYTHON_VENV
+set -u
+T=$1 IMG=$2 W=$3 VENV=$4
+PY=$(cd "$(dirname "$0")/../../../python" && pwd)
+mkdir -p "$W"
+ok() { echo "CHECK $1 ok"; }
+fail() { echo "CHECK $1 FAIL $2"; }
+
+"$T" up --data-dir "$W/data" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --pool 4 \
+  >"$W/up.out" 2>"$W/up.err" &
+UP=$!
+i=0
+while [ $i -lt 60 ] && ! grep -q TINE_TOKEN_FILE "$W/up.out"; do sleep 1; i=$((i + 1)); done
+grep -q TINE_TOKEN_FILE "$W/up.out" && ok up || { fail up "$(cat "$W/up.err")"; exit 1; }
+export $(cat "$W/up.out")
+
+if "$T" snapshots create --tag py --image "$IMG" --eval 'parent_value = 21' >"$W/create" 2>&1; then
+  ok snapshot-api
+else
+  fail snapshot-api "$(tail -5 "$W/create")"; kill $UP; exit 1
+fi
+cat "$W/create"
+
+"$T" sandbox spawn --tag py -n 3 >"$W/spawn" 2>&1
+cat "$W/spawn"
+n=$(grep -c 'ready in' "$W/spawn")
+[ "$n" = 3 ] && ok spawn-cli || fail spawn-cli "$n of 3 ready"
+good=0
+for id in $(grep 'ready in' "$W/spawn" | awk '{print $1}'); do
+  v=$("$T" sandbox eval "$id" 'parent_value * 2' 2>&1)
+  [ "$v" = 42 ] && good=$((good + 1))
+done
+[ "$good" = 3 ] && ok eval-cli || fail eval-cli "$good of 3 returned 42"
+"$T" sandbox ls
+
+# The Python client: the example (3 sandboxes, eval in each) and the live test suite with spawning.
+if "$VENV/bin/python" "$PY/examples/fork_and_eval.py" py -n 3 >"$W/py-example" 2>&1; then ok python-example
+else fail python-example "$(tail -5 "$W/py-example")"; fi
+cat "$W/py-example"
+if TINE_TEST_TAG=py "$VENV/bin/python" "$PY/tests/test_client.py" >"$W/py-tests" 2>&1 \
+   && grep -q ' 0 failed' "$W/py-tests" && ! grep -q ' [1-9][0-9]* skipped' "$W/py-tests"; then
+  ok python-tests
+else
+  fail python-tests "$(tail -15 "$W/py-tests")"
+fi
+cat "$W/py-tests"
+
+"$T" executors ls
+kill -TERM $UP; wait $UP && ok shutdown || fail shutdown "tine up exited $?"
