@@ -5,20 +5,13 @@ use std::time::Duration;
 
 use hdrhistogram::Histogram;
 
+#[derive(Default)]
 pub struct Stats {
     /// Microseconds, 1 µs to 60 s at 3 significant digits.
     pub hist: BTreeMap<&'static str, Histogram<u64>>,
     pub errors: BTreeMap<String, u64>,
 }
 
-impl Default for Stats {
-    fn default() -> Self {
-        Stats {
-            hist: BTreeMap::new(),
-            errors: BTreeMap::new(),
-        }
-    }
-}
 
 impl Stats {
     pub fn record(&mut self, op: &'static str, d: Duration) {
