@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Set up a fresh host and run the main job: boot the Debian cloud kernel in Tine's own VMM
-# with 2 vCPUs to a userspace /init that prints a marker and powers off. On a host whose
-# /dev/kvm cannot boot Linux (no VMX/SVM, e.g. PVM), it runs inside the nested lab.
+# Set up a fresh host and run the main job on the embedded default: `tine up` (control plane +
+# local executor in one process), a warm python-numpy parent snapshotted through the gRPC API,
+# ten copy-on-write children forked from it, Python evaluated in each. On a host whose /dev/kvm
+# cannot boot Linux (no VMX/SVM, e.g. PVM), it runs inside the nested lab.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 bash deploy/dev/setup.sh
 cargo build --release -p tine-cli
 TINE="$PWD/target/release/tine"
-"$TINE" image kernel --flavor cloud >/dev/null
 "$TINE" doctor || true
+"$TINE" image build python-numpy
 if [ -e /sys/module/kvm_pvm ] || ! grep -qwE 'vmx|svm' /proc/cpuinfo; then
-  echo "demo: no VMX/SVM here: booting inside the nested lab"
-  exec "$TINE" lab -- "$TINE" run --vcpus 2
+  echo "demo: no VMX/SVM here: running inside the nested lab"
+  exec "$TINE" lab --mem-mib 4096 --timeout 1200 -- sh "$PWD/deploy/dev/demo-embedded.sh" "$TINE" 10
 fi
-exec "$TINE" run --vcpus 2
+exec sh deploy/dev/demo-embedded.sh "$TINE" 10

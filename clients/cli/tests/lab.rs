@@ -209,6 +209,7 @@ fn warm_numpy_eval_in_the_python_image() {
             "exception",
             "usable-after-exception",
             "bench",
+            "poweroff",
         ],
     );
     // The latency table is the benchmark's output: show it in the test log.

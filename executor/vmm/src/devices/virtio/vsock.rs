@@ -14,6 +14,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
 use vm_memory::GuestMemoryMmap;
@@ -159,6 +160,57 @@ struct Inner {
 }
 
 impl Inner {
+    /// One line describing queues, interrupt and connections, for stall diagnosis.
+    fn dump(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = format!(
+            "irq_status={} paused={} ctrl_pending={}",
+            self.irq.as_ref().map_or(0, |i| i.status()),
+            self.paused,
+            self.ctrl.len()
+        );
+        if let Some(h) = self.ctrl.front() {
+            let _ = write!(out, " (first op {} {}->{})", h.op, h.src_port, h.dst_port);
+        }
+        if let Some(mem) = &self.mem {
+            for (i, q) in self.queues.iter().enumerate() {
+                let avail = q.avail_idx(mem, std::sync::atomic::Ordering::Acquire).map(|w| w.0);
+                let used = q.used_idx(mem, std::sync::atomic::Ordering::Acquire).map(|w| w.0);
+                let _ = write!(
+                    out,
+                    " q{i}[ready={} size={} next_avail={} next_used={} guest_avail={:?} guest_used={:?}]",
+                    q.ready(),
+                    q.size(),
+                    q.next_avail(),
+                    q.next_used(),
+                    avail.ok(),
+                    used.ok()
+                );
+            }
+        } else {
+            out += " (not activated)";
+        }
+        for c in self.conns.values() {
+            let state = match c.state {
+                ConnState::Handshake(_) => "handshake",
+                ConnState::Requested => "requested",
+                ConnState::Established => "established",
+            };
+            let _ = write!(
+                out,
+                " conn[{}->{} {state} readable={} credit={} to_host={} done(g={},h={})]",
+                c.local_port,
+                c.peer_port,
+                c.readable,
+                c.guest_credit(),
+                c.to_host.len(),
+                c.guest_done_sending,
+                c.host_done_sending
+            );
+        }
+        out
+    }
+
     fn header(&self, local_port: u32, peer_port: u32, op: u16) -> Header {
         header(self.guest_cid, local_port, peer_port, op)
     }
@@ -689,6 +741,7 @@ impl Vsock {
 const IRQ_RESEND_AFTER: std::time::Duration = std::time::Duration::from_millis(1000);
 
 fn event_loop(inner: Arc<Mutex<Inner>>, epoll: Arc<Epoll>, listener: UnixListener) {
+    install_dump_signal();
     let mut events = vec![EpollEvent::default(); 64];
     let mut watchdog = IrqWatchdog::default();
     loop {
@@ -710,46 +763,128 @@ fn event_loop(inner: Arc<Mutex<Inner>>, epoll: Arc<Epoll>, listener: UnixListene
             }
         }
         g.process_rx();
-        watchdog.check(&g);
+        watchdog.check(&mut g);
     }
 }
 
+/// Set by SIGUSR1: the device threads log their state once.
+static DUMP_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_sigusr1(_: libc::c_int) {
+    DUMP_REQUESTED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// `kill -USR1 <vmm pid>` makes every vsock device log its queues and connections.
+fn install_dump_signal() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe { libc::signal(libc::SIGUSR1, on_sigusr1 as *const () as libc::sighandler_t) };
+    });
+}
+
+/// Recovery and diagnosis for stalls the device cannot see directly.
+///
 /// Linux acknowledges the interrupt status in its handler right away, so a status that stays
 /// set means an interrupt never reached the guest (seen in nested virtualization). Without a
 /// resend the guest never refills its receive queue and the device, having no buffers, never
 /// signals again: a silent, permanent stall. Resending is harmless if the guest was just slow.
+/// Likewise a connection blocked on guest credit asks for a credit update instead of waiting
+/// for one forever, and work that stays pending is logged with the device state.
 #[derive(Default)]
 struct IrqWatchdog {
     pending_since: Option<std::time::Instant>,
     resent: u64,
+    stuck_since: Option<std::time::Instant>,
+    stuck_reports: u32,
+    credit_asked: HashMap<u64, std::time::Instant>,
 }
 
 impl IrqWatchdog {
-    fn check(&mut self, g: &Inner) {
-        let Some(irq) = g.irq.as_ref().filter(|_| !g.paused) else {
-            self.pending_since = None;
-            return;
-        };
-        if irq.status() == 0 {
+    fn check(&mut self, g: &mut Inner) {
+        if DUMP_REQUESTED.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            tracing::warn!("vsock state (SIGUSR1): {}", g.dump());
+        }
+        if g.paused || g.irq.is_none() {
             self.pending_since = None;
             return;
         }
         let now = std::time::Instant::now();
-        match self.pending_since {
-            None => self.pending_since = Some(now),
-            Some(t) if now.duration_since(t) >= IRQ_RESEND_AFTER => {
-                self.resent += 1;
-                if self.resent.is_power_of_two() {
-                    tracing::warn!(
-                        resent = self.resent,
-                        status = irq.status(),
-                        "vsock: interrupt not acknowledged for {IRQ_RESEND_AFTER:?}; sending it again"
-                    );
+        let status = g.irq.as_ref().map_or(0, |i| i.status());
+        if status == 0 {
+            self.pending_since = None;
+        } else {
+            match self.pending_since {
+                None => self.pending_since = Some(now),
+                Some(t) if now.duration_since(t) >= IRQ_RESEND_AFTER => {
+                    self.resent += 1;
+                    if self.resent.is_power_of_two() {
+                        tracing::warn!(
+                            resent = self.resent,
+                            "vsock: interrupt not acknowledged for {IRQ_RESEND_AFTER:?}; sending it again; {}",
+                            g.dump()
+                        );
+                    }
+                    if let Some(irq) = &g.irq {
+                        irq.resend();
+                    }
+                    self.pending_since = Some(now);
                 }
-                irq.resend();
-                self.pending_since = Some(now);
+                Some(_) => {}
             }
-            Some(_) => {}
+        }
+        // Connections with host data waiting on guest credit: ask for an update.
+        let blocked: Vec<u64> = g
+            .conns
+            .iter()
+            .filter(|(_, c)| {
+                c.state == ConnState::Established
+                    && c.readable
+                    && !c.host_done_sending
+                    && c.guest_credit() == 0
+            })
+            .map(|(t, _)| *t)
+            .collect();
+        self.credit_asked.retain(|t, _| blocked.contains(t));
+        let mut asked = false;
+        for t in blocked {
+            let due = self
+                .credit_asked
+                .get(&t)
+                .is_none_or(|at| now.duration_since(*at) >= IRQ_RESEND_AFTER);
+            if due {
+                if let Some(c) = g.conns.get(&t) {
+                    let h = g.header(c.local_port, c.peer_port, OP_CREDIT_REQUEST);
+                    g.queue_ctrl(Some(t), h);
+                    self.credit_asked.insert(t, now);
+                    asked = true;
+                }
+            }
+        }
+        if asked {
+            g.process_rx();
+        }
+        // Work that cannot get out (control packets queued, or requests unanswered): say so
+        // with the state, at 3 s and then at doubling intervals.
+        let requested = g.conns.values().filter(|c| c.state == ConnState::Requested).count();
+        if g.ctrl.is_empty() && requested == 0 {
+            self.stuck_since = None;
+            self.stuck_reports = 0;
+        } else {
+            let since = *self.stuck_since.get_or_insert(now);
+            let due = Duration::from_secs(3) * (1u32 << self.stuck_reports.min(8));
+            if now.duration_since(since) >= due {
+                self.stuck_reports += 1;
+                tracing::warn!(
+                    "vsock: work pending for {:.1} s; {}",
+                    now.duration_since(since).as_secs_f64(),
+                    g.dump()
+                );
+                // A guest that acknowledged but never refilled its receive ring: nudge it.
+                if let Some(irq) = &g.irq {
+                    irq.trigger(INT_USED_RING);
+                }
+            }
         }
     }
 }
