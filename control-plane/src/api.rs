@@ -14,6 +14,7 @@ use tine_proto::v1::snapshots_server::Snapshots;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::calls::{code_name, Ctx, Rpc};
 use crate::db::{
@@ -360,7 +361,12 @@ impl Api {
                 resources: r.resources,
                 ready_timeout_ms: timeout,
             };
-            tokio::spawn(async move { api.run_spawn_group(executor, req, children, tx).await });
+            // The executor call continues this request's trace.
+            let span = tracing::Span::current();
+            tokio::spawn(
+                async move { api.run_spawn_group(executor, req, children, tx).await }
+                    .instrument(span),
+            );
         }
         Ok(ReceiverStream::new(rx))
     }

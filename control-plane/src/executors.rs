@@ -34,6 +34,7 @@ impl Interceptor for Bearer {
         if let Some(v) = &self.0 {
             req.metadata_mut().insert("authorization", v.clone());
         }
+        crate::telemetry::inject_current(req.metadata_mut());
         Ok(req)
     }
 }

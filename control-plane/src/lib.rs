@@ -11,6 +11,7 @@ pub mod executors;
 pub mod metrics;
 pub mod scheduler;
 pub mod server;
+pub mod telemetry;
 pub mod validate;
 
 /// Milliseconds since the Unix epoch.

@@ -158,7 +158,8 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
     let reflection_v1alpha =
         reflection(tonic_reflection::server::Builder::configure()).build_v1alpha()?;
 
-    let mut builder = Server::builder();
+    let mut builder =
+        Server::builder().trace_fn(|req| crate::telemetry::request_span(req, "control-plane"));
     if let Some(tls) = &cfg.tls {
         builder = builder.tls_config(tls.server_config()?)?;
     }

@@ -12,7 +12,6 @@ pub struct Stats {
     pub errors: BTreeMap<String, u64>,
 }
 
-
 impl Stats {
     pub fn record(&mut self, op: &'static str, d: Duration) {
         let h = self

@@ -82,14 +82,20 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    // The services set up their own logging and tracing (with OTLP export when configured).
+    if !matches!(
+        cli.command,
+        Command::Up(_) | Command::ControlPlane(_) | Command::Executor(_)
+    ) {
+        tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            )
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let result = match cli.command {
         Command::Doctor(a) => doctor::run(a),
         Command::Run(a) => run::run(a),

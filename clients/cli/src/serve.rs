@@ -114,6 +114,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
         .context("tokens.json has no executor token")?;
     let rt = runtime()?;
     rt.block_on(async {
+        let _telemetry = tine_control_plane::telemetry::init("tine", "info")?;
         let cp = server::start(ServerConfig {
             listen: a.listen,
             db_path: data.join("tine.db"),
@@ -230,6 +231,7 @@ pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
         None => (Auth::Disabled, None),
     };
     runtime()?.block_on(async {
+        let _telemetry = tine_control_plane::telemetry::init("tine-control-plane", "info")?;
         let cp = server::start(ServerConfig {
             listen: a.listen,
             db_path: a.db.clone(),
@@ -311,6 +313,7 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
             .unwrap_or_else(|_| "executor".into()),
     };
     runtime()?.block_on(async {
+        let _telemetry = tine_control_plane::telemetry::init("tine-executor", "info")?;
         let ex = daemon::start(ExecutorConfig {
             id,
             listen: a.listen,

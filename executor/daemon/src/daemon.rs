@@ -108,7 +108,8 @@ pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
         }
         Ok(req)
     };
-    let mut builder = Server::builder();
+    let mut builder = Server::builder()
+        .trace_fn(|req| tine_control_plane::telemetry::request_span(req, "executor"));
     if let Some(tls) = &cfg.tls {
         builder = builder.tls_config(tls.server_config()?)?;
     }

@@ -24,12 +24,12 @@ out=$("$T" eval --socket "$S" 'x + 1' 2>&1)
 
 # Power off through the agent; the VMM must exit. If it does not, ask it for its vsock state
 # (SIGUSR1) before killing it, so a stall is diagnosable from this log.
-"$T" exec --socket "$S" -- poweroff -f >/dev/null 2>&1 &
+"$T" exec --socket "$S" -- poweroff -f >"$W/poweroff.out" 2>&1 &
 i=0
 while kill -0 "$VM" 2>/dev/null && [ $i -lt 60 ]; do sleep 1; i=$((i + 1)); done
 if kill -0 "$VM" 2>/dev/null; then
   kill -USR1 "$VM"; sleep 2
-  fail poweroff "the VM still ran 60 s after poweroff; console tail: $(console_tail)"
+  fail poweroff "the VM still ran 60 s after poweroff; exec said: $(cat "$W/poweroff.out"); console tail: $(console_tail)"
   kill "$VM"
 else
   wait "$VM" && ok poweroff || fail poweroff "VMM exit status $?"

@@ -174,8 +174,12 @@ impl Inner {
         }
         if let Some(mem) = &self.mem {
             for (i, q) in self.queues.iter().enumerate() {
-                let avail = q.avail_idx(mem, std::sync::atomic::Ordering::Acquire).map(|w| w.0);
-                let used = q.used_idx(mem, std::sync::atomic::Ordering::Acquire).map(|w| w.0);
+                let avail = q
+                    .avail_idx(mem, std::sync::atomic::Ordering::Acquire)
+                    .map(|w| w.0);
+                let used = q
+                    .used_idx(mem, std::sync::atomic::Ordering::Acquire)
+                    .map(|w| w.0);
                 let _ = write!(
                     out,
                     " q{i}[ready={} size={} next_avail={} next_used={} guest_avail={:?} guest_used={:?}]",
@@ -866,7 +870,11 @@ impl IrqWatchdog {
         }
         // Work that cannot get out (control packets queued, or requests unanswered): say so
         // with the state, at 3 s and then at doubling intervals.
-        let requested = g.conns.values().filter(|c| c.state == ConnState::Requested).count();
+        let requested = g
+            .conns
+            .values()
+            .filter(|c| c.state == ConnState::Requested)
+            .count();
         if g.ctrl.is_empty() && requested == 0 {
             self.stuck_since = None;
             self.stuck_reports = 0;
