@@ -934,3 +934,46 @@ async fn exposure_rules() {
         .unwrap();
     cp.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn tls_listener_serves_clients_that_trust_its_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert, ck.cert.pem()).unwrap();
+    std::fs::write(&key, ck.signing_key.serialize_pem()).unwrap();
+    let mut cfg = config(dir.path(), &t);
+    cfg.tls = Some(server::TlsFiles { cert, key });
+    let cp = server::start(cfg).await.unwrap();
+    let port = cp.addr.port();
+
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(ck.cert.pem()))
+        .domain_name("localhost");
+    let ch = Channel::from_shared(format!("https://localhost:{port}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut sn = SnapshotsClient::with_interceptor(ch, Bearer::new(Some(&t.user)).unwrap());
+    sn.list_snapshots(pb::ListSnapshotsRequest {})
+        .await
+        .unwrap();
+
+    // A plaintext client gets nowhere.
+    let plain = Channel::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await;
+    if let Ok(ch) = plain {
+        let mut sn = SnapshotsClient::with_interceptor(ch, Bearer::new(Some(&t.user)).unwrap());
+        assert!(sn
+            .list_snapshots(pb::ListSnapshotsRequest {})
+            .await
+            .is_err());
+    }
+    cp.shutdown().await.unwrap();
+}

@@ -236,4 +236,21 @@ fn embedded_default_serves_real_grpc_clients() {
     } else {
         panic!("tine up did not write up.json");
     }
+
+    // Log rotation: move the file away, SIGHUP, and the next call lands in a new file.
+    let audit = dir.path().join("audit.log");
+    std::fs::rename(&audit, dir.path().join("audit.log.1")).unwrap();
+    // SAFETY: plain kill(2) of our own child process.
+    assert_eq!(unsafe { libc::kill(up.child.id() as i32, libc::SIGHUP) }, 0);
+    let mut reopened = false;
+    for _ in 0..50 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let (code, out) = tine(&up, &["snapshots", "ls"]);
+        assert_eq!(code, 0, "{out}");
+        if std::fs::read_to_string(&audit).is_ok_and(|t| t.contains("ListSnapshots")) {
+            reopened = true;
+            break;
+        }
+    }
+    assert!(reopened, "no new audit.log after SIGHUP");
 }
