@@ -186,6 +186,9 @@ pub struct ForkBench {
     /// Cold boots to time.
     #[arg(long, default_value_t = 3)]
     cold_runs: usize,
+    /// At most this many children restoring at once (0: all of them).
+    #[arg(long, default_value_t = 0)]
+    parallel: usize,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -294,7 +297,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     for &n in &b.counts {
         let t0 = Instant::now();
         let collected = std::sync::Mutex::new(Vec::new());
-        crate::fork::fork_children(&b.tag, n, Duration::from_secs(120), |r| {
+        crate::fork::fork_children(&b.tag, n, b.parallel, Duration::from_secs(120), |r| {
             collected.lock().unwrap().push(r)
         })?;
         let reports: Vec<crate::fork::ChildReport> = collected.into_inner().unwrap();

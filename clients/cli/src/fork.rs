@@ -1,19 +1,16 @@
 //! `tine snapshot`, `tine fork`, `tine ls`, `tine kill`: warm a parent once, then fork children
-//! from its snapshot. Each child is its own VMM process restoring the snapshot with its guest
-//! RAM mapped copy-on-write; "spawned" means its guest agent answered a ping.
+//! from its snapshot. Each child is its own VMM process (a pre-started worker) restoring the
+//! snapshot with its guest RAM mapped copy-on-write; "spawned" means its guest agent answered.
 
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use tine_executor::parent::{create_snapshot, ParentSpec};
 use tine_executor::ready::make_ready;
+use tine_executor::worker::{start_child, WorkerPool};
 use tine_vmm::host::KvmFlavor;
-use tine_vmm::vm::RestoreOptions;
-use tine_vmm::Vm;
 
-use crate::vms::{self, VmMeta};
-use tine_executor::console::open_console;
+use crate::vms;
 
 /// Most children one `tine fork` may ask for.
 pub const MAX_CHILDREN: usize = 1000;
@@ -83,92 +80,14 @@ pub struct ChildReport {
     pub ready: Result<Duration, String>,
 }
 
-/// The body of a child process: restore the snapshot, tell the parent (one byte on
-/// `started`) that the guest runs and its socket exists, and run the VM until it stops.
-fn child_main(snapshot: &Path, dir: &Path, started: std::fs::File) -> Result<i32> {
-    let vm = Vm::restore(
-        snapshot,
-        RestoreOptions {
-            console: open_console(Some(&dir.join("console.log")))?,
-            vsock_uds: Some(dir.join("vsock.sock")),
-        },
-    )?;
-    let running = vm.start()?;
-    use std::io::Write;
-    let _ = (&started).write_all(b"1");
-    drop(started);
-    let exit = running.wait()?;
-    Ok(exit.exit_code())
-}
-
-/// Start one child VMM process with fork(2): no exec and no start-up of a new binary on the
-/// critical path. Must be called while this process is single-threaded (the child only
-/// inherits the calling thread, so no lock can be left held by another).
-fn spawn_child(snapshot: &Path, tag: &str) -> Result<(PathBuf, VmMeta, std::fs::File)> {
-    let id = vms::new_id(tag);
-    let dir = vms::vms_dir()?.join(&id);
-    std::fs::create_dir_all(&dir)?;
-    let log = std::fs::File::create(dir.join("vmm.log"))?;
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    let _ = std::io::stderr().flush();
-    let mut fds = [0i32; 2];
-    // SAFETY: pipe2 fills two fds; both are owned below.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("pipe");
-    }
-    use std::os::fd::FromRawFd;
-    // SAFETY: fresh fds from pipe2, each wrapped exactly once.
-    let (read_end, write_end) = unsafe {
-        (
-            std::fs::File::from_raw_fd(fds[0]),
-            std::fs::File::from_raw_fd(fds[1]),
-        )
-    };
-    // SAFETY: plain fork(2); see the single-threaded requirement above.
-    let pid = unsafe { libc::fork() };
-    if pid < 0 {
-        return Err(std::io::Error::last_os_error()).context("fork");
-    }
-    if pid == 0 {
-        // Child: own session, output to its log, never return into the parent's code.
-        use std::os::fd::AsRawFd;
-        // SAFETY: standard descriptor and session set-up in a fresh single-threaded child.
-        unsafe {
-            libc::setsid();
-            let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY);
-            libc::dup2(null, 0);
-            libc::dup2(log.as_raw_fd(), 1);
-            libc::dup2(log.as_raw_fd(), 2);
-        }
-        drop(read_end);
-        let code = match child_main(snapshot, &dir, write_end) {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("tine: child {id}: {e:#}");
-                1
-            }
-        };
-        // SAFETY: leave without running the parent's exit handlers or flushing its buffers.
-        unsafe { libc::_exit(code) };
-    }
-    let meta = VmMeta {
-        id,
-        pid: pid as u32,
-        tag: Some(tag.to_string()),
-        created_unix_ms: vms::now_ms(),
-    };
-    drop(write_end);
-    vms::write_meta(&dir, &meta)?;
-    Ok((dir, meta, read_end))
-}
-
-/// Fork `n` children from the snapshot `tag`; `report` is called (from several threads) as
-/// each becomes ready or fails. All children are started first, while this process is still
-/// single-threaded; only then do threads wait for them.
+/// Fork `n` children from the snapshot `tag`, at most `parallel` restoring at once (0: all);
+/// `report` is called (from several threads) as each becomes ready or fails. Each child is its
+/// own VMM process: a `tine __vmm-worker` started before the clock runs, handed the snapshot.
+/// A child's time runs from handing it the snapshot to its agent answering.
 pub fn fork_children(
     tag: &str,
     n: usize,
+    parallel: usize,
     timeout: Duration,
     report: impl Fn(ChildReport) + Sync,
 ) -> Result<()> {
@@ -178,22 +97,32 @@ pub fn fork_children(
     let snap = vms::snapshot_dir(tag)?;
     // Validate once here so a bad snapshot fails the call, not N children.
     tine_vmm::snapshot::file::load_header(&snap)?;
-    let mut started = Vec::with_capacity(n);
-    for _ in 0..n {
-        let t = Instant::now();
-        let (dir, meta, signal) = spawn_child(&snap, tag)?;
-        started.push((t, dir, meta, signal));
-    }
+    let pool = WorkerPool::prestarted(std::env::current_exe()?, n);
+    let width = if parallel == 0 { n } else { parallel.min(n) };
+    let next = std::sync::atomic::AtomicUsize::new(0);
     std::thread::scope(|s| {
-        for (t, dir, meta, signal) in started {
-            let report = &report;
-            s.spawn(move || {
-                let ready = make_ready(&dir, meta.pid, signal, timeout).map(|()| t.elapsed());
-                report(ChildReport {
-                    id: meta.id,
-                    pid: meta.pid,
-                    ready,
-                });
+        for _ in 0..width {
+            s.spawn(|| loop {
+                if next.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= n {
+                    return;
+                }
+                let id = vms::new_id(tag);
+                let t = Instant::now();
+                let (pid, ready) = match start_child(&pool, tag, &snap, &id) {
+                    Ok(c) => {
+                        let ready = make_ready(&c.dir, c.pid, c.restored, timeout);
+                        if ready.is_err() {
+                            // SAFETY: kill(2) of the worker we just started.
+                            unsafe { libc::kill(c.pid as i32, libc::SIGKILL) };
+                        }
+                        // Reap it when it ends, so no zombie outlives a long benchmark.
+                        let mut child = c.child;
+                        std::thread::spawn(move || child.wait());
+                        (c.pid, ready.map(|()| t.elapsed()))
+                    }
+                    Err(e) => (0, Err(e)),
+                };
+                report(ChildReport { id, pid, ready });
             });
         }
     });
@@ -210,6 +139,9 @@ pub struct ForkArgs {
     count: usize,
     #[arg(long, default_value_t = 300)]
     ready_timeout_secs: u64,
+    /// At most this many children restoring at once (0: all of them).
+    #[arg(long, default_value_t = 0)]
+    parallel: usize,
     /// Print one JSON object per child instead of a table.
     #[arg(long)]
     json: bool,
@@ -255,6 +187,7 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
     fork_children(
         &a.tag,
         a.count,
+        a.parallel,
         Duration::from_secs(a.ready_timeout_secs),
         print,
     )?;

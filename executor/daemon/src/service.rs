@@ -20,8 +20,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::parent::{self, ParentSpec};
 use crate::ready::{agent, make_ready};
-use crate::vms::{self, VmMeta};
-use crate::worker::{WorkerJob, WorkerPool};
+use crate::vms;
+use crate::worker::{start_child, Started, WorkerPool};
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
@@ -154,29 +154,12 @@ impl State {
         timeout: Duration,
     ) -> Result<Duration, String> {
         let t = Instant::now();
-        let dir = vms::vms_dir().map_err(|e| e.to_string())?.join(id);
-        if dir.exists() {
-            return Err(format!("sandbox {id} exists already"));
-        }
-        std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-        let worker = self.pool.take().map_err(|e| format!("{e:#}"))?;
-        let pid = worker.pid();
-        vms::write_meta(
-            &dir,
-            &VmMeta {
-                id: id.to_string(),
-                pid,
-                tag: Some(tag.to_string()),
-                created_unix_ms: vms::now_ms(),
-            },
-        )
-        .map_err(|e| format!("{e:#}"))?;
-        let (child, started) = worker
-            .run(&WorkerJob {
-                snapshot,
-                dir: dir.clone(),
-            })
-            .map_err(|e| format!("{e:#}"))?;
+        let Started {
+            dir,
+            pid,
+            child,
+            restored,
+        } = start_child(&self.pool, tag, &snapshot, id)?;
         self.live.lock().unwrap_or_else(|p| p.into_inner()).insert(
             id.to_string(),
             Sandbox {
@@ -186,7 +169,7 @@ impl State {
                 child: Some(child),
             },
         );
-        match make_ready(&dir, pid, started, timeout) {
+        match make_ready(&dir, pid, restored, timeout) {
             Ok(()) => Ok(t.elapsed()),
             Err(e) => {
                 self.kill(id);

@@ -19,6 +19,7 @@ use tine_vmm::vm::RestoreOptions;
 use tine_vmm::Vm;
 
 use crate::console::open_console;
+use crate::vms::{self, VmMeta};
 
 /// The hidden subcommand that runs `worker_main`.
 pub const WORKER_SUBCOMMAND: &str = "__vmm-worker";
@@ -75,6 +76,9 @@ impl Worker {
 pub struct WorkerPool {
     exe: PathBuf,
     target: usize,
+    /// Start a replacement in the background whenever one is taken (a daemon), or only when
+    /// asked (a one-shot fork that pre-starts all it needs before its clock starts).
+    auto_refill: bool,
     idle: Mutex<Vec<Worker>>,
 }
 
@@ -83,8 +87,21 @@ impl WorkerPool {
         Arc::new(WorkerPool {
             exe,
             target,
+            auto_refill: true,
             idle: Mutex::new(Vec::new()),
         })
+    }
+
+    /// A pool that starts `n` workers now and never more on its own.
+    pub fn prestarted(exe: PathBuf, n: usize) -> Arc<WorkerPool> {
+        let pool = Arc::new(WorkerPool {
+            exe,
+            target: n,
+            auto_refill: false,
+            idle: Mutex::new(Vec::new()),
+        });
+        pool.refill();
+        pool
     }
 
     /// An idle worker, or a freshly started one when the pool is empty.
@@ -94,8 +111,10 @@ impl WorkerPool {
             Some(w) => w,
             None => Worker::start(&self.exe)?,
         };
-        let pool = self.clone();
-        std::thread::spawn(move || pool.refill());
+        if self.auto_refill {
+            let pool = self.clone();
+            std::thread::spawn(move || pool.refill());
+        }
         Ok(w)
     }
 
@@ -132,6 +151,54 @@ impl Drop for WorkerPool {
             let _ = w.child.wait();
         }
     }
+}
+
+/// A child VMM that was handed its snapshot and is restoring.
+pub struct Started {
+    pub dir: PathBuf,
+    pub pid: u32,
+    /// Reap it (or drop it to leave it running).
+    pub child: Child,
+    /// One byte arrives once the guest runs; EOF if the worker failed first.
+    pub restored: std::fs::File,
+}
+
+/// Create the child's directory (`vms/<id>` with meta.json) and hand a worker the snapshot.
+pub fn start_child(
+    pool: &Arc<WorkerPool>,
+    tag: &str,
+    snapshot: &Path,
+    id: &str,
+) -> std::result::Result<Started, String> {
+    let dir = vms::vms_dir().map_err(|e| e.to_string())?.join(id);
+    if dir.exists() {
+        return Err(format!("sandbox {id} exists already"));
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let worker = pool.take().map_err(|e| format!("{e:#}"))?;
+    let pid = worker.pid();
+    vms::write_meta(
+        &dir,
+        &VmMeta {
+            id: id.to_string(),
+            pid,
+            tag: Some(tag.to_string()),
+            created_unix_ms: vms::now_ms(),
+        },
+    )
+    .map_err(|e| format!("{e:#}"))?;
+    let (child, restored) = worker
+        .run(&WorkerJob {
+            snapshot: snapshot.to_path_buf(),
+            dir: dir.clone(),
+        })
+        .map_err(|e| format!("{e:#}"))?;
+    Ok(Started {
+        dir,
+        pid,
+        child,
+        restored,
+    })
 }
 
 /// Body of `tine __vmm-worker`: wait for a job on stdin (EOF: the daemon went away, exit
