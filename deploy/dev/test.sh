@@ -13,8 +13,4 @@ echo "== unit and integration tests"; cargo test --workspace
 echo "== API end to end: tine up + grpcurl + tine CLI + the Python client"
 cargo test -p tine-cli --test api -- --ignored
 echo "== lab tests (boot Linux under real KVM inside the nested lab)"
-# The standalone warm-eval scenario is left out of CI for now: booting the python-numpy image
-# through a separate `tine run` process intermittently leaves an idle guest that never answers
-# its agent (open; see docs/fork.md). The fork scenario boots the same image and evals in every
-# child. Run it by hand: cargo test -p tine-cli --test lab -- --ignored warm_numpy --nocapture
-cargo test -p tine-cli --test lab -- --ignored --test-threads=1 --skip warm_numpy_eval
+cargo test -p tine-cli --test lab -- --ignored --test-threads=1
