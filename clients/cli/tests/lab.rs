@@ -262,7 +262,7 @@ fn control_plane_end_to_end_with_the_python_client() {
         Path::new(&venv).join("bin/python").exists(),
         "no Python client venv at {venv}: run clients/python/run_tests.sh (the api test does)"
     );
-    scenario_args(
+    let out = scenario_args(
         "up.sh",
         "python-numpy",
         &[&venv],
@@ -276,4 +276,6 @@ fn control_plane_end_to_end_with_the_python_client() {
             "shutdown",
         ],
     );
+    // What the user saw: spawn lines, the example's evals, the executors table.
+    println!("{out}");
 }

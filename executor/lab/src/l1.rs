@@ -57,7 +57,9 @@ fail() {{
   poweroff -f
   sleep 60
 }}
-{insmods}mkdir -p /host
+{insmods}# Loopback for jobs that serve and call on 127.0.0.1 (e.g. `tine up`).
+ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up 2>/dev/null
+mkdir -p /host
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144 {HOST_TAG} /host || fail "mount 9p {HOST_TAG}"
 mount -t proc proc /host/proc || fail "mount /host/proc"
 mount -t sysfs sysfs /host/sys || fail "mount /host/sys"
