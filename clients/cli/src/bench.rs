@@ -262,9 +262,10 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         bail!("--counts and --cold-runs must not be empty/zero");
     }
     println!("fork benchmark: snapshot {:?}, image {:?}", b.tag, b.image);
-    println!("how: each child = one VMM process (fork(2) of this one, no exec) restoring the snapshot (guest RAM mapped MAP_PRIVATE);");
+    println!("how: each child = one VMM process (a `tine __vmm-worker` pre-started before the clock) handed the snapshot, restoring it (guest RAM mapped MAP_PRIVATE);");
     println!("     ready = its guest agent answered a ping over vsock and took the host's clock and fresh entropy;");
-    println!("     per-child time runs from just before spawning its process; cold = `tine run --image` to agent ready;");
+    println!("     per-child time runs from handing its worker the snapshot; total = wall time until all N are ready (--parallel {}: at most that many restoring at once, 0 = all);", b.parallel);
+    println!("     cold = `tine run --image` to agent ready;");
     println!(
         "     memory = PSS of the child VMM processes after all are ready and idle, divided by N."
     );
@@ -297,7 +298,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     for &n in &b.counts {
         let t0 = Instant::now();
         let collected = std::sync::Mutex::new(Vec::new());
-        crate::fork::fork_children(&b.tag, n, b.parallel, Duration::from_secs(120), |r| {
+        crate::fork::fork_children(&b.tag, n, b.parallel, Duration::from_secs(300), |r| {
             collected.lock().unwrap().push(r)
         })?;
         let reports: Vec<crate::fork::ChildReport> = collected.into_inner().unwrap();

@@ -29,8 +29,15 @@ pub fn make_ready(
     if !wait_byte(&started, timeout)? {
         return Err(format!("child VMM failed to restore: {}", log().trim()));
     }
-    let client = agent(&dir.join("vsock.sock")).with_io_timeout(Some(Duration::from_secs(10)));
     let deadline = Instant::now() + timeout;
+    // Every agent call may take until the readiness deadline: on an overloaded host (100
+    // children on two cores) a reseed can legitimately take tens of seconds.
+    let left = || {
+        deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_secs(1))
+    };
+    let client = agent(&dir.join("vsock.sock")).with_io_timeout(Some(left()));
     loop {
         // The agent's listener survived the snapshot, so the first ping normally succeeds as
         // soon as the guest runs; retries only cover a guest that is slow to get there.
@@ -50,6 +57,7 @@ pub fn make_ready(
             }
         }
     }
+    let client = client.with_io_timeout(Some(left()));
     client
         .set_time(SystemTime::now())
         .map_err(|e| format!("set_time: {e}"))?;

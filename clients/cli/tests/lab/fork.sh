@@ -1,7 +1,8 @@
 #!/bin/sh
-# Snapshot-and-fork scenario on the python-numpy image. Usage: fork.sh TINE IMAGE WORKDIR [N_BIG].
+# Snapshot-and-fork scenario on the python-numpy image.
+# Usage: fork.sh TINE IMAGE WORKDIR [N_BIG [PARALLEL]]   (PARALLEL: most children restoring at once, 0 = all)
 set -u
-T=$1 IMG=$2 W=$3 BIG=${4:-20}
+T=$1 IMG=$2 W=$3 BIG=${4:-20} PAR=${5:-0}
 mkdir -p "$W"
 export TINE_DATA_DIR=$W/data
 ok() { echo "CHECK $1 ok"; }
@@ -54,11 +55,11 @@ c3=$(grep 'ready in' "$W/fork1" | awk '{print $1}')
   ! "$T" exec --socket "$(sock "$c3")" -- test -e /tmp/only-in-child1 && ok new-child-clean || fail new-child-clean "$c3"
 "$T" kill --all
 
-"$T" fork --tag warm -n "$BIG" --ready-timeout-secs 120 >"$W/forkbig" 2>&1
+"$T" fork --tag warm -n "$BIG" --parallel "$PAR" --ready-timeout-secs 300 >"$W/forkbig" 2>&1
 tail -1 "$W/forkbig"
 n=$(grep -c 'ready in' "$W/forkbig")
 [ "$n" = "$BIG" ] && ok "fork-$BIG" || fail "fork-$BIG" "$n of $BIG ready: $(grep FAILED "$W/forkbig" | head -3)"
 "$T" ls | tail -2
 "$T" kill --all
 
-if "$T" bench fork --tag warm --image "$IMG" --counts "1,$BIG" --cold-runs 1; then ok bench; else fail bench "bench failed"; fi
+if "$T" bench fork --tag warm --image "$IMG" --counts "1,$BIG" --parallel "$PAR" --cold-runs 1; then ok bench; else fail bench "bench failed"; fi
