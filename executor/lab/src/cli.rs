@@ -12,6 +12,10 @@ pub struct LabArgs {
     /// L1 memory in MiB.
     #[arg(long, default_value_t = 4096)]
     pub mem_mib: u32,
+    /// L1 vCPUs (QEMU -smp). One emulated CPU is slower but, under heavy nested load,
+    /// steadier: L1's kvm_amd on TCG has crashed with two.
+    #[arg(long, default_value_t = 2)]
+    pub cpus: u32,
     /// Wall-clock timeout in seconds; QEMU is killed when it expires.
     #[arg(long, default_value_t = 900)]
     pub timeout: u64,
@@ -57,6 +61,7 @@ pub fn run(args: LabArgs) -> Result<i32> {
     }
     let lab = Lab::prepare(LabConfig {
         mem_mib: args.mem_mib,
+        cpus: args.cpus.max(1),
         timeout: Duration::from_secs(args.timeout),
         shares,
         progress: !args.quiet,
