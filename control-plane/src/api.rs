@@ -392,9 +392,8 @@ impl Api {
                 };
                 let msg = match ev.result {
                     Some(xpb::spawn_event::Result::ReadyUs(us)) => {
-                        self.ctx.db.set_sandbox_ready(&ev.id, us).await?;
+                        let row = self.ctx.db.set_sandbox_ready(&ev.id, us).await?;
                         self.ctx.metrics.spawn_to_ready.observe(us as f64 / 1e6);
-                        let row = self.ctx.db.sandbox(&ev.id).await?;
                         pb::SpawnEvent {
                             index,
                             result: row.map(|r| pb::spawn_event::Result::Ready(sandbox_msg(&r))),

@@ -414,6 +414,19 @@ impl Db {
     /// Record new children as starting, all or none.
     pub async fn insert_sandboxes(&self, rows: &[(String, String, String)]) -> Result<()> {
         let now = now_ms();
+        if let [(id, tag, executor)] = rows {
+            // One row: a single autocommit statement (no BEGIN/COMMIT round trips).
+            sqlx::query(
+                "INSERT INTO sandboxes (id, tag, executor_id, state, created_ms) VALUES (?, ?, ?, 'starting', ?)",
+            )
+            .bind(id)
+            .bind(tag)
+            .bind(executor)
+            .bind(now)
+            .execute(&self.pool)
+            .await?;
+            return Ok(());
+        }
         let mut tx = self.pool.begin().await?;
         for (id, tag, executor) in rows {
             sqlx::query(
@@ -430,13 +443,15 @@ impl Db {
         Ok(())
     }
 
-    pub async fn set_sandbox_ready(&self, id: &str, ready_us: u64) -> Result<()> {
-        sqlx::query("UPDATE sandboxes SET state = 'ready', ready_us = ? WHERE id = ? AND state = 'starting'")
-            .bind(ready_us as i64)
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+    /// Mark a starting sandbox ready; returns its row (None if it was not starting any more).
+    pub async fn set_sandbox_ready(&self, id: &str, ready_us: u64) -> Result<Option<SandboxRow>> {
+        Ok(sqlx::query_as(
+            "UPDATE sandboxes SET state = 'ready', ready_us = ? WHERE id = ? AND state = 'starting' RETURNING *",
+        )
+        .bind(ready_us as i64)
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?)
     }
 
     pub async fn set_sandbox_ended(

@@ -11,7 +11,6 @@ use tine_proto::v1::executors_server::ExecutorsServer;
 use tine_proto::v1::sandboxes_server::SandboxesServer;
 use tine_proto::v1::snapshots_server::SnapshotsServer;
 use tokio::sync::oneshot;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, Server, ServerTlsConfig};
 
 use crate::api::Api;
@@ -188,7 +187,7 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
     let addr = listener.local_addr()?;
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(router.serve_with_incoming_shutdown(
-        TcpListenerStream::new(listener),
+        tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
         async {
             let _ = rx.await;
         },

@@ -20,7 +20,7 @@ use tine_proto::v1 as pb;
 use tine_proto::v1::executors_client::ExecutorsClient;
 use tine_proto::v1::sandboxes_client::SandboxesClient;
 use tine_proto::v1::snapshots_client::SnapshotsClient;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status, Streaming};
@@ -221,7 +221,9 @@ async fn start_executor(token: &str) -> (FakeExecutor, SocketAddr) {
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(svc)
-            .serve_with_incoming(TcpListenerStream::new(listener)),
+            .serve_with_incoming(
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            ),
     );
     (fake, addr)
 }

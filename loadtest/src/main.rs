@@ -127,6 +127,18 @@ async fn main() -> Result<()> {
             for i in 0..a.null_executors.max(1) {
                 cp.ctx.db.heartbeat(&format!("null-{i}"), &report).await?;
             }
+            let report = report.clone();
+            // Keep the null executors "up" (heartbeats within three periods) for the whole run.
+            let db = cp.ctx.db.clone();
+            let n = a.null_executors.max(1);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    for i in 0..n {
+                        let _ = db.heartbeat(&format!("null-{i}"), &report).await;
+                    }
+                }
+            });
             let addr = format!("http://{}", cp.addr);
             embedded = Some(cp);
             (addr, Some(user), "load".to_string())

@@ -11,7 +11,7 @@ use futures::Stream;
 use tine_proto::executor::v1 as xpb;
 use tine_proto::executor::v1::executor_server::{Executor, ExecutorServer};
 use tine_proto::v1 as pb;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 #[derive(Clone, Default)]
@@ -110,7 +110,9 @@ pub async fn serve() -> anyhow::Result<SocketAddr> {
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(ExecutorServer::new(NullExecutor))
-            .serve_with_incoming(TcpListenerStream::new(listener)),
+            .serve_with_incoming(
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            ),
     );
     Ok(addr)
 }

@@ -14,7 +14,6 @@ use tine_proto::executor::v1::executor_server::ExecutorServer;
 use tine_proto::v1 as pb;
 use tine_proto::v1::executors_client::ExecutorsClient;
 use tokio::sync::oneshot;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Server};
 
 use crate::service::{ExecutorService, State};
@@ -122,7 +121,7 @@ pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
     let addr = listener.local_addr()?;
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(router.serve_with_incoming_shutdown(
-        TcpListenerStream::new(listener),
+        tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
         async {
             let _ = rx.await;
         },
