@@ -741,6 +741,9 @@ impl Vsock {
     }
 }
 
+/// How often an idle device thread wakes to look at its interrupt line.
+const IDLE_WAKE: Duration = Duration::from_secs(5);
+
 /// How long the interrupt status may stay un-acknowledged before the interrupt is sent again.
 const IRQ_RESEND_AFTER: std::time::Duration = std::time::Duration::from_millis(1000);
 
@@ -748,9 +751,17 @@ fn event_loop(inner: Arc<Mutex<Inner>>, epoll: Arc<Epoll>, listener: UnixListene
     install_dump_signal();
     let mut events = vec![EpollEvent::default(); 64];
     let mut watchdog = IrqWatchdog::default();
+    let mut busy = false;
     loop {
-        // Wake periodically even when idle, for the interrupt watchdog.
-        let n = match epoll.wait(IRQ_RESEND_AFTER.as_millis() as i32 / 2, &mut events) {
+        // Wake for the watchdog: often while something is pending, rarely when idle (a
+        // hundred idle VMMs should not keep the host awake), never blocking forever since an
+        // interrupt raised from a vCPU thread must still be checked.
+        let timeout = if busy {
+            IRQ_RESEND_AFTER / 2
+        } else {
+            IDLE_WAKE
+        };
+        let n = match epoll.wait(timeout.as_millis() as i32, &mut events) {
             Ok(n) => n,
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => {
@@ -768,6 +779,7 @@ fn event_loop(inner: Arc<Mutex<Inner>>, epoll: Arc<Epoll>, listener: UnixListene
         }
         g.process_rx();
         watchdog.check(&mut g);
+        busy = watchdog.watching();
     }
 }
 
@@ -805,6 +817,11 @@ struct IrqWatchdog {
 }
 
 impl IrqWatchdog {
+    /// Something is pending that the next checks must follow closely.
+    fn watching(&self) -> bool {
+        self.pending_since.is_some() || self.stuck_since.is_some() || !self.credit_asked.is_empty()
+    }
+
     fn check(&mut self, g: &mut Inner) {
         if DUMP_REQUESTED.swap(false, std::sync::atomic::Ordering::SeqCst) {
             tracing::warn!("vsock state (SIGUSR1): {}", g.dump());
