@@ -198,13 +198,29 @@ fn pct(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
-/// Proportional set size of a process in KiB (its share of every page it maps).
-fn pss_kib(pid: u32) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    s.lines()
-        .find(|l| l.starts_with("Pss:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
+/// A process's PSS (proportional set size: its share of every page it maps) in KiB, split into (guest RAM: the snapshot's `memory.img` mapping, pages
+/// shared with the page cache counted by share and the guest's own writes in full; everything
+/// else: the VMM's code, heap, stacks).
+fn pss_split_kib(pid: u32) -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
+    let (mut guest, mut vmm) = (0u64, 0u64);
+    let mut in_guest = false;
+    for l in s.lines() {
+        let mut words = l.split_whitespace();
+        let first = words.next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            // A mapping header: "start-end perms offset dev inode [path]".
+            in_guest = l.ends_with("/memory.img");
+        } else if first == "Pss:" {
+            let kib: u64 = words.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+            if in_guest {
+                guest += kib;
+            } else {
+                vmm += kib;
+            }
+        }
+    }
+    Some((guest, vmm))
 }
 
 /// Cold boot of the image to agent-ready, in a separate `tine run` process.
@@ -267,7 +283,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     println!("     per-child time runs from handing its worker the snapshot; total = wall time until all N are ready (--parallel {}: at most that many restoring at once, 0 = all);", b.parallel);
     println!("     cold = `tine run --image` to agent ready;");
     println!(
-        "     memory = PSS of the child VMM processes after all are ready and idle, divided by N."
+        "     memory = PSS of the child VMM processes after all are ready and idle, divided by N, split into guest RAM (the memory.img mapping: shared pages by share, pages the guest wrote in full) and the VMM process itself."
     );
     let mut cold: Vec<f64> = Vec::new();
     for i in 0..b.cold_runs {
@@ -291,8 +307,17 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     );
     println!("KVM VM-creation floor (VM + irqchip + PIT + 1 vCPU + memory slot, in-process): p50 {:.3} ms", pct(&floor, 0.5));
     println!(
-        "\n{:>6} {:>12} {:>10} {:>10} {:>10} {:>12} {:>12} {:>10}",
-        "N", "total ms", "p50 ms", "p90 ms", "max ms", "vs cold p50", "MiB/child", "failed"
+        "\n{:>6} {:>12} {:>10} {:>10} {:>10} {:>12} {:>10} {:>10} {:>10} {:>8}",
+        "N",
+        "total ms",
+        "p50 ms",
+        "p90 ms",
+        "max ms",
+        "vs cold p50",
+        "MiB/child",
+        "guest RAM",
+        "VMM",
+        "failed"
     );
     let mut rows = Vec::new();
     for &n in &b.counts {
@@ -314,8 +339,15 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
             eprintln!("  child {} failed: {}", r.id, r.ready.as_ref().unwrap_err());
         }
         std::thread::sleep(Duration::from_millis(500)); // let children go idle
-        let pss: u64 = reports.iter().filter_map(|r| pss_kib(r.pid)).sum();
-        let mib_per_child = pss as f64 / 1024.0 / n as f64;
+        let split: Vec<(u64, u64)> = reports
+            .iter()
+            .filter_map(|r| pss_split_kib(r.pid))
+            .collect();
+        let guest_kib: u64 = split.iter().map(|s| s.0).sum();
+        let vmm_kib: u64 = split.iter().map(|s| s.1).sum();
+        let mib_per_child = (guest_kib + vmm_kib) as f64 / 1024.0 / n as f64;
+        let guest_mib = guest_kib as f64 / 1024.0 / n as f64;
+        let vmm_mib = vmm_kib as f64 / 1024.0 / n as f64;
         for (dir, m) in crate::vms::list()? {
             if reports.iter().any(|r| r.id == m.id) {
                 let _ = crate::vms::kill(&dir, &m);
@@ -323,17 +355,17 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         }
         if ready.is_empty() {
             println!(
-                "{n:>6} {total:>12.1} {:>10} {:>10} {:>10} {:>12} {:>12} {failed:>10}",
-                "-", "-", "-", "-", "-"
+                "{n:>6} {total:>12.1} {:>10} {:>10} {:>10} {:>12} {:>10} {:>10} {:>10} {failed:>8}",
+                "-", "-", "-", "-", "-", "-", "-"
             );
             continue;
         }
         let (p50, p90, max) = (pct(&ready, 0.5), pct(&ready, 0.9), ready[ready.len() - 1]);
         // Spawning N from a snapshot vs cold-booting N (one at a time, as measured).
         let ratio = (cold_p50 * n as f64) / total;
-        println!("{n:>6} {total:>12.1} {p50:>10.1} {p90:>10.1} {max:>10.1} {ratio:>11.1}x {mib_per_child:>12.2} {failed:>10}");
+        println!("{n:>6} {total:>12.1} {p50:>10.1} {p90:>10.1} {max:>10.1} {ratio:>11.1}x {mib_per_child:>10.2} {guest_mib:>10.2} {vmm_mib:>10.2} {failed:>8}");
         rows.push(format!(
-            "{{\"n\":{n},\"total_ms\":{total:.3},\"p50_ms\":{p50:.3},\"p90_ms\":{p90:.3},\"max_ms\":{max:.3},\"ratio_vs_cold\":{ratio:.2},\"mib_per_child\":{mib_per_child:.3},\"failed\":{failed}}}"
+            "{{\"n\":{n},\"total_ms\":{total:.3},\"p50_ms\":{p50:.3},\"p90_ms\":{p90:.3},\"max_ms\":{max:.3},\"ratio_vs_cold\":{ratio:.2},\"mib_per_child\":{mib_per_child:.3},\"guest_ram_mib_per_child\":{guest_mib:.3},\"vmm_mib_per_child\":{vmm_mib:.3},\"failed\":{failed}}}"
         ));
     }
     println!("\n`vs cold p50` = N x (cold boot p50) / (wall time to get all N children ready).");
