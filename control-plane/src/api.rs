@@ -143,19 +143,19 @@ impl Api {
     /// The ready sandbox `id` and a client for its executor.
     async fn sandbox_client(&self, id: &str) -> Result<ExecClient, Status> {
         validate::name("sandbox_id", id)?;
-        let s = self
+        let at = self
             .ctx
             .db
-            .sandbox(id)
+            .sandbox_at(id)
             .await?
             .ok_or_else(|| Status::not_found(format!("sandbox {id} does not exist")))?;
-        if s.state() != SandboxState::Ready {
+        if at.sandbox.state() != SandboxState::Ready {
             return Err(Status::failed_precondition(format!(
                 "sandbox {id} is {}, not ready",
-                s.state().as_str()
+                at.sandbox.state().as_str()
             )));
         }
-        Ok(self.executor_client(&s.executor_id).await?.1)
+        self.ctx.executors.client(&at.addr)
     }
 
     // ---- Snapshots ----
@@ -283,8 +283,12 @@ impl Api {
             .await?
             .ok_or_else(|| Status::not_found(format!("snapshot {} does not exist", r.tag)))?;
         let holders = snap.executor_list();
-        let counts: HashMap<String, i64> = self.ctx.db.live_counts().await?.into_iter().collect();
-        let all = self.ctx.db.executors().await?;
+        let loads = self.ctx.db.executor_loads().await?;
+        let counts: HashMap<&str, i64> = loads
+            .iter()
+            .map(|l| (l.executor.id.as_str(), l.live))
+            .collect();
+        let all: Vec<ExecutorRow> = loads.iter().map(|l| l.executor.clone()).collect();
         for id in &placement.executors {
             if !all.iter().any(|e| &e.id == id) {
                 return Err(Status::invalid_argument(format!(
@@ -303,7 +307,8 @@ impl Api {
             .iter()
             .map(|e| Candidate {
                 id: e.id.clone(),
-                free: (e.max_sandboxes - counts.get(&e.id).copied().unwrap_or(0)).max(0) as u32,
+                free: (e.max_sandboxes - counts.get(e.id.as_str()).copied().unwrap_or(0)).max(0)
+                    as u32,
                 has_snapshot: true,
             })
             .collect();
@@ -436,26 +441,23 @@ impl Api {
 
     async fn kill_inner(&self, id: &str) -> Result<pb::KillSandboxResponse, Status> {
         validate::name("id", id)?;
-        let s = self
+        let at = self
             .ctx
             .db
-            .sandbox(id)
+            .sandbox_at(id)
             .await?
             .ok_or_else(|| Status::not_found(format!("sandbox {id} does not exist")))?;
-        if s.state().is_live() {
-            let (_, mut c) = self.executor_client(&s.executor_id).await?;
+        let mut row = at.sandbox;
+        if row.state().is_live() {
+            let mut c = self.ctx.executors.client(&at.addr)?;
             c.kill(xpb::KillRequest { id: id.to_string() }).await?;
-            self.ctx
+            row = self
+                .ctx
                 .db
-                .set_sandbox_ended(id, SandboxState::Killed, None)
-                .await?;
+                .end_sandbox(id, SandboxState::Killed, None)
+                .await?
+                .ok_or_else(|| Status::internal("sandbox vanished"))?;
         }
-        let row = self
-            .ctx
-            .db
-            .sandbox(id)
-            .await?
-            .ok_or_else(|| Status::internal("sandbox vanished"))?;
         Ok(pb::KillSandboxResponse {
             sandbox: Some(sandbox_msg(&row)),
         })

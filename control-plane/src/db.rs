@@ -118,6 +118,22 @@ pub struct SandboxRow {
     pub error: Option<String>,
 }
 
+/// A sandbox and the address of the executor running it (one query for relayed calls).
+#[derive(Clone, Debug, PartialEq, Eq, sqlx::FromRow)]
+pub struct SandboxAt {
+    #[sqlx(flatten)]
+    pub sandbox: SandboxRow,
+    pub addr: String,
+}
+
+/// An executor with its live sandbox count as recorded here (for placement).
+#[derive(Clone, Debug, PartialEq, Eq, sqlx::FromRow)]
+pub struct ExecutorLoad {
+    #[sqlx(flatten)]
+    pub executor: ExecutorRow,
+    pub live: i64,
+}
+
 impl SandboxRow {
     pub fn state(&self) -> SandboxState {
         // The CHECK constraint keeps the column to known values.
@@ -287,6 +303,16 @@ impl Db {
             .bind(id)
             .fetch_optional(&self.pool)
             .await?)
+    }
+
+    /// Every executor with its live (starting or ready) sandbox count, in one query.
+    pub async fn executor_loads(&self) -> Result<Vec<ExecutorLoad>> {
+        Ok(sqlx::query_as(
+            "SELECT e.*, (SELECT count(*) FROM sandboxes s WHERE s.executor_id = e.id \
+             AND s.state IN ('starting', 'ready')) AS live FROM executors e ORDER BY e.id",
+        )
+        .fetch_all(&self.pool)
+        .await?)
     }
 
     /// Live (starting or ready) sandboxes per executor, as recorded here.
@@ -476,6 +502,32 @@ impl Db {
             .bind(id)
             .fetch_optional(&self.pool)
             .await?)
+    }
+
+    pub async fn sandbox_at(&self, id: &str) -> Result<Option<SandboxAt>> {
+        Ok(sqlx::query_as(
+            "SELECT s.*, e.addr FROM sandboxes s JOIN executors e ON e.id = s.executor_id WHERE s.id = ?",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// Mark a sandbox ended; returns its row.
+    pub async fn end_sandbox(
+        &self,
+        id: &str,
+        state: SandboxState,
+        error: Option<&str>,
+    ) -> Result<Option<SandboxRow>> {
+        Ok(
+            sqlx::query_as("UPDATE sandboxes SET state = ?, error = ? WHERE id = ? RETURNING *")
+                .bind(state.as_str())
+                .bind(error)
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await?,
+        )
     }
 
     pub async fn sandboxes(
