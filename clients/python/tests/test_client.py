@@ -124,6 +124,7 @@ def test_spawn_eval_files_kill() -> None:
             sandboxes[0].files.read("/tmp/no-such-file-" + secrets.token_hex(4))
         except tine.TineError as e:
             print(f"     reading a missing file: {e.code}")
+            assert e.code == "NOT_FOUND", e.code
         else:
             raise AssertionError("reading a missing file did not fail")
     finally:

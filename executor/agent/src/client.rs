@@ -32,7 +32,7 @@ pub enum ClientError {
     #[error("talking to the agent: {0}")]
     Transport(#[from] FrameError),
     #[error("agent error: {0}")]
-    Agent(String),
+    Agent(String, AgentErrorCode),
     #[error("protocol violation by the agent: {0}")]
     Protocol(String),
     #[error("{what}: {source}")]
@@ -47,6 +47,9 @@ pub enum ClientError {
 }
 
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
+
+/// The kind of failure the agent reported.
+pub use pb::ErrorCode as AgentErrorCode;
 
 /// How to reach the agent.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -407,7 +410,7 @@ impl AgentClient {
             ) {
                 // The agent probably refused and hung up; prefer its reason.
                 return match recv(&mut s) {
-                    Err(agent @ ClientError::Agent(_)) => Err(agent),
+                    Err(agent @ ClientError::Agent(..)) => Err(agent),
                     _ => Err(e.into()),
                 };
             }
@@ -580,7 +583,10 @@ fn recv(s: &mut UnixStream) -> Result<Kind> {
         Err(e) => return Err(e.into()),
     };
     match resp.kind {
-        Some(Kind::Error(e)) => Err(ClientError::Agent(e.message)),
+        Some(Kind::Error(e)) => {
+            let code = AgentErrorCode::try_from(e.code).unwrap_or(AgentErrorCode::Unspecified);
+            Err(ClientError::Agent(e.message, code))
+        }
         Some(k) => Ok(k),
         None => Err(ClientError::Protocol(
             "response of unknown type (agent newer than this client?)".into(),

@@ -79,6 +79,7 @@ mod tests {
     fn round_trip_and_limits() {
         let msg = pb::Error {
             message: "hi".into(),
+            code: 0,
         };
         let mut buf = Vec::new();
         write_message(&mut buf, &msg).unwrap();

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::TestAgent;
 use sha2::{Digest, Sha256};
-use tine_agent::client::{ClientError, ExecOptions, FileKind, Readiness};
+use tine_agent::client::{AgentErrorCode, ClientError, ExecOptions, FileKind, Readiness};
 
 #[test]
 fn ping_reports_version_and_ready() {
@@ -71,7 +71,7 @@ fn exec_missing_program_is_an_agent_error() {
         .exec_output(&["/no/such/program"], &Default::default())
         .unwrap_err();
     assert!(
-        matches!(&err, ClientError::Agent(m) if m.contains("/no/such/program")),
+        matches!(&err, ClientError::Agent(m, AgentErrorCode::NotFound) if m.contains("/no/such/program")),
         "{err}"
     );
 }
@@ -196,7 +196,7 @@ fn bad_paths_are_rejected_with_clear_errors() {
     let dotdot = format!("{}/../escape", agent.path(""));
     let err = c.write_file(&dotdot, 0, &b"x"[..]).unwrap_err();
     assert!(
-        matches!(&err, ClientError::Agent(m) if m.contains("`..`")),
+        matches!(&err, ClientError::Agent(m, AgentErrorCode::InvalidArgument) if m.contains("`..`")),
         "{err}"
     );
     let err = c.list_dir("/tmp/a\0b").unwrap_err();

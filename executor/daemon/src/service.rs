@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::Stream;
-use tine_agent::client::{ClientError, ExecOptions};
+use tine_agent::client::{AgentErrorCode, ClientError, ExecOptions};
 use tine_proto::executor::v1 as xpb;
 use tine_proto::executor::v1::executor_server::Executor;
 use tine_proto::v1 as pb;
@@ -51,7 +51,16 @@ fn internal(e: impl std::fmt::Display) -> Status {
 
 fn agent_status(e: ClientError) -> Status {
     match e {
-        ClientError::Agent(m) => Status::failed_precondition(format!("guest agent: {m}")),
+        ClientError::Agent(m, code) => {
+            let m = format!("guest agent: {m}");
+            match code {
+                AgentErrorCode::NotFound => Status::not_found(m),
+                AgentErrorCode::PermissionDenied => Status::permission_denied(m),
+                AgentErrorCode::InvalidArgument => Status::invalid_argument(m),
+                AgentErrorCode::AlreadyExists => Status::already_exists(m),
+                AgentErrorCode::Unspecified => Status::failed_precondition(m),
+            }
+        }
         other => Status::unavailable(format!("guest agent: {other}")),
     }
 }

@@ -99,11 +99,12 @@ impl Agent {
     fn handle(&self, mut conn: Conn) {
         if let Err(e) = self.dispatch(&mut conn) {
             let message = format!("{e:#}");
+            let code = error_code(&e) as i32;
             // Best effort: the peer may already be gone.
             let _ = write_message(
                 &mut conn,
                 &pb::Response {
-                    kind: Some(Kind::Error(pb::Error { message })),
+                    kind: Some(Kind::Error(pb::Error { message, code })),
                 },
             );
         }
@@ -170,4 +171,23 @@ impl Agent {
             warmup_command: self.python.warmup_code().to_owned(),
         }
     }
+}
+
+/// Classify a failure by the first I/O or path error in its chain.
+fn error_code(e: &anyhow::Error) -> pb::ErrorCode {
+    for cause in e.chain() {
+        if cause.downcast_ref::<crate::paths::PathError>().is_some() {
+            return pb::ErrorCode::InvalidArgument;
+        }
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            return match io.kind() {
+                std::io::ErrorKind::NotFound => pb::ErrorCode::NotFound,
+                std::io::ErrorKind::PermissionDenied => pb::ErrorCode::PermissionDenied,
+                std::io::ErrorKind::AlreadyExists => pb::ErrorCode::AlreadyExists,
+                std::io::ErrorKind::InvalidInput => pb::ErrorCode::InvalidArgument,
+                _ => pb::ErrorCode::Unspecified,
+            };
+        }
+    }
+    pb::ErrorCode::Unspecified
 }
