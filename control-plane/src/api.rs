@@ -276,14 +276,19 @@ impl Api {
             Ok(_) => Policy::Spread,
             Err(_) => return Err(Status::invalid_argument("placement.policy: unknown value")),
         };
-        let snap = self
-            .ctx
-            .db
-            .snapshot(&r.tag)
-            .await?
-            .ok_or_else(|| Status::not_found(format!("snapshot {} does not exist", r.tag)))?;
-        let holders = snap.executor_list();
-        let loads = self.ctx.db.executor_loads().await?;
+        let loads = self.ctx.db.executor_loads(&r.tag).await?;
+        let holders: Vec<String> = loads
+            .iter()
+            .filter(|l| l.holds)
+            .map(|l| l.executor.id.clone())
+            .collect();
+        // A held snapshot exists (foreign key); only without holders is a second look needed.
+        if holders.is_empty() && self.ctx.db.snapshot(&r.tag).await?.is_none() {
+            return Err(Status::not_found(format!(
+                "snapshot {} does not exist",
+                r.tag
+            )));
+        }
         let counts: HashMap<&str, i64> = loads
             .iter()
             .map(|l| (l.executor.id.as_str(), l.live))

@@ -126,12 +126,14 @@ pub struct SandboxAt {
     pub addr: String,
 }
 
-/// An executor with its live sandbox count as recorded here (for placement).
+/// An executor with its live sandbox count as recorded here, and whether it holds a given
+/// snapshot (for placement).
 #[derive(Clone, Debug, PartialEq, Eq, sqlx::FromRow)]
 pub struct ExecutorLoad {
     #[sqlx(flatten)]
     pub executor: ExecutorRow,
     pub live: i64,
+    pub holds: bool,
 }
 
 impl SandboxRow {
@@ -305,12 +307,16 @@ impl Db {
             .await?)
     }
 
-    /// Every executor with its live (starting or ready) sandbox count, in one query.
-    pub async fn executor_loads(&self) -> Result<Vec<ExecutorLoad>> {
+    /// Every executor with its live (starting or ready) sandbox count and whether it holds
+    /// snapshot `tag`, in one query (the spawn path's only read).
+    pub async fn executor_loads(&self, tag: &str) -> Result<Vec<ExecutorLoad>> {
         Ok(sqlx::query_as(
             "SELECT e.*, (SELECT count(*) FROM sandboxes s WHERE s.executor_id = e.id \
-             AND s.state IN ('starting', 'ready')) AS live FROM executors e ORDER BY e.id",
+             AND s.state IN ('starting', 'ready')) AS live, \
+             EXISTS (SELECT 1 FROM snapshot_copies c WHERE c.tag = ? AND c.executor_id = e.id) AS holds \
+             FROM executors e ORDER BY e.id",
         )
+        .bind(tag)
         .fetch_all(&self.pool)
         .await?)
     }
