@@ -16,6 +16,11 @@ fn tine_where_linux_boots(args: &[&str]) -> (i32, String) {
 
 /// Run `argv` where Linux can boot: directly on VMX/SVM hosts, else inside the lab.
 fn where_linux_boots(argv: &[&str]) -> (i32, String) {
+    where_linux_boots_on(2, argv)
+}
+
+/// [`where_linux_boots`] with `lab_cpus` emulated CPUs for L1 when it runs in the lab.
+fn where_linux_boots_on(lab_cpus: u32, argv: &[&str]) -> (i32, String) {
     let direct = !std::path::Path::new("/sys/module/kvm_pvm").exists()
         && std::fs::read_to_string("/proc/cpuinfo")
             .map(|c| c.split_whitespace().any(|w| w == "vmx" || w == "svm"))
@@ -29,8 +34,19 @@ fn where_linux_boots(argv: &[&str]) -> (i32, String) {
         // Room for a hundred forked children next to their snapshot in L1's tmpfs.
         // A scenario that needs longer than this is hung: better to fail (or retry) than to
         // sit out the lab's default 15 minutes.
-        c.args(["lab", "--mem-mib", "8192", "--timeout", "600", "--"])
-            .args(argv);
+        let cpus = lab_cpus.to_string();
+        let timeout = if lab_cpus == 1 { "900" } else { "600" };
+        c.args([
+            "lab",
+            "--cpus",
+            &cpus,
+            "--mem-mib",
+            "8192",
+            "--timeout",
+            timeout,
+            "--",
+        ])
+        .args(argv);
         c
     };
     let run = |cmd: &mut Command| {
@@ -142,6 +158,16 @@ fn scenario(script: &str, image: &str, expected: &[&str]) -> String {
 }
 
 fn scenario_args(script: &str, image: &str, extra: &[&str], expected: &[&str]) -> String {
+    scenario_args_on(2, script, image, extra, expected)
+}
+
+fn scenario_args_on(
+    lab_cpus: u32,
+    script: &str,
+    image: &str,
+    extra: &[&str],
+    expected: &[&str],
+) -> String {
     let path = format!("{}/tests/lab/{script}", env!("CARGO_MANIFEST_DIR"));
     let work = format!(
         "/tmp/tine-{}-{}",
@@ -150,7 +176,7 @@ fn scenario_args(script: &str, image: &str, extra: &[&str], expected: &[&str]) -
     );
     let mut argv = vec!["sh", path.as_str(), TINE, image, work.as_str()];
     argv.extend_from_slice(extra);
-    let (mut code, mut out) = where_linux_boots(&argv);
+    let (mut code, mut out) = where_linux_boots_on(lab_cpus, &argv);
     // A guest that died while booting under the lab's emulated CPU (seen rarely, only under
     // load, and never on the same run twice) is retried once, loudly; any other failure and a
     // second death are reported as they are.
@@ -159,7 +185,7 @@ fn scenario_args(script: &str, image: &str, extra: &[&str], expected: &[&str]) -
         || lab_timed_out(&out)
     {
         eprintln!("NOTE: the guest VM died, or the scenario hung past the lab's limit (an open lab issue, see docs/fork.md); retrying the scenario once:\n{out}");
-        (code, out) = where_linux_boots(&argv);
+        (code, out) = where_linux_boots_on(lab_cpus, &argv);
     }
     let checks: Vec<&str> = out.lines().filter(|l| l.starts_with("CHECK ")).collect();
     for name in expected {
@@ -225,7 +251,12 @@ fn warm_numpy_eval_in_the_python_image() {
 #[ignore = "boots Linux: needs VMX/SVM or the nested lab; builds a Debian root filesystem (slow)"]
 fn snapshot_a_warm_parent_and_fork_children() {
     build_image("python-numpy");
-    let out = scenario_args(
+    // One emulated CPU for L1: with two, a restored guest triple-faults now and then under
+    // this load (1 in 52 restores in one CI run, 5 in 100 earlier; never in 210 restores with
+    // one CPU), which points at the emulated SVM's SMP path rather than the restore itself.
+    // The open question stays documented in docs/fork.md.
+    let out = scenario_args_on(
+        1,
         "fork.sh",
         "python-numpy",
         &["20"],

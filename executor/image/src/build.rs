@@ -24,7 +24,7 @@ use crate::rootfs::{self, file_sha256};
 use crate::{fetch_kernel, guest, Flavor};
 
 /// Bump when the builder would produce a different image from the same inputs.
-pub const BUILDER_VERSION: u32 = 1;
+pub const BUILDER_VERSION: u32 = 2;
 
 const MIB: u64 = 1 << 20;
 

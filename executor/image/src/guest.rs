@@ -77,6 +77,26 @@ pub struct GuestFiles<'a> {
     pub warmup_file: Option<&'a str>,
 }
 
+/// `poweroff`, `reboot` and `halt` as busybox applets where the root filesystem has none (a
+/// Debian minbase has no init system and so none of them), so `tine exec -- poweroff -f` works
+/// in every image. A distribution's own tools are never shadowed.
+fn add_power_applets(ov: &mut Overlay) -> Result<()> {
+    for applet in ["poweroff", "reboot", "halt"] {
+        let present = ["/sbin", "/usr/sbin", "/bin", "/usr/bin"]
+            .iter()
+            .any(|d| ov.exists(&format!("{d}/{applet}")));
+        if !present {
+            ov.add(
+                &format!("/sbin/{applet}"),
+                Node::Symlink {
+                    target: "/bin/busybox".into(),
+                },
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// Builds the overlay for `recipe` on top of `base` (None: busybox-only image).
 pub fn overlay(recipe: &Recipe, base: Option<&Path>, g: &GuestFiles<'_>) -> Result<Overlay> {
     let mut ov = Overlay::new(base);
@@ -126,13 +146,16 @@ pub fn overlay(recipe: &Recipe, base: Option<&Path>, g: &GuestFiles<'_>) -> Resu
                 )?;
             }
         }
-    } else if !ov.exists("/bin/sh") {
-        ov.add(
-            "/bin/sh",
-            Node::Symlink {
-                target: "busybox".into(),
-            },
-        )?;
+    } else {
+        if !ov.exists("/bin/sh") {
+            ov.add(
+                "/bin/sh",
+                Node::Symlink {
+                    target: "busybox".into(),
+                },
+            )?;
+        }
+        add_power_applets(&mut ov)?;
     }
     ov.add(AGENT_GUEST_PATH, file(0o755, g.agent_data))?;
     ov.add("/init", file(0o755, init_script().as_bytes()))?;
@@ -194,6 +217,19 @@ mod tests {
         let (text, file) = agent_config(&r, &module_names(&r)).unwrap();
         assert!(text.contains(&format!("warmup_file = {WARMUP_GUEST_PATH}\n")));
         assert_eq!(file.as_deref(), Some("import json\nx = 1\n"));
+    }
+
+    #[test]
+    fn power_applets_fill_gaps_without_shadowing() {
+        // A merged-/usr tree: /sbin -> usr/sbin, with its own `reboot` but no `poweroff`/`halt`.
+        let base = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(base.path().join("usr/sbin")).unwrap();
+        std::os::unix::fs::symlink("usr/sbin", base.path().join("sbin")).unwrap();
+        std::fs::write(base.path().join("usr/sbin/reboot"), b"distro").unwrap();
+        let mut ov = Overlay::new(Some(base.path()));
+        add_power_applets(&mut ov).unwrap();
+        let paths: Vec<&str> = ov.paths().collect();
+        assert_eq!(paths, vec!["usr/sbin/halt", "usr/sbin/poweroff"]);
     }
 
     #[test]

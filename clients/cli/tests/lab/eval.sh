@@ -24,7 +24,7 @@ out=$("$T" eval --socket "$S" 'x + 1' 2>&1)
 
 # Power off through the agent; the VMM must exit. If it does not, ask it for its vsock state
 # (SIGUSR1) before killing it, so a stall is diagnosable from this log.
-"$T" exec --socket "$S" -- busybox poweroff -f >"$W/poweroff.out" 2>&1 &
+"$T" exec --socket "$S" -- poweroff -f >"$W/poweroff.out" 2>&1 &
 i=0
 while kill -0 "$VM" 2>/dev/null && [ $i -lt 60 ]; do sleep 1; i=$((i + 1)); done
 if kill -0 "$VM" 2>/dev/null; then
