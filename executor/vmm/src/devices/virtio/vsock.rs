@@ -133,6 +133,18 @@ struct Conn {
     guest_done_sending: bool,
     /// The host stream hit EOF: the guest was told.
     host_done_sending: bool,
+    /// The guest closed the connection while guest data still waits for the host stream: deliver
+    /// it all, then finish the close.
+    closing: Option<Closing>,
+}
+
+/// How a connection the guest closed ends once its data has reached the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Closing {
+    /// The guest sent SHUTDOWN (both directions): answer with RST, as the protocol expects.
+    SendRst,
+    /// The guest already reset it: just forget it.
+    Forget,
 }
 
 impl Conn {
@@ -272,6 +284,7 @@ impl Inner {
                 readable: true,
                 guest_done_sending: false,
                 host_done_sending: false,
+                closing: None,
             },
         );
         if established || local != 0 {
@@ -406,6 +419,32 @@ impl Inner {
         true
     }
 
+    /// The guest closed `token`: once its pending data reached the host stream, end it `how`.
+    fn close_after_drain(&mut self, token: u64, how: Closing) {
+        let Some(c) = self.conns.get_mut(&token) else {
+            return;
+        };
+        c.guest_done_sending = true;
+        c.closing = Some(how);
+        if !self.flush_to_host(token) {
+            self.remove_conn(token);
+            return;
+        }
+        self.finish_close_if_drained(token);
+    }
+
+    /// End a closing connection whose guest data has all been written to the host stream.
+    fn finish_close_if_drained(&mut self, token: u64) {
+        let Some(c) = self.conns.get(&token) else {
+            return;
+        };
+        match c.closing {
+            Some(Closing::SendRst) if c.to_host.is_empty() => self.reset_conn(token),
+            Some(Closing::Forget) if c.to_host.is_empty() => self.remove_conn(token),
+            _ => {}
+        }
+    }
+
     fn reset_conn(&mut self, token: u64) {
         if let Some(c) = self.conns.get(&token) {
             if c.state != ConnState::Handshake(Vec::new()) && c.local_port != 0 {
@@ -473,9 +512,9 @@ impl Inner {
             }
             (OP_SHUTDOWN, Some(t)) => {
                 if h.flags & SHUTDOWN_BOTH == SHUTDOWN_BOTH {
-                    // Flush what we can, then finish the close with RST as the protocol expects.
-                    let _ = self.flush_to_host(t);
-                    self.reset_conn(t);
+                    // Deliver everything the guest sent before closing (a slow host reader may
+                    // still be behind), then finish the close with RST.
+                    self.close_after_drain(t, Closing::SendRst);
                 } else if h.flags & SHUTDOWN_SEND != 0 {
                     if let Some(c) = self.conns.get_mut(&t) {
                         c.guest_done_sending = true;
@@ -485,7 +524,7 @@ impl Inner {
                     }
                 }
             }
-            (OP_RST, Some(t)) => self.remove_conn(t),
+            (OP_RST, Some(t)) => self.close_after_drain(t, Closing::Forget),
             (OP_RST, None) => {}
             _ => self.rst_for(&h),
         }
@@ -585,6 +624,7 @@ impl Inner {
                 .iter()
                 .filter(|(_, c)| {
                     c.state == ConnState::Established
+                        && c.closing.is_none()
                         && c.readable
                         && !c.host_done_sending
                         && c.guest_credit() > 0
@@ -663,9 +703,12 @@ impl Inner {
             self.reset_conn(token);
             return;
         }
-        if events.contains(EventSet::OUT) && !self.flush_to_host(token) {
-            self.reset_conn(token);
-            return;
+        if events.contains(EventSet::OUT) {
+            if !self.flush_to_host(token) {
+                self.reset_conn(token);
+                return;
+            }
+            self.finish_close_if_drained(token);
         }
         if events.contains(EventSet::ERROR) {
             self.reset_conn(token);
@@ -860,6 +903,7 @@ impl IrqWatchdog {
             .iter()
             .filter(|(_, c)| {
                 c.state == ConnState::Established
+                    && c.closing.is_none()
                     && c.readable
                     && !c.host_done_sending
                     && c.guest_credit() == 0
@@ -1054,6 +1098,7 @@ mod tests {
             readable: false,
             guest_done_sending: false,
             host_done_sending: false,
+            closing: None,
         };
         // 16 bytes in flight across the wrap.
         assert_eq!(c.guest_credit(), 1000 - 16);
