@@ -193,16 +193,15 @@ impl Api {
             )));
         }
         let executor = if r.executor.is_empty() {
-            let counts: HashMap<String, i64> =
-                self.ctx.db.live_counts().await?.into_iter().collect();
             self.ctx
                 .db
-                .executors()
+                .executor_loads(&r.tag)
                 .await?
                 .into_iter()
-                .filter(|e| self.is_up(e) && !e.draining)
-                .max_by_key(|e| e.max_sandboxes - counts.get(&e.id).copied().unwrap_or(0))
+                .filter(|l| self.is_up(&l.executor) && !l.executor.draining)
+                .max_by_key(|l| l.executor.max_sandboxes - l.live)
                 .ok_or_else(|| Status::unavailable("no executor is up to build the snapshot on"))?
+                .executor
                 .id
         } else {
             validate::name("executor", &r.executor)?;
@@ -410,7 +409,7 @@ impl Api {
                         }
                     }
                     Some(xpb::spawn_event::Result::Error(e)) => {
-                        self.ctx.db.set_sandbox_ended(&ev.id, SandboxState::Failed, Some(&e)).await?;
+                        self.ctx.db.end_sandbox(&ev.id, SandboxState::Failed, Some(&e)).await?;
                         failure_event(index, &ev.id, &executor.id, Code::Internal, &e)
                     }
                     None => continue,
@@ -435,7 +434,7 @@ impl Api {
             let _ = self
                 .ctx
                 .db
-                .set_sandbox_ended(&id, SandboxState::Failed, Some(&why))
+                .end_sandbox(&id, SandboxState::Failed, Some(&why))
                 .await;
             let _ = tx
                 .send(Ok(failure_event(index, &id, &executor.id, code, &why)))

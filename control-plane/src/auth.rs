@@ -159,6 +159,12 @@ impl TokenSet {
 
     /// Load a tokens file, refusing one that others can read.
     pub fn load(path: &Path) -> Result<TokenSet, TokenError> {
+        Ok(TokenSet::load_file(path)?.0)
+    }
+
+    /// [`TokenSet::load`], also returning the file's entries (for callers that need a token
+    /// itself, e.g. to present it to executors, or that edit the file).
+    pub fn load_file(path: &Path) -> Result<(TokenSet, TokensFile), TokenError> {
         let file_err = |what: String| TokenError::File {
             path: path.display().to_string(),
             what,
@@ -177,7 +183,7 @@ impl TokenSet {
         if parsed.tokens.is_empty() {
             return Err(file_err("holds no tokens".into()));
         }
-        TokenSet::new(&parsed.tokens)
+        Ok((TokenSet::new(&parsed.tokens)?, parsed))
     }
 
     /// The principal whose token `presented` is. Every entry is compared (no early exit).

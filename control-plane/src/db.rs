@@ -321,15 +321,6 @@ impl Db {
         .await?)
     }
 
-    /// Live (starting or ready) sandboxes per executor, as recorded here.
-    pub async fn live_counts(&self) -> Result<Vec<(String, i64)>> {
-        Ok(sqlx::query_as(
-            "SELECT executor_id, count(*) FROM sandboxes WHERE state IN ('starting', 'ready') GROUP BY executor_id",
-        )
-        .fetch_all(&self.pool)
-        .await?)
-    }
-
     /// (executor, tag) for every held snapshot copy.
     pub async fn copies(&self) -> Result<Vec<(String, String)>> {
         Ok(
@@ -486,21 +477,6 @@ impl Db {
         .bind(id)
         .fetch_optional(&self.pool)
         .await?)
-    }
-
-    pub async fn set_sandbox_ended(
-        &self,
-        id: &str,
-        state: SandboxState,
-        error: Option<&str>,
-    ) -> Result<()> {
-        sqlx::query("UPDATE sandboxes SET state = ?, error = ? WHERE id = ?")
-            .bind(state.as_str())
-            .bind(error)
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
     }
 
     pub async fn sandbox(&self, id: &str) -> Result<Option<SandboxRow>> {

@@ -46,7 +46,7 @@ async fn until_stopped() {
 }
 
 /// The tokens of the embedded default: created once (admin + local executor), mode 0600.
-fn embedded_tokens(data: &Path) -> Result<(TokensFile, PathBuf)> {
+fn embedded_tokens(data: &Path) -> Result<(TokenSet, TokensFile, PathBuf)> {
     let path = data.join("tokens.json");
     let admin_file = data.join("admin.token");
     if !path.exists() {
@@ -67,12 +67,11 @@ fn embedded_tokens(data: &Path) -> Result<(TokensFile, PathBuf)> {
         auth::write_tokens_file(&path, &file)
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    TokenSet::load(&path)?;
-    let file: TokensFile = serde_json::from_slice(&std::fs::read(&path)?)?;
+    let (set, file) = TokenSet::load_file(&path)?;
     if let Some(admin) = file.tokens.iter().find(|t| t.role == Role::Admin) {
         auth::write_private_file(&admin_file, admin.token.as_bytes())?;
     }
-    Ok((file, admin_file))
+    Ok((set, file, admin_file))
 }
 
 #[derive(clap::Args)]
@@ -105,7 +104,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
     }
     let data = vms::data_dir()?;
     std::fs::create_dir_all(&data)?;
-    let (tokens, admin_file) = embedded_tokens(&data)?;
+    let (token_set, tokens, admin_file) = embedded_tokens(&data)?;
     let executor_token = tokens
         .tokens
         .iter()
@@ -118,7 +117,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
         let cp = server::start(ServerConfig {
             listen: a.listen,
             db_path: data.join("tine.db"),
-            auth: Auth::Tokens(TokenSet::new(&tokens.tokens)?),
+            auth: Auth::Tokens(token_set),
             audit_path: data.join("audit.log"),
             metrics_listen: Some(a.metrics_listen),
             // Embedded mode listens on loopback; multi-host setups use `tine control-plane`.
@@ -213,8 +212,7 @@ pub struct ControlPlaneArgs {
 pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
     let (auth, executor_token) = match &a.tokens {
         Some(p) => {
-            let set = TokenSet::load(p)?;
-            let file: TokensFile = serde_json::from_slice(&std::fs::read(p)?)?;
+            let (set, file) = TokenSet::load_file(p)?;
             let t = file
                 .tokens
                 .iter()
@@ -363,8 +361,7 @@ pub fn token(c: TokenCommand) -> Result<i32> {
     let token = auth::generate_token();
     if let Some(path) = file {
         let mut f: TokensFile = if path.exists() {
-            TokenSet::load(&path)?;
-            serde_json::from_slice(&std::fs::read(&path)?)?
+            TokenSet::load_file(&path)?.1
         } else {
             TokensFile::default()
         };

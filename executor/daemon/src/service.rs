@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use futures::Stream;
 use tine_agent::client::{AgentErrorCode, ClientError, ExecOptions};
+use tine_control_plane::validate;
 use tine_proto::executor::v1 as xpb;
 use tine_proto::executor::v1::executor_server::Executor;
 use tine_proto::v1 as pb;
@@ -63,11 +64,6 @@ fn agent_status(e: ClientError) -> Status {
         }
         other => Status::unavailable(format!("guest agent: {other}")),
     }
-}
-
-fn check_name(field: &str, v: &str) -> Result<(), Status> {
-    tine_snapshot_store::tag::validate_tag(v)
-        .map_err(|e| Status::invalid_argument(format!("{field}: {e}")))
 }
 
 impl State {
@@ -136,7 +132,7 @@ impl State {
     }
 
     fn sandbox_dir(&self, id: &str) -> Result<PathBuf, Status> {
-        check_name("sandbox_id", id)?;
+        validate::name("sandbox_id", id)?;
         self.live
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -344,8 +340,8 @@ impl Executor for ExecutorService {
     ) -> Result<Response<pb::Snapshot>, Status> {
         self.state.refuse_vm_work()?;
         let r = req.into_inner();
-        check_name("tag", &r.tag)?;
-        check_name("image", &r.image)?;
+        validate::name("tag", &r.tag)?;
+        validate::name("image", &r.image)?;
         let vcpus = u8::try_from(r.vcpus.max(1))
             .map_err(|_| Status::invalid_argument("vcpus: at most 255"))?;
         let spec = ParentSpec {
@@ -385,7 +381,7 @@ impl Executor for ExecutorService {
         req: Request<xpb::DeleteSnapshotRequest>,
     ) -> Result<Response<xpb::DeleteSnapshotResponse>, Status> {
         let tag = req.into_inner().tag;
-        check_name("tag", &tag)?;
+        validate::name("tag", &tag)?;
         let dir = vms::snapshot_dir(&tag).map_err(internal)?;
         let existed = dir.exists();
         if existed {
@@ -402,12 +398,12 @@ impl Executor for ExecutorService {
     ) -> Result<Response<Self::SpawnStream>, Status> {
         self.state.refuse_vm_work()?;
         let r = req.into_inner();
-        check_name("tag", &r.tag)?;
+        validate::name("tag", &r.tag)?;
         if r.ids.is_empty() || r.ids.len() > 1000 {
             return Err(Status::invalid_argument("ids: give 1..=1000 sandbox ids"));
         }
         for id in &r.ids {
-            check_name("ids", id)?;
+            validate::name("ids", id)?;
         }
         let snapshot = vms::snapshot_dir(&r.tag).map_err(internal)?;
         if !snapshot.exists() {
@@ -463,7 +459,7 @@ impl Executor for ExecutorService {
         req: Request<xpb::KillRequest>,
     ) -> Result<Response<xpb::KillResponse>, Status> {
         let id = req.into_inner().id;
-        check_name("id", &id)?;
+        validate::name("id", &id)?;
         let st = self.state.clone();
         let existed = tokio::task::spawn_blocking(move || st.kill(&id))
             .await
