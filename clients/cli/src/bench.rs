@@ -239,10 +239,7 @@ fn cold_boot(image: &str) -> Result<Duration> {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?;
-    let client = tine_agent::client::AgentClient::new(tine_agent::client::Connector::Vsock {
-        uds: sock,
-        port: tine_agent::client::AGENT_PORT,
-    });
+    let client = tine_executor::ready::agent(&sock);
     let r = client.wait_ready_polling(
         Duration::from_secs(900),
         Duration::from_millis(1),

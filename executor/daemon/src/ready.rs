@@ -4,16 +4,13 @@
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
-use tine_agent::client::{AgentClient, Connector, AGENT_PORT};
+use tine_agent::client::{AgentClient, Connector};
 
 use crate::vms;
 
 /// A client for the agent behind a VM's vsock socket.
 pub fn agent(sock: &Path) -> AgentClient {
-    AgentClient::new(Connector::Vsock {
-        uds: sock.to_path_buf(),
-        port: AGENT_PORT,
-    })
+    AgentClient::new(Connector::vsock(sock))
 }
 
 /// Wait for a child's agent, then fix what a clone must not share: wall clock and RNG.
