@@ -399,8 +399,11 @@ impl Executor for ExecutorService {
         self.state.refuse_vm_work()?;
         let r = req.into_inner();
         validate::name("tag", &r.tag)?;
-        if r.ids.is_empty() || r.ids.len() > 1000 {
-            return Err(Status::invalid_argument("ids: give 1..=1000 sandbox ids"));
+        if r.ids.is_empty() || r.ids.len() > validate::MAX_SPAWN as usize {
+            return Err(Status::invalid_argument(format!(
+                "ids: give 1..={} sandbox ids",
+                validate::MAX_SPAWN
+            )));
         }
         for id in &r.ids {
             validate::name("ids", id)?;
