@@ -16,18 +16,18 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::calls::{code_name, Ctx, Rpc};
+use crate::calls::{Ctx, Rpc};
 use crate::db::{
     DbError, ExecutorReport, ExecutorRow, NewSnapshot, SandboxRow, SandboxState, SnapshotRow,
 };
 use crate::executors::ExecClient;
+use crate::now_ms;
 use crate::scheduler::{self, Candidate, Policy};
-use crate::{now_ms, validate};
+use tine_rpc::status::{code_name, from_child_error};
+use tine_rpc::validate;
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
-/// Default per-child readiness deadline.
-const DEFAULT_READY_TIMEOUT_MS: u32 = 120_000;
 /// Snapshot creation boots and warms a guest: minutes in the nested lab.
 const CREATE_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(1800);
 
@@ -266,6 +266,7 @@ impl Api {
     ) -> Result<ReceiverStream<Result<pb::SpawnEvent, Status>>, Status> {
         validate::name("tag", &r.tag)?;
         validate::spawn_count(r.count)?;
+        validate::ready_timeout_ms(r.ready_timeout_ms)?;
         let placement = r.placement.clone().unwrap_or_default();
         for id in &placement.executors {
             validate::name("placement.executors", id)?;
@@ -356,7 +357,7 @@ impl Api {
             }
         }
         let timeout = if r.ready_timeout_ms == 0 {
-            DEFAULT_READY_TIMEOUT_MS
+            tine_rpc::limits::DEFAULT_READY_TIMEOUT_MS
         } else {
             r.ready_timeout_ms
         };
@@ -409,8 +410,13 @@ impl Api {
                         }
                     }
                     Some(xpb::spawn_event::Result::Error(e)) => {
-                        self.ctx.db.end_sandbox(&ev.id, SandboxState::Failed, Some(&e)).await?;
-                        failure_event(index, &ev.id, &executor.id, Code::Internal, &e)
+                        // The executor's code and message reach the client unchanged.
+                        let status = from_child_error(&e);
+                        self.ctx
+                            .db
+                            .end_sandbox(&ev.id, SandboxState::Failed, Some(status.message()))
+                            .await?;
+                        failure_event(index, &ev.id, &executor.id, status.code(), status.message())
                     }
                     None => continue,
                 };

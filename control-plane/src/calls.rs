@@ -8,10 +8,11 @@ use std::time::{Instant, SystemTime};
 use tonic::{Code, Request, Status};
 
 use crate::audit::{rfc3339, AuditLog, AuditRecord};
-use crate::auth::{Principal, Role, TokenSet};
 use crate::db::Db;
 use crate::executors::ExecutorPool;
 use crate::metrics::Metrics;
+use tine_rpc::auth::{Principal, Role, TokenSet};
+use tine_rpc::status::code_name;
 
 /// How callers prove who they are.
 pub enum Auth {
@@ -97,28 +98,6 @@ pub struct Call {
     peer: Option<SocketAddr>,
     start: Instant,
     pub args: serde_json::Value,
-}
-
-pub fn code_name(c: Code) -> &'static str {
-    match c {
-        Code::Ok => "OK",
-        Code::Cancelled => "CANCELLED",
-        Code::Unknown => "UNKNOWN",
-        Code::InvalidArgument => "INVALID_ARGUMENT",
-        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
-        Code::NotFound => "NOT_FOUND",
-        Code::AlreadyExists => "ALREADY_EXISTS",
-        Code::PermissionDenied => "PERMISSION_DENIED",
-        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
-        Code::FailedPrecondition => "FAILED_PRECONDITION",
-        Code::Aborted => "ABORTED",
-        Code::OutOfRange => "OUT_OF_RANGE",
-        Code::Unimplemented => "UNIMPLEMENTED",
-        Code::Internal => "INTERNAL",
-        Code::Unavailable => "UNAVAILABLE",
-        Code::DataLoss => "DATA_LOSS",
-        Code::Unauthenticated => "UNAUTHENTICATED",
-    }
 }
 
 impl Ctx {

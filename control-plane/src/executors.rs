@@ -6,38 +6,11 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use tine_proto::executor::v1::executor_client::ExecutorClient;
-use tonic::metadata::AsciiMetadataValue;
+use tine_rpc::auth::Bearer;
+use tine_rpc::limits::MAX_MESSAGE_BYTES;
 use tonic::service::interceptor::InterceptedService;
-use tonic::service::Interceptor;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
-use tonic::{Request, Status};
-
-/// Adds `authorization: Bearer <token>` to every request.
-#[derive(Clone)]
-pub struct Bearer(Option<AsciiMetadataValue>);
-
-impl Bearer {
-    pub fn new(token: Option<&str>) -> Result<Bearer, String> {
-        token
-            .map(|t| {
-                format!("Bearer {t}")
-                    .parse::<AsciiMetadataValue>()
-                    .map_err(|_| "token is not printable ASCII".to_string())
-            })
-            .transpose()
-            .map(Bearer)
-    }
-}
-
-impl Interceptor for Bearer {
-    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
-        if let Some(v) = &self.0 {
-            req.metadata_mut().insert("authorization", v.clone());
-        }
-        crate::telemetry::inject_current(req.metadata_mut());
-        Ok(req)
-    }
-}
+use tonic::Status;
 
 pub type ExecClient = ExecutorClient<InterceptedService<Channel, Bearer>>;
 
@@ -50,7 +23,7 @@ pub struct ExecutorPool {
 impl ExecutorPool {
     pub fn new(token: Option<&str>, tls: Option<ClientTlsConfig>) -> Result<ExecutorPool, String> {
         Ok(ExecutorPool {
-            bearer: Bearer::new(token)?,
+            bearer: Bearer::new(token).map_err(|e| e.to_string())?,
             tls,
             channels: Mutex::new(HashMap::new()),
         })
@@ -83,8 +56,8 @@ impl ExecutorPool {
         };
         Ok(
             ExecutorClient::with_interceptor(channel, self.bearer.clone())
-                .max_decoding_message_size(crate::validate::MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(crate::validate::MAX_MESSAGE_BYTES),
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
         )
     }
 }

@@ -4,15 +4,12 @@
 
 pub mod api;
 pub mod audit;
-pub mod auth;
 pub mod calls;
 pub mod db;
 pub mod executors;
 pub mod metrics;
 pub mod scheduler;
 pub mod server;
-pub mod telemetry;
-pub mod validate;
 
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> i64 {

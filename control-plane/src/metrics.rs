@@ -1,12 +1,6 @@
 //! Prometheus metrics of the control plane, served as text on `/metrics`.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-
-use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
-};
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
 
 pub struct Metrics {
     registry: Registry,
@@ -72,11 +66,11 @@ impl Metrics {
 
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
-        let mut buf = Vec::new();
-        TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .expect("text encoding");
-        String::from_utf8(buf).expect("prometheus text is UTF-8")
+        tine_rpc::metrics::render(&self.registry)
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 }
 
@@ -84,34 +78,4 @@ impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
     }
-}
-
-/// Serve `/metrics` on `addr` until the task is dropped. Returns the bound address.
-pub async fn serve(
-    addr: SocketAddr,
-    metrics: Arc<Metrics>,
-) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    let bound = listener.local_addr()?;
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let m = metrics.clone();
-            async move {
-                (
-                    [(
-                        axum::http::header::CONTENT_TYPE,
-                        "text/plain; version=0.0.4",
-                    )],
-                    m.render(),
-                )
-            }
-        }),
-    );
-    let task = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!("metrics server: {e}");
-        }
-    });
-    Ok((bound, task))
 }

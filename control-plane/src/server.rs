@@ -6,60 +6,22 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use tine_proto::v1::executors_server::ExecutorsServer;
 use tine_proto::v1::sandboxes_server::SandboxesServer;
 use tine_proto::v1::snapshots_server::SnapshotsServer;
 use tokio::sync::oneshot;
-use tonic::transport::{Certificate, ClientTlsConfig, Identity, Server, ServerTlsConfig};
+use tonic::transport::Server;
 
 use crate::api::Api;
 use crate::audit::AuditLog;
 use crate::calls::{Auth, Ctx};
 use crate::db::Db;
 use crate::executors::ExecutorPool;
-use crate::metrics::{self, Metrics};
-use crate::validate::MAX_MESSAGE_BYTES;
-
-/// PEM certificate chain and private key.
-#[derive(Clone, Debug)]
-pub struct TlsFiles {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-}
-
-impl TlsFiles {
-    /// The rustls server configuration from the two PEM files.
-    pub fn server_config(&self) -> Result<ServerTlsConfig> {
-        let cert = std::fs::read(&self.cert)
-            .with_context(|| format!("reading {}", self.cert.display()))?;
-        let key =
-            std::fs::read(&self.key).with_context(|| format!("reading {}", self.key.display()))?;
-        Ok(ServerTlsConfig::new().identity(Identity::from_pem(cert, key)))
-    }
-}
-
-/// A listener off loopback needs authentication, and TLS unless plaintext is explicitly allowed.
-pub fn check_listen(
-    listen: SocketAddr,
-    has_auth: bool,
-    has_tls: bool,
-    allow_plaintext_remote: bool,
-) -> Result<()> {
-    if listen.ip().is_loopback() {
-        return Ok(());
-    }
-    if !has_auth {
-        bail!("refusing to listen on {listen} without authentication: give tokens, or listen on a loopback address");
-    }
-    if !has_tls && !allow_plaintext_remote {
-        bail!(
-            "refusing to listen on {listen} without TLS (bearer tokens would cross the network in clear): \
-             give --tls-cert/--tls-key, or --allow-plaintext-remote on a trusted network"
-        );
-    }
-    Ok(())
-}
+use crate::metrics::Metrics;
+use tine_rpc::limits::MAX_MESSAGE_BYTES;
+use tine_rpc::tls::check_listen;
+pub use tine_rpc::tls::TlsFiles;
 
 pub struct ServerConfig {
     pub listen: SocketAddr,
@@ -124,12 +86,11 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
         .with_context(|| format!("opening the database {}", cfg.db_path.display()))?;
     let audit = AuditLog::open(&cfg.audit_path)
         .with_context(|| format!("opening the audit log {}", cfg.audit_path.display()))?;
-    let executor_tls = match &cfg.executor_ca {
-        Some(ca) => Some(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(
-            std::fs::read(ca).with_context(|| format!("reading {}", ca.display()))?,
-        ))),
-        None => None,
-    };
+    let executor_tls = cfg
+        .executor_ca
+        .as_deref()
+        .map(tine_rpc::tls::client_config)
+        .transpose()?;
     let executors = ExecutorPool::new(cfg.executor_token.as_deref(), executor_tls)
         .map_err(|e| anyhow::anyhow!("executor token: {e}"))?;
     let metrics = Arc::new(Metrics::new());
@@ -158,7 +119,7 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
         reflection(tonic_reflection::server::Builder::configure()).build_v1alpha()?;
 
     let mut builder =
-        Server::builder().trace_fn(|req| crate::telemetry::request_span(req, "control-plane"));
+        Server::builder().trace_fn(|req| tine_rpc::telemetry::request_span(req, "control-plane"));
     if let Some(tls) = &cfg.tls {
         builder = builder.tls_config(tls.server_config()?)?;
     }
@@ -196,7 +157,7 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
     let mut background = Vec::new();
     let mut metrics_addr = None;
     if let Some(m) = cfg.metrics_listen {
-        let (bound, t) = metrics::serve(m, metrics.clone())
+        let (bound, t) = tine_rpc::metrics::serve(m, metrics.registry().clone())
             .await
             .with_context(|| format!("binding the metrics listener {m}"))?;
         metrics_addr = Some(bound);

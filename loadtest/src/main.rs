@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use tine_control_plane::auth::{generate_token, Role, TokenEntry, TokenSet};
 use tine_control_plane::calls::Auth;
 use tine_control_plane::db::{ExecutorReport, NewSnapshot};
 use tine_control_plane::server::{self, ServerConfig};
 use tine_loadtest::null_executor;
 use tine_loadtest::run::{run, Load};
+use tine_rpc::auth::{generate_token, Role, TokenEntry, TokenSet};
 
 #[derive(Parser)]
 #[command(

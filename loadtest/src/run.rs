@@ -4,10 +4,10 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use tine_control_plane::calls::code_name;
-use tine_control_plane::executors::Bearer;
 use tine_proto::v1 as pb;
 use tine_proto::v1::sandboxes_client::SandboxesClient;
+use tine_rpc::auth::Bearer;
+use tine_rpc::status::code_name;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 

@@ -1,5 +1,9 @@
 //! Tine's protocol definitions, generated from the `.proto` files under
-//! `proto/tine/`. One Rust module per protobuf package.
+//! `proto/tine/`. One Rust module per protobuf package, plus the validated names and the
+//! limits every side of the APIs shares.
+
+pub mod limits;
+pub mod names;
 
 /// `tine.store.v1`: the on-disk/on-wire formats of the snapshot store.
 pub mod store {

@@ -4,43 +4,21 @@
 use crate::digest::Digest;
 use crate::error::StoreError;
 
-pub const MAX_TAG_LEN: usize = 128;
+pub const MAX_TAG_LEN: usize = tine_proto::names::MAX_NAME_LEN;
 
 /// Accepts `[A-Za-z0-9][A-Za-z0-9._+-]*`, at most 128 bytes, not `..`-containing
 /// and not a digest (so `pull X` is never ambiguous).
 pub fn validate_tag(tag: &str) -> Result<(), StoreError> {
-    let bad = |reason| {
-        Err(StoreError::InvalidTag {
-            tag: tag.to_string(),
-            reason,
-        })
-    };
-    if tag.is_empty() {
-        return bad("empty");
-    }
-    if tag.len() > MAX_TAG_LEN {
-        return bad("longer than 128 bytes");
-    }
-    if tag.chars().any(|c| c.is_control()) {
-        return bad("contains a control character");
-    }
-    if tag.contains('/') || tag.contains('\\') {
-        return bad("contains a path separator");
-    }
-    if tag.contains("..") {
-        return bad("contains \"..\"");
-    }
-    if !tag.as_bytes()[0].is_ascii_alphanumeric() {
-        return bad("must start with a letter or digit");
-    }
-    if !tag
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'+'))
-    {
-        return bad("only letters, digits and . _ - + are allowed");
-    }
+    // One rule set for every name in Tine (tags, sandbox and executor ids).
+    tine_proto::names::check_name("tag", tag).map_err(|e| StoreError::InvalidTag {
+        tag: tag.to_string(),
+        reason: e.reason,
+    })?;
     if Digest::looks_like_digest(tag) {
-        return bad("looks like a digest");
+        return Err(StoreError::InvalidTag {
+            tag: tag.to_string(),
+            reason: "looks like a digest",
+        });
     }
     Ok(())
 }

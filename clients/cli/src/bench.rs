@@ -6,6 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use tine_host::{SpawnOptions, SpawnOutcome, SpawnPhases};
 use tine_image::BOOT_MARKER;
 
 use crate::defaults;
@@ -176,7 +177,7 @@ fn boot(b: BootBench) -> Result<i32> {
 pub struct ForkBench {
     /// Snapshot tag to fork from (made with `tine snapshot`).
     #[arg(long)]
-    tag: String,
+    tag: tine_proto::names::Tag,
     /// The image the snapshot was made from, for the cold-boot comparison.
     #[arg(long)]
     image: String,
@@ -226,7 +227,9 @@ fn pss_split_kib(pid: u32) -> Option<(u64, u64)> {
 /// Cold boot of the image to agent-ready, in a separate `tine run` process.
 fn cold_boot(image: &str) -> Result<Duration> {
     let exe = std::env::current_exe()?;
-    let dir = crate::vms::vms_dir()?.join(crate::vms::new_id("cold"));
+    let dir = crate::local::data_dir(None)?
+        .join("vms")
+        .join(tine_proto::names::SandboxId::random("cold").as_str());
     std::fs::create_dir_all(&dir)?;
     let sock = dir.join("vsock.sock");
     let start = Instant::now();
@@ -239,7 +242,7 @@ fn cold_boot(image: &str) -> Result<Duration> {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?;
-    let client = tine_executor::ready::agent(&sock);
+    let client = tine_host::ready::agent(&sock);
     let r = client.wait_ready_polling(
         Duration::from_secs(900),
         Duration::from_millis(1),
@@ -274,7 +277,11 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     if b.counts.is_empty() || b.cold_runs == 0 {
         bail!("--counts and --cold-runs must not be empty/zero");
     }
-    println!("fork benchmark: snapshot {:?}, image {:?}", b.tag, b.image);
+    println!(
+        "fork benchmark: snapshot {:?}, image {:?}",
+        b.tag.as_str(),
+        b.image
+    );
     println!("how: each child = one VMM process (a `tine __vmm-worker` pre-started before the clock) handed the snapshot, restoring it (guest RAM mapped MAP_PRIVATE);");
     println!("     ready = its guest agent answered a ping over vsock and took the host's clock and fresh entropy;");
     println!("     per-child time runs from handing its worker the snapshot; total = wall time until all N are ready (--parallel {}: at most that many restoring at once, 0 = all);", b.parallel);
@@ -317,38 +324,46 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         "failed"
     );
     let mut rows = Vec::new();
+    let mut phase_rows: Vec<(usize, Vec<SpawnPhases>)> = Vec::new();
+    let host = crate::local::cli_host(tine_host::Readiness::Agent)?;
+    let opts = SpawnOptions {
+        ready_timeout: Some(Duration::from_secs(300)),
+        parallel: b.parallel,
+        readiness: None,
+    };
     for &n in &b.counts {
         let t0 = Instant::now();
         let collected = std::sync::Mutex::new(Vec::new());
-        crate::fork::fork_children(&b.tag, n, b.parallel, Duration::from_secs(300), |r| {
+        crate::fork::fork_children(&host, &b.tag, n, &opts, |r| {
             collected.lock().unwrap().push(r)
         })?;
-        let reports: Vec<crate::fork::ChildReport> = collected.into_inner().unwrap();
+        let reports: Vec<SpawnOutcome> = collected.into_inner().unwrap();
         let total = t0.elapsed().as_secs_f64() * 1e3;
-        let mut ready: Vec<f64> = reports
+        let phases: Vec<SpawnPhases> = reports
             .iter()
-            .filter_map(|r| r.ready.as_ref().ok())
-            .map(|d| d.as_secs_f64() * 1e3)
+            .filter_map(|r| r.result.as_ref().ok().copied())
             .collect();
+        let mut ready: Vec<f64> = phases.iter().map(|p| p.total.as_secs_f64() * 1e3).collect();
         ready.sort_by(|a, b| a.total_cmp(b));
         let failed = reports.len() - ready.len();
-        for r in reports.iter().filter(|r| r.ready.is_err()) {
-            eprintln!("  child {} failed: {}", r.id, r.ready.as_ref().unwrap_err());
+        for r in reports.iter() {
+            if let Err(e) = &r.result {
+                eprintln!("  child {} failed: {e}", r.id);
+            }
         }
+        phase_rows.push((n, phases));
         std::thread::sleep(Duration::from_millis(500)); // let children go idle
         let split: Vec<(u64, u64)> = reports
             .iter()
-            .filter_map(|r| pss_split_kib(r.pid))
+            .filter_map(|r| r.pid.and_then(pss_split_kib))
             .collect();
         let guest_kib: u64 = split.iter().map(|s| s.0).sum();
         let vmm_kib: u64 = split.iter().map(|s| s.1).sum();
         let mib_per_child = (guest_kib + vmm_kib) as f64 / 1024.0 / n as f64;
         let guest_mib = guest_kib as f64 / 1024.0 / n as f64;
         let vmm_mib = vmm_kib as f64 / 1024.0 / n as f64;
-        for (dir, m) in crate::vms::list()? {
-            if reports.iter().any(|r| r.id == m.id) {
-                let _ = crate::vms::kill(&dir, &m);
-            }
+        for r in &reports {
+            let _ = host.kill(&r.id);
         }
         if ready.is_empty() {
             println!(
@@ -366,15 +381,59 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         ));
     }
     println!("\n`vs cold p50` = N x (cold boot p50) / (wall time to get all N children ready).");
+    let phases_json = print_phase_table(&phase_rows);
     let doc = format!(
-        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"rows\":[{}]}}",
-        b.tag,
+        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"rows\":[{}],\"phases\":[{}]}}",
+        b.tag.as_str(),
         pct(&floor, 0.5),
-        rows.join(",")
+        rows.join(","),
+        phases_json.join(",")
     );
     println!("json: {doc}");
     if let Some(p) = b.json {
         std::fs::write(&p, &doc).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(0)
+}
+
+/// Where each child's time went: p50 / p90 of every spawn phase per fan-out size, as a table;
+/// returns the same figures as JSON objects.
+fn print_phase_table(rows: &[(usize, Vec<SpawnPhases>)]) -> Vec<String> {
+    println!("\nspawn phases per child (ms, p50 / p90), as the host measured them:");
+    println!("  handoff = child record + a pre-started worker handed the snapshot; restore = KVM restore in the worker;");
+    println!("  running = vCPUs started + report back; agent = first agent answer; fixup = clock + reseed");
+    println!(
+        "{:>6} {:>17} {:>17} {:>17} {:>17} {:>17} {:>17}",
+        "N", "handoff", "restore", "running", "agent", "fixup", "total"
+    );
+    let mut json = Vec::new();
+    for (n, phases) in rows {
+        if phases.is_empty() {
+            continue;
+        }
+        let col = |f: &dyn Fn(&SpawnPhases) -> Duration| {
+            let mut v: Vec<f64> = phases.iter().map(|p| f(p).as_secs_f64() * 1e3).collect();
+            v.sort_by(|a, b| a.total_cmp(b));
+            (pct(&v, 0.5), pct(&v, 0.9))
+        };
+        let cols = [
+            ("handoff", col(&|p| p.handoff)),
+            ("restore", col(&|p| p.restore)),
+            ("running", col(&|p| p.running)),
+            ("agent", col(&|p| p.agent)),
+            ("fixup", col(&|p| p.fixup)),
+            ("total", col(&|p| p.total)),
+        ];
+        let cells: Vec<String> = cols
+            .iter()
+            .map(|(_, (a, b))| format!("{:>17}", format!("{a:.2} / {b:.2}")))
+            .collect();
+        println!("{n:>6} {}", cells.join(" "));
+        let fields: Vec<String> = cols
+            .iter()
+            .map(|(k, (a, b))| format!("\"{k}_p50_ms\":{a:.3},\"{k}_p90_ms\":{b:.3}"))
+            .collect();
+        json.push(format!("{{\"n\":{n},{}}}", fields.join(",")));
+    }
+    json
 }

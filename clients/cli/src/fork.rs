@@ -1,19 +1,17 @@
 //! `tine snapshot`, `tine fork`, `tine ls`, `tine kill`: warm a parent once, then fork children
-//! from its snapshot. Each child is its own VMM process (a pre-started worker) restoring the
-//! snapshot with its guest RAM mapped copy-on-write; "spawned" means its guest agent answered.
+//! from its snapshot, all through the host crate (the same path the executor daemon takes).
+//! Each child is its own VMM process (a pre-started worker) restoring the snapshot with its
+//! guest RAM mapped copy-on-write; "spawned" means its guest agent answered.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use tine_executor::parent::{create_snapshot, ParentSpec};
-use tine_executor::ready::make_ready;
-use tine_executor::worker::{start_child, WorkerPool};
+use tine_host::{Host, Liveness, Owner, ParentSpec, Readiness, SpawnOptions, SpawnOutcome};
+use tine_proto::limits::MAX_SPAWN;
+use tine_proto::names::{SandboxId, Tag};
 use tine_vmm::host::KvmFlavor;
 
-use crate::vms;
-
-/// Most children one `tine fork` may ask for.
-pub const MAX_CHILDREN: usize = 1000;
+use crate::local::cli_host;
 
 fn refuse_pvm(allow: bool) -> Result<()> {
     if KvmFlavor::detect() == KvmFlavor::Pvm && !allow {
@@ -29,7 +27,7 @@ pub struct SnapshotArgs {
     image: String,
     /// Name for the snapshot (letters, digits, `.`, `_`, `-`).
     #[arg(long)]
-    tag: String,
+    tag: Tag,
     #[arg(long, default_value_t = 1)]
     vcpus: u8,
     /// Guest memory (default: the image's recommendation).
@@ -50,13 +48,14 @@ pub struct SnapshotArgs {
 
 pub fn snapshot(a: SnapshotArgs) -> Result<i32> {
     refuse_pvm(a.allow_pvm)?;
-    let made = create_snapshot(&ParentSpec {
+    let host = cli_host(Readiness::Agent)?;
+    let made = host.create_snapshot(&ParentSpec {
         image: a.image,
         tag: a.tag.clone(),
         vcpus: a.vcpus,
         mem_mib: a.mem_mib,
         evals: a.evals,
-        ready_timeout: Duration::from_secs(a.ready_timeout_secs),
+        ready_timeout: Some(Duration::from_secs(a.ready_timeout_secs)),
         replace: a.force,
     })?;
     eprintln!(
@@ -71,61 +70,25 @@ pub fn snapshot(a: SnapshotArgs) -> Result<i32> {
     Ok(0)
 }
 
-/// One child as `tine fork` saw it.
-#[derive(Clone, Debug)]
-pub struct ChildReport {
-    pub id: String,
-    pub pid: u32,
-    /// From just before spawning its process to its agent answering (and clock/RNG fixed).
-    pub ready: Result<Duration, String>,
-}
-
-/// Fork `n` children from the snapshot `tag`, at most `parallel` restoring at once (0: all);
-/// `report` is called (from several threads) as each becomes ready or fails. Each child is its
-/// own VMM process: a `tine __vmm-worker` started before the clock runs, handed the snapshot.
-/// A child's time runs from handing it the snapshot to its agent answering.
+/// Fork `n` children from the snapshot `tag` on `host`, at most `parallel` restoring at once
+/// (0: all); `report` is called (from several threads) as each becomes ready or fails. The
+/// workers are started before the clock runs: a child's time runs from handing its worker
+/// the snapshot to its agent answering.
 pub fn fork_children(
-    tag: &str,
+    host: &Host,
+    tag: &Tag,
     n: usize,
-    parallel: usize,
-    timeout: Duration,
-    report: impl Fn(ChildReport) + Sync,
+    opts: &SpawnOptions,
+    report: impl Fn(SpawnOutcome) + Sync,
 ) -> Result<()> {
-    if n == 0 || n > MAX_CHILDREN {
-        bail!("-n {n}: ask for 1..={MAX_CHILDREN} children");
+    if n == 0 || n > MAX_SPAWN as usize {
+        bail!("-n {n}: ask for 1..={MAX_SPAWN} children");
     }
-    let snap = vms::snapshot_dir(tag)?;
-    // Validate once here so a bad snapshot fails the call, not N children.
-    tine_vmm::snapshot::file::load_header(&snap)?;
-    let pool = WorkerPool::prestarted(std::env::current_exe()?, n);
-    let width = if parallel == 0 { n } else { parallel.min(n) };
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..width {
-            s.spawn(|| loop {
-                if next.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= n {
-                    return;
-                }
-                let id = vms::new_id(tag);
-                let t = Instant::now();
-                let (pid, ready) = match start_child(&pool, tag, &snap, &id) {
-                    Ok(c) => {
-                        let ready = make_ready(&c.dir, c.pid, c.restored, timeout);
-                        if ready.is_err() {
-                            // SAFETY: kill(2) of the worker we just started.
-                            unsafe { libc::kill(c.pid as i32, libc::SIGKILL) };
-                        }
-                        // Reap it when it ends, so no zombie outlives a long benchmark.
-                        let mut child = c.child;
-                        std::thread::spawn(move || child.wait());
-                        (c.pid, ready.map(|()| t.elapsed()))
-                    }
-                    Err(e) => (0, Err(e)),
-                };
-                report(ChildReport { id, pid, ready });
-            });
-        }
-    });
+    // Validate first so a bad snapshot fails the call, not N children.
+    host.snapshot_header(tag)?;
+    host.prestart_workers(n);
+    let ids = (0..n).map(|_| SandboxId::random(tag.as_str())).collect();
+    host.spawn(tag, ids, opts, report)?;
     Ok(())
 }
 
@@ -133,15 +96,20 @@ pub fn fork_children(
 pub struct ForkArgs {
     /// Snapshot tag (from `tine snapshot`).
     #[arg(long)]
-    tag: String,
+    tag: Tag,
     /// Number of children.
     #[arg(short = 'n', long, default_value_t = 1)]
     count: usize,
-    #[arg(long, default_value_t = 300)]
-    ready_timeout_secs: u64,
+    /// Per-child readiness deadline (default: the host's, 120 s).
+    #[arg(long)]
+    ready_timeout_secs: Option<u64>,
     /// At most this many children restoring at once (0: all of them).
     #[arg(long, default_value_t = 0)]
     parallel: usize,
+    /// The snapshot's guest runs no Tine agent (a hand-made guest, a raw `tine run
+    /// --snapshot-at` snapshot): a child is ready once its VMM runs the restored guest.
+    #[arg(long)]
+    no_agent: bool,
     /// Print one JSON object per child instead of a table.
     #[arg(long)]
     json: bool,
@@ -151,47 +119,55 @@ pub struct ForkArgs {
 
 pub fn fork(a: ForkArgs) -> Result<i32> {
     refuse_pvm(a.allow_pvm)?;
+    let readiness = if a.no_agent {
+        Readiness::Running
+    } else {
+        Readiness::Agent
+    };
+    let host = cli_host(readiness)?;
+    let opts = SpawnOptions {
+        ready_timeout: a.ready_timeout_secs.map(Duration::from_secs),
+        parallel: a.parallel,
+        readiness: None,
+    };
     let t0 = Instant::now();
     let results = std::sync::Mutex::new((Vec::new(), 0usize));
-    let print = |r: ChildReport| {
-        let mut g = results.lock().unwrap();
-        match &r.ready {
-            Ok(d) => {
-                g.0.push(*d);
+    let print = |o: SpawnOutcome| {
+        let mut g = results.lock().unwrap_or_else(|p| p.into_inner());
+        let pid = o.pid.unwrap_or(0);
+        match &o.result {
+            Ok(p) => {
+                g.0.push(p.total);
                 if a.json {
                     println!(
-                        "{{\"id\":{:?},\"pid\":{},\"ready_ms\":{:.3}}}",
-                        r.id,
-                        r.pid,
-                        d.as_secs_f64() * 1e3
+                        "{{\"id\":{:?},\"pid\":{pid},\"ready_ms\":{:.3}}}",
+                        o.id.as_str(),
+                        p.total.as_secs_f64() * 1e3
                     );
                 } else {
                     println!(
-                        "{:<28} pid {:<8} ready in {:>9.2} ms",
-                        r.id,
-                        r.pid,
-                        d.as_secs_f64() * 1e3
+                        "{:<28} pid {pid:<8} ready in {:>9.2} ms",
+                        o.id,
+                        p.total.as_secs_f64() * 1e3
                     );
                 }
             }
             Err(e) => {
                 g.1 += 1;
                 if a.json {
-                    println!("{{\"id\":{:?},\"pid\":{},\"error\":{:?}}}", r.id, r.pid, e);
+                    println!(
+                        "{{\"id\":{:?},\"pid\":{pid},\"error\":{:?}}}",
+                        o.id.as_str(),
+                        e.to_string()
+                    );
                 } else {
-                    println!("{:<28} pid {:<8} FAILED: {e}", r.id, r.pid);
+                    println!("{:<28} pid {pid:<8} FAILED: {e}", o.id);
                 }
             }
         }
     };
-    fork_children(
-        &a.tag,
-        a.count,
-        a.parallel,
-        Duration::from_secs(a.ready_timeout_secs),
-        print,
-    )?;
-    let (mut ok, failed) = results.into_inner().unwrap();
+    fork_children(&host, &a.tag, a.count, &opts, print)?;
+    let (mut ok, failed) = results.into_inner().unwrap_or_else(|p| p.into_inner());
     let total = t0.elapsed();
     ok.sort();
     if !ok.is_empty() && !a.json {
@@ -212,24 +188,30 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
 pub struct LsArgs {}
 
 pub fn ls(_: LsArgs) -> Result<i32> {
-    let now = vms::now_ms();
-    let vms = vms::list()?;
+    let host = cli_host(Readiness::Agent)?;
+    let now = tine_host::records::now_ms();
     println!(
-        "{:<28} {:<8} {:<8} {:<20} {:>8}",
-        "ID", "PID", "STATE", "SNAPSHOT", "AGE s"
+        "{:<28} {:<8} {:<9} {:<20} {:<18} {:>8}",
+        "ID", "PID", "STATE", "SNAPSHOT", "OWNER", "AGE s"
     );
-    for (_, m) in &vms {
+    for vm in host.list() {
+        let r = &vm.record;
+        let owner = match &r.owner {
+            Owner::Cli => "cli".to_string(),
+            Owner::Executor(id) => format!("executor {id}"),
+        };
         println!(
-            "{:<28} {:<8} {:<8} {:<20} {:>8.1}",
-            m.id,
-            m.pid,
-            if vms::alive(m.pid) {
-                "running"
-            } else {
-                "exited"
+            "{:<28} {:<8} {:<9} {:<20} {:<18} {:>8.1}",
+            r.id.as_str(),
+            r.process.pid,
+            match vm.liveness {
+                Liveness::Running => "running",
+                Liveness::Exited => "exited",
+                Liveness::Replaced => "gone",
             },
-            m.tag.as_deref().unwrap_or("-"),
-            now.saturating_sub(m.created_unix_ms) as f64 / 1000.0
+            r.tag.as_ref().map_or("-", |t| t.as_str()),
+            owner,
+            now.saturating_sub(r.created_unix_ms) as f64 / 1000.0
         );
     }
     Ok(0)
@@ -238,8 +220,8 @@ pub fn ls(_: LsArgs) -> Result<i32> {
 #[derive(clap::Args)]
 pub struct KillArgs {
     /// VM ids (see `tine ls`).
-    ids: Vec<String>,
-    /// Kill every VM.
+    ids: Vec<SandboxId>,
+    /// Kill every VM this CLI started (an executor daemon's VMs are left to the daemon).
     #[arg(long, conflicts_with = "ids")]
     all: bool,
 }
@@ -248,16 +230,25 @@ pub fn kill(a: KillArgs) -> Result<i32> {
     if !a.all && a.ids.is_empty() {
         bail!("name VM ids to kill, or pass --all");
     }
-    let targets = if a.all {
-        vms::list()?
+    let host = cli_host(Readiness::Agent)?;
+    let targets: Vec<SandboxId> = if a.all {
+        let all = host.list();
+        let skipped = all
+            .iter()
+            .filter(|v| v.record.owner != Owner::Cli && v.liveness == Liveness::Running)
+            .count();
+        if skipped > 0 {
+            eprintln!("[tine] leaving {skipped} VM(s) of an executor daemon running (stop them through it: `tine sandbox kill ID`)");
+        }
+        all.into_iter()
+            .filter(|v| v.record.owner == Owner::Cli || v.liveness != Liveness::Running)
+            .map(|v| v.record.id)
+            .collect()
     } else {
         a.ids
-            .iter()
-            .map(|id| vms::find(id))
-            .collect::<Result<Vec<_>>>()?
     };
-    for (dir, m) in &targets {
-        vms::kill(dir, m)?;
+    for id in &targets {
+        host.kill_recorded(id)?;
     }
     eprintln!("[tine] killed {} VM(s)", targets.len());
     Ok(0)

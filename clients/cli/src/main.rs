@@ -4,12 +4,11 @@ mod bench;
 mod defaults;
 mod doctor;
 mod fork;
+mod local;
 mod remote;
 mod restore;
 mod run;
 mod serve;
-
-use tine_executor::vms;
 
 use std::process::ExitCode;
 
@@ -114,7 +113,7 @@ fn main() -> ExitCode {
         Command::Sandbox(c) => remote::sandbox(c),
         Command::Snapshots(c) => remote::snapshots(c),
         Command::Executors(c) => remote::executors(c),
-        Command::VmmWorker => tine_executor::worker::worker_main(),
+        Command::VmmWorker => tine_host::worker_main(),
         Command::Store(c) => tine_snapshot_store::cli::run_blocking(c).map(|()| 0),
         Command::Agent(c) => tine_agent::cli::run_with(
             &cli.agent,

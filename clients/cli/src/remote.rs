@@ -9,11 +9,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
-use tine_control_plane::executors::Bearer;
 use tine_proto::v1 as pb;
 use tine_proto::v1::executors_client::ExecutorsClient;
 use tine_proto::v1::sandboxes_client::SandboxesClient;
 use tine_proto::v1::snapshots_client::SnapshotsClient;
+use tine_rpc::auth::Bearer;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
@@ -26,11 +26,7 @@ struct Conn {
 }
 
 fn status_err(s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!(
-        "{}: {}",
-        tine_control_plane::calls::code_name(s.code()),
-        s.message()
-    )
+    anyhow::anyhow!("{}: {}", tine_rpc::status::code_name(s.code()), s.message())
 }
 
 impl Conn {
@@ -38,7 +34,7 @@ impl Conn {
         let mut addr = match std::env::var("TINE_ADDR") {
             Ok(a) => a,
             // A `tine up` on this machine says where it listens.
-            Err(_) => crate::vms::data_dir()
+            Err(_) => crate::local::data_dir(None)
                 .ok()
                 .and_then(|d| std::fs::read(d.join("up.json")).ok())
                 .and_then(|raw| serde_json::from_slice::<serde_json::Value>(&raw).ok())
@@ -53,7 +49,7 @@ impl Conn {
             Err(_) => {
                 let file = match std::env::var_os("TINE_TOKEN_FILE") {
                     Some(f) => Some(PathBuf::from(f)),
-                    None => crate::vms::data_dir()
+                    None => crate::local::data_dir(None)
                         .ok()
                         .map(|d| d.join("admin.token"))
                         .filter(|p| p.exists()),
@@ -88,7 +84,7 @@ impl Conn {
         Ok(Conn {
             rt,
             channel,
-            bearer: Bearer::new(token.as_deref()).map_err(|e| anyhow::anyhow!(e))?,
+            bearer: Bearer::new(token.as_deref())?,
         })
     }
 

@@ -9,7 +9,7 @@ use tine_vmm::vm::RestoreOptions;
 use tine_vmm::Vm;
 
 use crate::run::report_exit;
-use tine_executor::console::open_console;
+use tine_host::console::open_console;
 
 #[derive(clap::Args)]
 pub struct RestoreArgs {

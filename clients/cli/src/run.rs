@@ -9,7 +9,7 @@ use tine_vmm::host::KvmFlavor;
 use tine_vmm::{GuestRam, LinuxBoot, Vm, DEFAULT_CMDLINE};
 
 use crate::defaults;
-use tine_executor::console::open_console;
+use tine_host::console::open_console;
 
 #[derive(clap::Args)]
 pub struct RunArgs {

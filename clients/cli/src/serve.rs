@@ -5,24 +5,18 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use tine_control_plane::auth::{self, Role, TokenEntry, TokenSet, TokensFile};
 use tine_control_plane::calls::Auth;
-use tine_control_plane::server::{self, ServerConfig, TlsFiles};
+use tine_control_plane::server::{self, ServerConfig};
 use tine_executor::daemon::{self, ExecutorConfig};
+use tine_rpc::auth::{self, Role, TokenEntry, TokenSet, TokensFile};
+use tine_rpc::tls::TlsFiles;
+use tine_rpc::ExecutorId;
 use tine_vmm::host::KvmFlavor;
 
-use crate::vms;
+use crate::local;
 
-fn tls(cert: &Option<PathBuf>, key: &Option<PathBuf>) -> Result<Option<TlsFiles>> {
-    match (cert, key) {
-        (Some(c), Some(k)) => Ok(Some(TlsFiles {
-            cert: c.clone(),
-            key: k.clone(),
-        })),
-        (None, None) => Ok(None),
-        _ => bail!("give both --tls-cert and --tls-key"),
-    }
-}
+/// Where an executor serves `/metrics` by default (the control plane's is 9464).
+const EXECUTOR_METRICS: &str = "127.0.0.1:9465";
 
 fn pvm_refusal(allow: bool) -> Option<String> {
     (KvmFlavor::detect() == KvmFlavor::Pvm && !allow).then(|| {
@@ -82,9 +76,12 @@ pub struct UpArgs {
     data_dir: Option<PathBuf>,
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: SocketAddr,
-    /// Prometheus metrics endpoint.
+    /// Prometheus metrics endpoint of the control plane.
     #[arg(long, default_value = "127.0.0.1:9464")]
     metrics_listen: SocketAddr,
+    /// Prometheus metrics endpoint of the local executor (spawn phases, pool, VMs).
+    #[arg(long, default_value = EXECUTOR_METRICS)]
+    executor_metrics_listen: SocketAddr,
     /// Most sandboxes the local executor runs at once.
     #[arg(long, default_value_t = 256)]
     max_sandboxes: u32,
@@ -97,13 +94,9 @@ pub struct UpArgs {
 }
 
 pub fn up(a: UpArgs) -> Result<i32> {
-    if let Some(d) = &a.data_dir {
-        std::fs::create_dir_all(d)?;
-        // Single-threaded still: every module reads the data directory from here.
-        std::env::set_var("TINE_DATA_DIR", d.canonicalize()?);
-    }
-    let data = vms::data_dir()?;
+    let data = local::data_dir(a.data_dir.clone())?;
     std::fs::create_dir_all(&data)?;
+    let data = data.canonicalize()?;
     let (token_set, tokens, admin_file) = embedded_tokens(&data)?;
     let executor_token = tokens
         .tokens
@@ -113,7 +106,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
         .context("tokens.json has no executor token")?;
     let rt = runtime()?;
     rt.block_on(async {
-        let _telemetry = tine_control_plane::telemetry::init("tine", "info")?;
+        let _telemetry = tine_rpc::telemetry::init("tine", "info")?;
         let cp = server::start(ServerConfig {
             listen: a.listen,
             db_path: data.join("tine.db"),
@@ -129,17 +122,17 @@ pub fn up(a: UpArgs) -> Result<i32> {
             allow_plaintext_remote: false,
         })
         .await?;
+        let id = ExecutorId::parse("local")?;
         let ex = daemon::start(ExecutorConfig {
-            id: "local".into(),
+            id: id.clone(),
             listen: "127.0.0.1:0".parse()?,
             advertise: None,
             token: Some(executor_token),
             control_plane: Some(format!("http://{}", cp.addr)),
             control_plane_ca: None,
             tls: None,
-            max_sandboxes: a.max_sandboxes,
-            pool_size: a.pool,
-            worker_exe: std::env::current_exe()?,
+            host: local::executor_host(&id, data.clone(), a.max_sandboxes, a.pool)?,
+            metrics_listen: Some(a.executor_metrics_listen),
             allow_plaintext_remote: false,
             vm_refusal: pvm_refusal(a.allow_pvm),
         })
@@ -150,6 +143,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
         let info = serde_json::json!({
             "addr": cp_url,
             "metrics": cp.metrics_addr.map(|m| m.to_string()),
+            "executor_metrics": ex.metrics_addr.map(|m| m.to_string()),
             "token_file": admin_file,
             "pid": std::process::id(),
         });
@@ -157,11 +151,12 @@ pub fn up(a: UpArgs) -> Result<i32> {
         println!("TINE_ADDR={cp_url}");
         println!("TINE_TOKEN_FILE={}", admin_file.display());
         eprintln!(
-            "[tine] up: control plane {cp_url}, metrics http://{}/metrics, executor \"local\" on {}\n\
+            "[tine] up: control plane {cp_url}, metrics http://{}/metrics, executor \"local\" on {} (metrics http://{}/metrics)\n\
              [tine] admin token in {} (mode 0600); data in {}\n\
              [tine] try: TINE_ADDR={cp_url} tine snapshots ls",
             cp.metrics_addr.map(|m| m.to_string()).unwrap_or_default(),
             ex.addr,
+            ex.metrics_addr.map(|m| m.to_string()).unwrap_or_default(),
             admin_file.display(),
             data.display()
         );
@@ -229,14 +224,14 @@ pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
         None => (Auth::Disabled, None),
     };
     runtime()?.block_on(async {
-        let _telemetry = tine_control_plane::telemetry::init("tine-control-plane", "info")?;
+        let _telemetry = tine_rpc::telemetry::init("tine-control-plane", "info")?;
         let cp = server::start(ServerConfig {
             listen: a.listen,
             db_path: a.db.clone(),
             auth,
             audit_path: a.audit_log.clone(),
             metrics_listen: a.metrics_listen,
-            tls: tls(&a.tls_cert, &a.tls_key)?,
+            tls: TlsFiles::from_args(a.tls_cert.clone(), a.tls_key.clone())?,
             executor_token,
             executor_ca: a.executor_ca.clone(),
             heartbeat_interval_s: a.heartbeat_interval_s,
@@ -265,7 +260,14 @@ pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
 pub struct ExecutorArgs {
     /// Executor id (default: the host name).
     #[arg(long)]
-    id: Option<String>,
+    id: Option<ExecutorId>,
+    /// Where snapshots and VM records live ($TINE_DATA_DIR or ~/.local/share/tine). One
+    /// executor per data directory.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Prometheus metrics endpoint (spawn phases, pool, VMs).
+    #[arg(long, default_value = EXECUTOR_METRICS)]
+    metrics_listen: SocketAddr,
     #[arg(long, default_value = "127.0.0.1:7071")]
     listen: SocketAddr,
     /// Address the control plane uses to reach this executor (default http(s)://<listen>).
@@ -306,23 +308,26 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
     };
     let id = match a.id {
         Some(id) => id,
-        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_string())
-            .unwrap_or_else(|_| "executor".into()),
+        None => ExecutorId::parse(
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .unwrap_or_else(|_| "executor".into()),
+        )
+        .context("the host name is not a valid executor id: give --id")?,
     };
+    let data = local::data_dir(a.data_dir.clone())?;
     runtime()?.block_on(async {
-        let _telemetry = tine_control_plane::telemetry::init("tine-executor", "info")?;
+        let _telemetry = tine_rpc::telemetry::init("tine-executor", "info")?;
         let ex = daemon::start(ExecutorConfig {
-            id,
+            id: id.clone(),
             listen: a.listen,
             advertise: a.advertise.clone(),
             token,
             control_plane: a.control_plane.clone(),
             control_plane_ca: a.control_plane_ca.clone(),
-            tls: tls(&a.tls_cert, &a.tls_key)?,
-            max_sandboxes: a.max_sandboxes,
-            pool_size: a.pool,
-            worker_exe: std::env::current_exe()?,
+            tls: TlsFiles::from_args(a.tls_cert.clone(), a.tls_key.clone())?,
+            host: local::executor_host(&id, data, a.max_sandboxes, a.pool)?,
+            metrics_listen: Some(a.metrics_listen),
             allow_plaintext_remote: a.allow_plaintext_remote,
             vm_refusal: pvm_refusal(a.allow_pvm),
         })

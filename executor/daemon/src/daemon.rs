@@ -6,21 +6,22 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
-use tine_control_plane::auth::{Role, TokenEntry, TokenSet};
-use tine_control_plane::executors::Bearer;
-use tine_control_plane::server::TlsFiles;
+use anyhow::{Context, Result};
+use tine_host::{Host, HostConfig};
 use tine_proto::executor::v1::executor_server::ExecutorServer;
 use tine_proto::v1 as pb;
 use tine_proto::v1::executors_client::ExecutorsClient;
+use tine_rpc::auth::{executor_secret, Bearer};
+use tine_rpc::limits::MAX_MESSAGE_BYTES;
+use tine_rpc::tls::TlsFiles;
+use tine_rpc::ExecutorId;
 use tokio::sync::oneshot;
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Server};
+use tonic::transport::Server;
 
 use crate::service::{ExecutorService, State};
-use crate::worker::WorkerPool;
 
 pub struct ExecutorConfig {
-    pub id: String,
+    pub id: ExecutorId,
     pub listen: SocketAddr,
     /// How the control plane reaches this executor (default: http://<listen>).
     pub advertise: Option<String>,
@@ -30,11 +31,11 @@ pub struct ExecutorConfig {
     pub control_plane: Option<String>,
     pub control_plane_ca: Option<PathBuf>,
     pub tls: Option<TlsFiles>,
-    pub max_sandboxes: u32,
-    /// Idle VMM worker processes kept started.
-    pub pool_size: usize,
-    /// The `tine` binary that runs `__vmm-worker`.
-    pub worker_exe: PathBuf,
+    /// The VMs of this host: data directory, worker executable, limits. Its owner must be
+    /// this executor (`Owner::Executor(id)`), so a restart re-adopts exactly its VMs.
+    pub host: HostConfig,
+    /// Where `/metrics` is served (None: not served).
+    pub metrics_listen: Option<SocketAddr>,
     pub allow_plaintext_remote: bool,
     /// Refuse VM work with this message (e.g. PVM hosts).
     pub vm_refusal: Option<String>,
@@ -42,6 +43,7 @@ pub struct ExecutorConfig {
 
 pub struct RunningExecutor {
     pub addr: SocketAddr,
+    pub metrics_addr: Option<SocketAddr>,
     pub state: Arc<State>,
     shutdown: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
@@ -61,54 +63,51 @@ impl RunningExecutor {
         (&mut self.task).await.context("executor server task")??;
         if kill_sandboxes {
             let st = self.state.clone();
-            tokio::task::spawn_blocking(move || st.kill_all()).await?;
+            tokio::task::spawn_blocking(move || st.host.kill_all()).await?;
         }
         Ok(())
     }
 }
 
 pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
-    tine_snapshot_store::tag::validate_tag(&cfg.id)
-        .map_err(|e| anyhow::anyhow!("executor id: {e}"))?;
-    tine_control_plane::server::check_listen(
+    anyhow::ensure!(
+        cfg.host.owner == tine_host::Owner::executor(&cfg.id),
+        "the host's owner must be executor {}",
+        cfg.id
+    );
+    tine_rpc::tls::check_listen(
         cfg.listen,
         cfg.token.is_some(),
         cfg.tls.is_some(),
         cfg.allow_plaintext_remote,
     )?;
     let tokens = match &cfg.token {
-        Some(t) => Some(Arc::new(TokenSet::new(&[TokenEntry {
-            name: "control-plane".into(),
-            role: Role::Executor,
-            token: t.clone(),
-        }])?)),
+        Some(t) => Some(Arc::new(executor_secret(t)?)),
         None => None,
     };
-    let pool = WorkerPool::new(cfg.worker_exe.clone(), cfg.pool_size);
-    let state = State::new(
-        cfg.id.clone(),
-        cfg.max_sandboxes,
-        pool.clone(),
-        cfg.vm_refusal.clone(),
-    );
+    let host_cfg = cfg.host.clone();
+    let host = tokio::task::spawn_blocking(move || Host::open_exclusive(host_cfg))
+        .await?
+        .context("opening the host's data directory")?;
+    let state = State::new(cfg.id.clone(), host, cfg.vm_refusal.clone());
     if cfg.vm_refusal.is_none() {
-        let p = pool.clone();
-        tokio::task::spawn_blocking(move || p.refill());
+        let st = state.clone();
+        tokio::task::spawn_blocking(move || st.host.fill_pool());
     }
 
     let svc = ExecutorServer::new(ExecutorService {
         state: state.clone(),
     })
-    .max_decoding_message_size(8 << 20)
-    .max_encoding_message_size(8 << 20);
+    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+    .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let check = move |req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
         if let Some(t) = &tokens {
             t.authenticate(req.metadata())?;
         }
         Ok(req)
     };
-    let mut builder = Server::builder()
-        .trace_fn(|req| tine_control_plane::telemetry::request_span(req, "executor"));
+    let mut builder =
+        Server::builder().trace_fn(|req| tine_rpc::telemetry::request_span(req, "executor"));
     if let Some(tls) = &cfg.tls {
         builder = builder.tls_config(tls.server_config()?)?;
     }
@@ -128,6 +127,14 @@ pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
     ));
 
     let mut background = Vec::new();
+    let mut metrics_addr = None;
+    if let Some(m) = cfg.metrics_listen {
+        let (bound, t) = tine_rpc::metrics::serve(m, state.metrics.registry().clone())
+            .await
+            .with_context(|| format!("binding the metrics listener {m}"))?;
+        metrics_addr = Some(bound);
+        background.push(t);
+    }
     let st = state.clone();
     background.push(tokio::spawn(async move {
         loop {
@@ -142,14 +149,12 @@ pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
             .advertise
             .clone()
             .unwrap_or_else(|| format!("{scheme}://{addr}"));
-        let channel = control_plane_channel(cp, cfg.control_plane_ca.as_ref())?;
-        let client = ExecutorsClient::with_interceptor(
-            channel,
-            Bearer::new(cfg.token.as_deref()).map_err(|e| anyhow::anyhow!(e))?,
-        );
+        let channel = tine_rpc::tls::channel(cp, cfg.control_plane_ca.as_deref())
+            .context("the control plane")?;
+        let client = ExecutorsClient::with_interceptor(channel, Bearer::new(cfg.token.as_deref())?);
         background.push(tokio::spawn(registration_loop(
             client,
-            cfg.id.clone(),
+            cfg.id.to_string(),
             advertise,
             state.clone(),
         )));
@@ -157,25 +162,12 @@ pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
     tracing::info!(%addr, id = %cfg.id, "executor listening");
     Ok(RunningExecutor {
         addr,
+        metrics_addr,
         state,
         shutdown: Some(tx),
         task,
         background,
     })
-}
-
-fn control_plane_channel(addr: &str, ca: Option<&PathBuf>) -> Result<tonic::transport::Channel> {
-    let mut ep = Endpoint::from_shared(addr.to_string())
-        .with_context(|| format!("control plane address {addr:?}"))?
-        .connect_timeout(Duration::from_secs(5));
-    if addr.starts_with("https://") {
-        let Some(ca) = ca else {
-            bail!("the control plane {addr} speaks TLS: give --control-plane-ca");
-        };
-        let pem = std::fs::read(ca).with_context(|| format!("reading {}", ca.display()))?;
-        ep = ep.tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)))?;
-    }
-    Ok(ep.connect_lazy())
 }
 
 type CpClient = ExecutorsClient<
@@ -220,8 +212,11 @@ async fn registration_loop(mut client: CpClient, id: String, addr: String, state
                     tracing::info!(%id, %addr, "registered with the control plane");
                     for orphan in r.unknown_sandboxes {
                         tracing::warn!(id = %orphan, "the control plane has no record of this sandbox: killing it");
+                        let Ok(orphan) = tine_rpc::SandboxId::parse(orphan) else {
+                            continue;
+                        };
                         let st = state.clone();
-                        let _ = tokio::task::spawn_blocking(move || st.kill(&orphan)).await;
+                        let _ = tokio::task::spawn_blocking(move || st.host.kill(&orphan)).await;
                     }
                 }
                 Err(e) => {

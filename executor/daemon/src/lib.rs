@@ -1,10 +1,6 @@
-//! The per-host executor: VM bookkeeping under the data directory, warm parent snapshots,
-//! child readiness, the VMM worker pool, and the executor gRPC daemon.
+//! The executor daemon: serves the executor gRPC API over this host's [`tine_host::Host`],
+//! registers and heartbeats with the control plane, and exports its metrics.
 
-pub mod console;
 pub mod daemon;
-pub mod parent;
-pub mod ready;
+pub mod metrics;
 pub mod service;
-pub mod vms;
-pub mod worker;

@@ -1,53 +1,59 @@
-//! The executor API (tine.executor.v1) over this host's VMM: snapshots under the data
-//! directory, children restored by pre-started worker processes, agent calls relayed.
+//! The executor API (tine.executor.v1) over this host's [`Host`]: snapshots under the data
+//! directory, children restored by pre-started worker processes, agent calls relayed. Host
+//! errors become gRPC codes here, and per-child failures travel with their code.
 
-use std::collections::HashMap;
 use std::io::Read;
-use std::path::PathBuf;
 use std::pin::Pin;
-use std::process::Child;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use futures::Stream;
 use tine_agent::client::{AgentErrorCode, ClientError, ExecOptions};
-use tine_control_plane::validate;
+use tine_host::ready::agent;
+use tine_host::{ErrorKind, Host, HostError, ParentSpec, SpawnOptions};
 use tine_proto::executor::v1 as xpb;
 use tine_proto::executor::v1::executor_server::Executor;
 use tine_proto::v1 as pb;
+use tine_rpc::limits::MAX_SPAWN;
+use tine_rpc::status::child_error;
+use tine_rpc::{validate, ExecutorId, SandboxId};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::parent::{self, ParentSpec};
-use crate::ready::{agent, make_ready};
-use crate::vms;
-use crate::worker::{start_child, Started, WorkerPool};
+use crate::metrics::ExecutorMetrics;
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 const CHUNK: usize = 1 << 20;
 
-/// A child this executor runs.
-struct Sandbox {
-    tag: String,
-    dir: PathBuf,
-    pid: u32,
-    /// Our own child process (None for one adopted after a daemon restart).
-    child: Option<Child>,
-}
-
 pub struct State {
-    pub id: String,
-    pub max_sandboxes: u32,
+    pub id: ExecutorId,
+    pub host: Host,
     /// Refuse VM work on a PVM /dev/kvm (Linux guests cannot run there).
     pub vm_refusal: Option<String>,
-    pool: Arc<WorkerPool>,
-    live: Mutex<HashMap<String, Sandbox>>,
+    pub metrics: ExecutorMetrics,
 }
 
 fn internal(e: impl std::fmt::Display) -> Status {
     Status::internal(e.to_string())
+}
+
+/// The gRPC status for a host error: its kind picks the code, its message is kept.
+pub fn host_status(e: &HostError) -> Status {
+    let m = e.to_string();
+    match e.kind() {
+        ErrorKind::NotFound => Status::not_found(m),
+        ErrorKind::AlreadyExists => Status::already_exists(m),
+        ErrorKind::Exhausted => Status::resource_exhausted(m),
+        ErrorKind::Precondition => Status::failed_precondition(m),
+        ErrorKind::Deadline => Status::deadline_exceeded(m),
+        ErrorKind::Denied => Status::permission_denied(m),
+        ErrorKind::Internal => {
+            tracing::error!("{m}");
+            Status::internal(m)
+        }
+    }
 }
 
 fn agent_status(e: ClientError) -> Status {
@@ -67,80 +73,47 @@ fn agent_status(e: ClientError) -> Status {
 }
 
 impl State {
-    pub fn new(
-        id: String,
-        max_sandboxes: u32,
-        pool: Arc<WorkerPool>,
-        vm_refusal: Option<String>,
-    ) -> Arc<State> {
-        let state = Arc::new(State {
+    pub fn new(id: ExecutorId, host: Host, vm_refusal: Option<String>) -> Arc<State> {
+        Arc::new(State {
             id,
-            max_sandboxes,
+            host,
             vm_refusal,
-            pool,
-            live: Mutex::new(HashMap::new()),
-        });
-        state.adopt_survivors();
-        state
-    }
-
-    /// After a daemon restart: take back the children still running from a previous life.
-    fn adopt_survivors(&self) {
-        let Ok(list) = vms::list() else { return };
-        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        for (dir, m) in list {
-            if m.id.starts_with("sbx-") && vms::alive(m.pid) {
-                tracing::info!(id = %m.id, pid = m.pid, "re-adopting a running sandbox");
-                live.insert(
-                    m.id.clone(),
-                    Sandbox {
-                        tag: m.tag.unwrap_or_default(),
-                        dir,
-                        pid: m.pid,
-                        child: None,
-                    },
-                );
-            }
-        }
-    }
-
-    pub fn live_ids(&self) -> Vec<String> {
-        let mut ids: Vec<String> = self
-            .live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .cloned()
-            .collect();
-        ids.sort();
-        ids
+            metrics: ExecutorMetrics::new(),
+        })
     }
 
     pub fn report(&self) -> pb::ExecutorReport {
         let (total, avail) = meminfo();
-        let live = self.live_ids();
+        let live: Vec<String> = self
+            .host
+            .live_ids()
+            .into_iter()
+            .map(|i| i.into_string())
+            .collect();
+        self.metrics.vms_running.set(live.len() as i64);
+        self.metrics.pool_idle.set(self.host.idle_workers() as i64);
         pb::ExecutorReport {
             capacity: Some(pb::Capacity {
-                max_sandboxes: self.max_sandboxes,
+                max_sandboxes: self.host.config().limits.max_vms,
                 running_sandboxes: live.len() as u32,
                 mem_total_mib: total,
                 mem_available_mib: avail,
             }),
-            cached_tags: parent::local_tags().unwrap_or_default(),
+            cached_tags: self
+                .host
+                .snapshot_tags()
+                .into_iter()
+                .map(|t| t.into_string())
+                .collect(),
             live_sandboxes: live,
         }
     }
 
-    fn sandbox_dir(&self, id: &str) -> Result<PathBuf, Status> {
-        validate::name("sandbox_id", id)?;
-        self.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(id)
-            .map(|s| s.dir.clone())
-            .ok_or_else(|| {
-                Status::not_found(format!("sandbox {id} does not run on executor {}", self.id))
-            })
+    fn sandbox_dir(&self, id: &str) -> Result<std::path::PathBuf, Status> {
+        let id = validate::sandbox_id("sandbox_id", id)?;
+        self.host.vm_dir(&id).map_err(|_| {
+            Status::not_found(format!("sandbox {id} does not run on executor {}", self.id))
+        })
     }
 
     fn refuse_vm_work(&self) -> Result<(), Status> {
@@ -150,93 +123,18 @@ impl State {
         }
     }
 
-    /// Restore one child and wait for its agent. Returns spawn-to-ready.
-    fn spawn_one(
-        &self,
-        tag: &str,
-        snapshot: PathBuf,
-        id: &str,
-        timeout: Duration,
-    ) -> Result<Duration, String> {
-        let t = Instant::now();
-        let Started {
-            dir,
-            pid,
-            child,
-            restored,
-        } = start_child(&self.pool, tag, &snapshot, id)?;
-        self.live.lock().unwrap_or_else(|p| p.into_inner()).insert(
-            id.to_string(),
-            Sandbox {
-                tag: tag.to_string(),
-                dir: dir.clone(),
-                pid,
-                child: Some(child),
-            },
-        );
-        match make_ready(&dir, pid, restored, timeout) {
-            Ok(()) => Ok(t.elapsed()),
-            Err(e) => {
-                self.kill(id);
-                Err(e)
-            }
-        }
-    }
-
-    /// Kill a child and remove its directory; false if it was not ours.
-    pub fn kill(&self, id: &str) -> bool {
-        let Some(mut s) = self
-            .live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(id)
-        else {
-            return false;
-        };
-        // SAFETY: kill(2) of a pid we started (or re-adopted after checking it runs).
-        unsafe { libc::kill(s.pid as i32, libc::SIGKILL) };
-        if let Some(c) = s.child.as_mut() {
-            let _ = c.wait();
-        }
-        let _ = std::fs::remove_dir_all(&s.dir);
-        tracing::debug!(id, tag = %s.tag, "sandbox killed");
-        true
-    }
-
-    /// Forget children whose VMM exited (logging why), reaping our own processes.
+    /// Reap exited children, counting them as failures, and refresh the gauges.
     pub fn reap(&self) {
-        let mut gone = Vec::new();
-        {
-            let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-            live.retain(|id, s| {
-                let exited = match s.child.as_mut() {
-                    Some(c) => match c.try_wait() {
-                        Ok(Some(status)) => Some(format!("{status}")),
-                        _ => None,
-                    },
-                    None => (!vms::alive(s.pid)).then(|| "exited".to_string()),
-                };
-                match exited {
-                    Some(how) => {
-                        gone.push((id.clone(), s.dir.clone(), how));
-                        false
-                    }
-                    None => true,
-                }
-            });
+        for _ in self.host.reap() {
+            self.metrics
+                .spawn_failures
+                .with_label_values(&["vmm_exited_later"])
+                .inc();
         }
-        for (id, dir, how) in gone {
-            let log = std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(5).collect();
-            tracing::warn!(%id, %how, vmm_log = %tail.into_iter().rev().collect::<Vec<_>>().join(" | "), "sandbox VMM exited");
-            let _ = std::fs::remove_dir_all(&dir);
-        }
-    }
-
-    pub fn kill_all(&self) {
-        for id in self.live_ids() {
-            self.kill(&id);
-        }
+        self.metrics
+            .vms_running
+            .set(self.host.live_ids().len() as i64);
+        self.metrics.pool_idle.set(self.host.idle_workers() as i64);
     }
 }
 
@@ -340,38 +238,32 @@ impl Executor for ExecutorService {
     ) -> Result<Response<pb::Snapshot>, Status> {
         self.state.refuse_vm_work()?;
         let r = req.into_inner();
-        validate::name("tag", &r.tag)?;
+        let tag = validate::tag("tag", &r.tag)?;
         validate::name("image", &r.image)?;
         let vcpus = u8::try_from(r.vcpus.max(1))
             .map_err(|_| Status::invalid_argument("vcpus: at most 255"))?;
         let spec = ParentSpec {
             image: r.image.clone(),
-            tag: r.tag.clone(),
+            tag,
             vcpus,
             mem_mib: (r.mem_mib != 0).then_some(r.mem_mib),
             evals: r.warmup_eval.clone(),
-            ready_timeout: Duration::from_secs(900),
+            ready_timeout: None,
             replace: false,
         };
-        let made = tokio::task::spawn_blocking(move || parent::create_snapshot(&spec))
+        let st = self.state.clone();
+        let made = tokio::task::spawn_blocking(move || st.host.create_snapshot(&spec))
             .await
             .map_err(internal)?
-            .map_err(|e| {
-                let msg = format!("{e:#}");
-                if msg.contains("already exists") {
-                    Status::already_exists(msg)
-                } else {
-                    Status::failed_precondition(msg)
-                }
-            })?;
+            .map_err(|e| host_status(&e))?;
         Ok(Response::new(pb::Snapshot {
             tag: r.tag,
             parent_tag: String::new(),
             image: r.image,
             vcpus: made.header.vcpus as u32,
             mem_mib: made.header.mem_size >> 20,
-            created_unix_ms: vms::now_ms() as i64,
-            executors: vec![self.state.id.clone()],
+            created_unix_ms: tine_host::records::now_ms() as i64,
+            executors: vec![self.state.id.to_string()],
             source_sandbox: String::new(),
         }))
     }
@@ -380,15 +272,12 @@ impl Executor for ExecutorService {
         &self,
         req: Request<xpb::DeleteSnapshotRequest>,
     ) -> Result<Response<xpb::DeleteSnapshotResponse>, Status> {
-        let tag = req.into_inner().tag;
-        validate::name("tag", &tag)?;
-        let dir = vms::snapshot_dir(&tag).map_err(internal)?;
-        let existed = dir.exists();
-        if existed {
-            // Running children keep their mapping of the memory image; only the name goes.
-            std::fs::remove_dir_all(&dir)
-                .map_err(|e| internal(format!("removing {}: {e}", dir.display())))?;
-        }
+        let tag = validate::tag("tag", &req.into_inner().tag)?;
+        let st = self.state.clone();
+        let existed = tokio::task::spawn_blocking(move || st.host.delete_snapshot(&tag))
+            .await
+            .map_err(internal)?
+            .map_err(|e| host_status(&e))?;
         Ok(Response::new(xpb::DeleteSnapshotResponse { existed }))
     }
 
@@ -398,62 +287,57 @@ impl Executor for ExecutorService {
     ) -> Result<Response<Self::SpawnStream>, Status> {
         self.state.refuse_vm_work()?;
         let r = req.into_inner();
-        validate::name("tag", &r.tag)?;
-        if r.ids.is_empty() || r.ids.len() > validate::MAX_SPAWN as usize {
+        let tag = validate::tag("tag", &r.tag)?;
+        if r.ids.is_empty() || r.ids.len() > MAX_SPAWN as usize {
             return Err(Status::invalid_argument(format!(
-                "ids: give 1..={} sandbox ids",
-                validate::MAX_SPAWN
+                "ids: give 1..={MAX_SPAWN} sandbox ids"
             )));
         }
-        for id in &r.ids {
-            validate::name("ids", id)?;
-        }
-        let snapshot = vms::snapshot_dir(&r.tag).map_err(internal)?;
-        if !snapshot.exists() {
-            return Err(Status::not_found(format!(
-                "snapshot {} is not on executor {}",
-                r.tag, self.state.id
-            )));
-        }
-        let snap = snapshot.clone();
-        tokio::task::spawn_blocking(move || tine_vmm::snapshot::file::load_header(&snap))
+        let ids = r
+            .ids
+            .iter()
+            .map(|id| validate::sandbox_id("ids", id))
+            .collect::<Result<Vec<SandboxId>, Status>>()?;
+        validate::ready_timeout_ms(r.ready_timeout_ms)?;
+        let opts = SpawnOptions {
+            ready_timeout: (r.ready_timeout_ms != 0)
+                .then(|| Duration::from_millis(r.ready_timeout_ms as u64)),
+            ..SpawnOptions::default()
+        };
+        // A missing or broken snapshot fails the call, not each child.
+        let (st, t) = (self.state.clone(), tag.clone());
+        tokio::task::spawn_blocking(move || st.host.snapshot_header(&t))
             .await
             .map_err(internal)?
-            .map_err(|e| Status::failed_precondition(format!("snapshot {}: {e}", r.tag)))?;
-        let timeout = Duration::from_millis(if r.ready_timeout_ms == 0 {
-            120_000
-        } else {
-            r.ready_timeout_ms as u64
-        });
-        let free = (self.state.max_sandboxes as usize).saturating_sub(self.state.live_ids().len());
-        let (tx, rx) = mpsc::channel(r.ids.len() + 1);
-        for (i, id) in r.ids.into_iter().enumerate() {
-            let tx = tx.clone();
-            if i >= free {
-                let _ = tx
-                    .send(Ok(xpb::SpawnEvent {
-                        id,
-                        result: Some(xpb::spawn_event::Result::Error(format!(
-                            "executor {} is full ({} sandboxes)",
-                            self.state.id, self.state.max_sandboxes
-                        ))),
-                    }))
-                    .await;
-                continue;
-            }
-            let st = self.state.clone();
-            let (tag, snapshot) = (r.tag.clone(), snapshot.clone());
-            tokio::task::spawn_blocking(move || {
-                let result = match st.spawn_one(&tag, snapshot, &id, timeout) {
-                    Ok(d) => xpb::spawn_event::Result::ReadyUs(d.as_micros() as u64),
-                    Err(e) => xpb::spawn_event::Result::Error(e),
+            .map_err(|e| host_status(&e))?;
+        let (tx, rx) = mpsc::channel(ids.len() + 1);
+        let st = self.state.clone();
+        let span = tracing::Span::current();
+        tokio::task::spawn_blocking(move || {
+            let _in = span.enter();
+            let sent = st.host.spawn(&tag, ids.clone(), &opts, |o| {
+                let result = match &o.result {
+                    Ok(phases) => {
+                        st.metrics.observe(phases);
+                        xpb::spawn_event::Result::ReadyUs(phases.total.as_micros() as u64)
+                    }
+                    Err(e) => {
+                        st.metrics
+                            .spawn_failures
+                            .with_label_values(&[e.reason()])
+                            .inc();
+                        xpb::spawn_event::Result::Error(child_error(&host_status(e)))
+                    }
                 };
                 let _ = tx.blocking_send(Ok(xpb::SpawnEvent {
-                    id,
+                    id: o.id.into_string(),
                     result: Some(result),
                 }));
             });
-        }
+            if let Err(e) = sent {
+                let _ = tx.blocking_send(Err(host_status(&e)));
+            }
+        });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -461,12 +345,12 @@ impl Executor for ExecutorService {
         &self,
         req: Request<xpb::KillRequest>,
     ) -> Result<Response<xpb::KillResponse>, Status> {
-        let id = req.into_inner().id;
-        validate::name("id", &id)?;
+        let id = validate::sandbox_id("id", &req.into_inner().id)?;
         let st = self.state.clone();
-        let existed = tokio::task::spawn_blocking(move || st.kill(&id))
+        let existed = tokio::task::spawn_blocking(move || st.host.kill(&id))
             .await
-            .map_err(internal)?;
+            .map_err(internal)?
+            .map_err(|e| host_status(&e))?;
         Ok(Response::new(xpb::KillResponse { existed }))
     }
 

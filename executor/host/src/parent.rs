@@ -1,29 +1,30 @@
 //! Making a warm parent snapshot: boot an image, wait until its agent is ready (warm-up
 //! done), run optional warm-up code, pause and write the snapshot.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use tine_proto::names::Tag;
 use tine_vmm::snapshot::file::SnapshotHeader;
 use tine_vmm::{GuestRam, LinuxBoot, Vm, DEFAULT_CMDLINE};
 
 use crate::console::open_console;
+use crate::error::{HostError, Result};
 use crate::ready::agent;
-use crate::vms;
 
 /// What to snapshot.
 #[derive(Clone, Debug)]
 pub struct ParentSpec {
     /// Image name, id or directory (`tine image build`).
     pub image: String,
-    pub tag: String,
+    pub tag: Tag,
     pub vcpus: u8,
     /// Guest memory; None = the image's recommendation.
     pub mem_mib: Option<u64>,
     /// Python run in the warm interpreter before the snapshot.
     pub evals: Vec<String>,
-    pub ready_timeout: Duration,
+    /// None: the host's `parent_ready_timeout`.
+    pub ready_timeout: Option<Duration>,
     /// Replace an existing snapshot with this tag.
     pub replace: bool,
 }
@@ -38,28 +39,30 @@ pub struct MadeSnapshot {
     pub written_in: Duration,
 }
 
-pub fn create_snapshot(spec: &ParentSpec) -> Result<MadeSnapshot> {
-    let dir = vms::snapshot_dir(&spec.tag)?;
-    if dir.exists() {
-        if !spec.replace {
-            bail!(
-                "snapshot {} already exists at {} (replace it explicitly)",
-                spec.tag,
-                dir.display()
-            );
-        }
-        std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
-    }
-    let image = tine_image::load_image(&spec.image).context("loading the image")?;
-    let work = vms::vms_dir()?.join(vms::new_id(&format!("parent-{}", spec.tag)));
-    std::fs::create_dir_all(&work)?;
+/// Boot `spec.image` in `work` (a fresh directory) and snapshot it into `dir`.
+pub(crate) fn boot_and_snapshot(
+    spec: &ParentSpec,
+    image_cache: &Path,
+    work: &Path,
+    dir: &Path,
+    ready_timeout: Duration,
+) -> Result<MadeSnapshot> {
+    let image =
+        tine_image::load_image_in(image_cache, &spec.image).map_err(|e| HostError::Image {
+            image: spec.image.clone(),
+            reason: format!("{e:#}"),
+        })?;
     let sock = work.join("vsock.sock");
+    let console = work.join("console.log");
     let t0 = Instant::now();
     let mem = spec.mem_mib.unwrap_or(image.memory_mib as u64);
     let mut vm = Vm::create(
         spec.vcpus,
         GuestRam::new_memfd(mem)?,
-        open_console(Some(&work.join("console.log")))?,
+        open_console(Some(&console)).map_err(|e| HostError::Io {
+            context: format!("creating {}", console.display()),
+            source: std::io::Error::other(e),
+        })?,
     )?;
     vm.add_vsock(3, &sock)?;
     let cmdline = if image.cmdline_append.is_empty() {
@@ -75,44 +78,34 @@ pub fn create_snapshot(spec: &ParentSpec) -> Result<MadeSnapshot> {
     let running = vm.start()?;
     let client = agent(&sock);
     let result = (|| -> Result<MadeSnapshot> {
-        client.wait_ready(spec.ready_timeout).with_context(|| {
-            format!(
-                "parent never became ready (console: {})",
-                work.join("console.log").display()
-            )
-        })?;
+        client
+            .wait_ready(ready_timeout)
+            .map_err(|e| HostError::ParentNotReady {
+                console: console.clone(),
+                reason: e.to_string(),
+            })?;
         let ready_after = t0.elapsed();
         for code in &spec.evals {
-            let r = client.eval(code)?;
-            if let Some(err) = r.error {
-                bail!("warm-up code {code:?} raised:\n{err}");
+            let r = client.eval(code).map_err(|e| HostError::WarmupCall {
+                code: code.clone(),
+                reason: e.to_string(),
+            })?;
+            if let Some(error) = r.error {
+                return Err(HostError::WarmupFailed {
+                    code: code.clone(),
+                    error,
+                });
             }
         }
         let t1 = Instant::now();
-        let header = running.snapshot(&dir)?;
+        let header = running.snapshot(dir)?;
         Ok(MadeSnapshot {
-            dir: dir.clone(),
+            dir: dir.to_path_buf(),
             header,
             ready_after,
             written_in: t1.elapsed(),
         })
     })();
     running.stop();
-    let _ = std::fs::remove_dir_all(&work);
     result
-}
-
-/// Tags of the snapshots held under the data directory.
-pub fn local_tags() -> Result<Vec<String>> {
-    let dir = vms::data_dir()?.join("snapshots");
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        return Ok(Vec::new());
-    };
-    let mut tags: Vec<String> = entries
-        .flatten()
-        .filter(|e| e.path().join("snapshot.json").is_file())
-        .filter_map(|e| e.file_name().into_string().ok())
-        .collect();
-    tags.sort();
-    Ok(tags)
 }

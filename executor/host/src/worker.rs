@@ -3,23 +3,26 @@
 //! and hands one a snapshot when a child is asked for: process creation, exec and dynamic
 //! loading are off the spawn critical path. Each child is still its own process.
 //!
-//! Protocol: the daemon writes one JSON line (`WorkerJob`) to the worker's stdin; the worker
-//! restores the snapshot, writes one byte to stdout once the guest runs and its vsock socket
-//! exists, then runs the VM until it stops and exits with the VM's exit code.
+//! Protocol: the host writes one JSON line (`WorkerJob`) to the worker's stdin; the worker
+//! restores the snapshot and, once the guest runs and its vsock socket exists, writes a
+//! [`Restored`] record (how long the KVM restore and the vCPU start took) to stdout, then
+//! runs the VM until it stops and exits with the VM's exit code.
 
 use std::io::{BufRead, Write};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use tine_vmm::vm::RestoreOptions;
 use tine_vmm::Vm;
 
 use crate::console::open_console;
-use crate::vms::{self, VmMeta};
+use crate::error::{HostError, Result};
 
 /// The hidden subcommand that runs `worker_main`.
 pub const WORKER_SUBCOMMAND: &str = "__vmm-worker";
@@ -29,6 +32,39 @@ pub struct WorkerJob {
     pub snapshot: PathBuf,
     /// The child's directory: console.log, vmm.log, vsock.sock.
     pub dir: PathBuf,
+}
+
+/// What a worker reports once its guest runs: `R`, then the restore and start times in
+/// microseconds (little-endian u64 each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Restored {
+    /// `Vm::restore`: KVM VM, memory mapping, vCPU and device state.
+    pub restore: Duration,
+    /// `start`: vCPU threads created and running the guest.
+    pub start: Duration,
+}
+
+impl Restored {
+    pub const LEN: usize = 17;
+
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[0] = b'R';
+        b[1..9].copy_from_slice(&(self.restore.as_micros() as u64).to_le_bytes());
+        b[9..17].copy_from_slice(&(self.start.as_micros() as u64).to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; Self::LEN]) -> Option<Restored> {
+        if b[0] != b'R' {
+            return None;
+        }
+        let us = |r: &[u8]| Duration::from_micros(u64::from_le_bytes(r.try_into().unwrap()));
+        Some(Restored {
+            restore: us(&b[1..9]),
+            start: us(&b[9..17]),
+        })
+    }
 }
 
 /// A started worker waiting for its job.
@@ -46,7 +82,10 @@ impl Worker {
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
-            .with_context(|| format!("starting {} {WORKER_SUBCOMMAND}", exe.display()))?;
+            .map_err(|source| HostError::Worker {
+                exe: exe.to_path_buf(),
+                source,
+            })?;
         let stdin = child.stdin.take().expect("piped stdin");
         let stdout = child.stdout.take().expect("piped stdout").into();
         Ok(Worker {
@@ -62,17 +101,20 @@ impl Worker {
 
     /// Hand over the job. Returns the process (to reap) and the "restored" signal pipe.
     pub fn run(mut self, job: &WorkerJob) -> Result<(Child, std::fs::File)> {
-        let mut line = serde_json::to_vec(job)?;
+        let mut line = serde_json::to_vec(job).expect("job serializes");
         line.push(b'\n');
-        self.stdin
-            .write_all(&line)
-            .context("handing the job to a VMM worker")?;
+        if let Err(e) = self.stdin.write_all(&line) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            return Err(HostError::io("handing the job to a VMM worker")(e));
+        }
         drop(self.stdin);
         Ok((self.child, std::fs::File::from(self.stdout)))
     }
 }
 
-/// Keeps `target` idle workers started.
+/// Keeps up to `target` idle workers started. At most one refill runs at a time and it stops
+/// at `target`, so a burst of spawns never leaves more than `target` idle workers behind.
 pub struct WorkerPool {
     exe: PathBuf,
     target: usize,
@@ -80,28 +122,18 @@ pub struct WorkerPool {
     /// asked (a one-shot fork that pre-starts all it needs before its clock starts).
     auto_refill: bool,
     idle: Mutex<Vec<Worker>>,
+    refilling: AtomicBool,
 }
 
 impl WorkerPool {
-    pub fn new(exe: PathBuf, target: usize) -> Arc<WorkerPool> {
+    pub fn new(exe: PathBuf, target: usize, auto_refill: bool) -> Arc<WorkerPool> {
         Arc::new(WorkerPool {
             exe,
             target,
-            auto_refill: true,
+            auto_refill,
             idle: Mutex::new(Vec::new()),
+            refilling: AtomicBool::new(false),
         })
-    }
-
-    /// A pool that starts `n` workers now and never more on its own.
-    pub fn prestarted(exe: PathBuf, n: usize) -> Arc<WorkerPool> {
-        let pool = Arc::new(WorkerPool {
-            exe,
-            target: n,
-            auto_refill: false,
-            idle: Mutex::new(Vec::new()),
-        });
-        pool.refill();
-        pool
     }
 
     /// An idle worker, or a freshly started one when the pool is empty.
@@ -111,23 +143,31 @@ impl WorkerPool {
             Some(w) => w,
             None => Worker::start(&self.exe)?,
         };
-        if self.auto_refill {
+        if self.auto_refill && self.target > 0 && !self.refilling.swap(true, Ordering::AcqRel) {
             let pool = self.clone();
-            std::thread::spawn(move || pool.refill());
+            std::thread::spawn(move || {
+                pool.fill_to(pool.target);
+                pool.refilling.store(false, Ordering::Release);
+            });
         }
         Ok(w)
     }
 
     /// Start workers until `target` are idle.
     pub fn refill(&self) {
+        self.fill_to(self.target);
+    }
+
+    /// Start workers until `n` are idle (a one-shot fork pre-starts exactly what it needs).
+    pub fn fill_to(&self, n: usize) {
         loop {
-            if self.idle.lock().unwrap_or_else(|p| p.into_inner()).len() >= self.target {
+            if self.idle() >= n {
                 return;
             }
             match Worker::start(&self.exe) {
                 Ok(w) => self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(w),
                 Err(e) => {
-                    tracing::warn!("VMM worker pool: {e:#}");
+                    tracing::warn!("VMM worker pool: {e}");
                     return;
                 }
             }
@@ -153,57 +193,9 @@ impl Drop for WorkerPool {
     }
 }
 
-/// A child VMM that was handed its snapshot and is restoring.
-pub struct Started {
-    pub dir: PathBuf,
-    pub pid: u32,
-    /// Reap it (or drop it to leave it running).
-    pub child: Child,
-    /// One byte arrives once the guest runs; EOF if the worker failed first.
-    pub restored: std::fs::File,
-}
-
-/// Create the child's directory (`vms/<id>` with meta.json) and hand a worker the snapshot.
-pub fn start_child(
-    pool: &Arc<WorkerPool>,
-    tag: &str,
-    snapshot: &Path,
-    id: &str,
-) -> std::result::Result<Started, String> {
-    let dir = vms::vms_dir().map_err(|e| e.to_string())?.join(id);
-    if dir.exists() {
-        return Err(format!("sandbox {id} exists already"));
-    }
-    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-    let worker = pool.take().map_err(|e| format!("{e:#}"))?;
-    let pid = worker.pid();
-    vms::write_meta(
-        &dir,
-        &VmMeta {
-            id: id.to_string(),
-            pid,
-            tag: Some(tag.to_string()),
-            created_unix_ms: vms::now_ms(),
-        },
-    )
-    .map_err(|e| format!("{e:#}"))?;
-    let (child, restored) = worker
-        .run(&WorkerJob {
-            snapshot: snapshot.to_path_buf(),
-            dir: dir.clone(),
-        })
-        .map_err(|e| format!("{e:#}"))?;
-    Ok(Started {
-        dir,
-        pid,
-        child,
-        restored,
-    })
-}
-
 /// Body of `tine __vmm-worker`: wait for a job on stdin (EOF: the daemon went away, exit
 /// quietly), restore, signal, run.
-pub fn worker_main() -> Result<i32> {
+pub fn worker_main() -> anyhow::Result<i32> {
     let mut line = String::new();
     if std::io::stdin().lock().read_line(&mut line)? == 0 {
         return Ok(0);
@@ -217,6 +209,7 @@ pub fn worker_main() -> Result<i32> {
     // Own session: signals to the daemon's process group do not reach the VM.
     // SAFETY: setsid has no memory effects.
     unsafe { libc::setsid() };
+    let t0 = Instant::now();
     let vm = Vm::restore(
         &job.snapshot,
         RestoreOptions {
@@ -224,10 +217,16 @@ pub fn worker_main() -> Result<i32> {
             vsock_uds: Some(job.dir.join("vsock.sock")),
         },
     )?;
+    let restore = t0.elapsed();
+    let t1 = Instant::now();
     let running = vm.start()?;
+    let done = Restored {
+        restore,
+        start: t1.elapsed(),
+    };
     {
         let mut out = std::io::stdout().lock();
-        let _ = out.write_all(b"1");
+        let _ = out.write_all(&done.encode());
         let _ = out.flush();
     }
     // Close stdout so the daemon's pipe sees EOF if it reads again.

@@ -6,8 +6,9 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
-use tonic::metadata::MetadataMap;
-use tonic::Status;
+use tonic::metadata::{AsciiMetadataValue, MetadataMap};
+use tonic::service::Interceptor;
+use tonic::{Request, Status};
 
 /// What a token may do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -215,6 +216,47 @@ impl TokenSet {
         };
         self.check(token.trim())
             .ok_or_else(|| Status::unauthenticated("unknown token"))
+    }
+}
+
+/// A tokens set holding one secret, the cluster's executor token, as the control plane
+/// presents it to executors.
+pub fn executor_secret(token: &str) -> Result<TokenSet, TokenError> {
+    TokenSet::new(&[TokenEntry {
+        name: "control-plane".into(),
+        role: Role::Executor,
+        token: token.to_string(),
+    }])
+}
+
+/// Client side: adds `authorization: Bearer <token>` (when there is one) and the current
+/// trace context to every request.
+#[derive(Clone)]
+pub struct Bearer(Option<AsciiMetadataValue>);
+
+impl Bearer {
+    pub fn new(token: Option<&str>) -> Result<Bearer, TokenError> {
+        token
+            .map(|t| {
+                format!("Bearer {t}")
+                    .parse::<AsciiMetadataValue>()
+                    .map_err(|_| TokenError::Weak {
+                        name: "token".into(),
+                        reason: "not printable ASCII",
+                    })
+            })
+            .transpose()
+            .map(Bearer)
+    }
+}
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        crate::telemetry::inject_current(req.metadata_mut());
+        Ok(req)
     }
 }
 

@@ -1,11 +1,10 @@
 //! Input checks shared by every RPC: each failure is an INVALID_ARGUMENT naming the field.
+//! Names are parsed into their validated types here, at the edge.
 
+use tine_proto::limits::{MAX_READY_TIMEOUT_MS, MAX_SPAWN};
+use tine_proto::names::{ExecutorId, NameError, SandboxId, Tag};
 use tonic::Status;
 
-/// Most children one Spawn may ask for.
-pub const MAX_SPAWN: u32 = 1000;
-/// Largest gRPC message accepted (file chunks are 1 MiB).
-pub const MAX_MESSAGE_BYTES: usize = 8 << 20;
 const MAX_CODE_BYTES: usize = 1 << 20;
 const MAX_ARGV: usize = 4096;
 const MAX_PATH: usize = 4096;
@@ -14,15 +13,42 @@ fn invalid(field: &str, why: impl std::fmt::Display) -> Status {
     Status::invalid_argument(format!("{field}: {why}"))
 }
 
-/// Snapshot tags, sandbox and executor ids: the snapshot store's tag rules (no `/`, no `..`,
-/// letters, digits, `.`, `_`, `-`, `+`, at most 128 bytes).
+fn named<T>(field: &str, r: Result<T, NameError>) -> Result<T, Status> {
+    r.map_err(|e| invalid(field, e))
+}
+
+/// Snapshot tags and image names: letters, digits, `.`, `_`, `-`, `+`, no `/` or `..`, at most
+/// 128 bytes.
 pub fn name(field: &str, value: &str) -> Result<(), Status> {
-    tine_snapshot_store::tag::validate_tag(value).map_err(|e| invalid(field, e))
+    tag(field, value).map(drop)
+}
+
+pub fn tag(field: &str, value: &str) -> Result<Tag, Status> {
+    named(field, Tag::parse(value))
+}
+
+pub fn sandbox_id(field: &str, value: &str) -> Result<SandboxId, Status> {
+    named(field, SandboxId::parse(value))
+}
+
+pub fn executor_id(field: &str, value: &str) -> Result<ExecutorId, Status> {
+    named(field, ExecutorId::parse(value))
 }
 
 pub fn spawn_count(n: u32) -> Result<(), Status> {
     if n == 0 || n > MAX_SPAWN {
         return Err(invalid("count", format!("{n} is outside 1..={MAX_SPAWN}")));
+    }
+    Ok(())
+}
+
+/// A per-child readiness deadline: 0 (the default) or at most `MAX_READY_TIMEOUT_MS`.
+pub fn ready_timeout_ms(ms: u32) -> Result<(), Status> {
+    if ms > MAX_READY_TIMEOUT_MS {
+        return Err(invalid(
+            "ready_timeout_ms",
+            format!("{ms} is over {MAX_READY_TIMEOUT_MS}"),
+        ));
     }
     Ok(())
 }
@@ -81,9 +107,11 @@ mod tests {
     fn hostile_names_are_refused() {
         for bad in ["", "../x", "a/b", "..", ".hidden", "a\nb", &"x".repeat(200)] {
             assert!(name("tag", bad).is_err(), "{bad:?}");
+            assert!(sandbox_id("id", bad).is_err(), "{bad:?}");
         }
         name("tag", "py-numpy_1.2").unwrap();
         assert!(spawn_count(0).is_err() && spawn_count(MAX_SPAWN + 1).is_err());
+        assert!(ready_timeout_ms(MAX_READY_TIMEOUT_MS + 1).is_err());
         assert!(guest_path("path", "etc/passwd").is_err());
         assert!(executor_addr("127.0.0.1:80").is_err());
         executor_addr("http://127.0.0.1:7071").unwrap();

@@ -1,0 +1,83 @@
+//! The executor's Prometheus metrics: where each spawn's time goes, the worker pool, the
+//! VMs running, and why restores fail.
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
+use tine_host::SpawnPhases;
+
+pub struct ExecutorMetrics {
+    registry: Registry,
+    /// Seconds per spawn phase (handoff, restore, running, agent, fixup, total).
+    pub spawn_phase: HistogramVec,
+    pub pool_idle: IntGauge,
+    pub vms_running: IntGauge,
+    /// Children that did not become ready, by reason.
+    pub spawn_failures: IntCounterVec,
+}
+
+impl ExecutorMetrics {
+    pub fn new() -> ExecutorMetrics {
+        let registry = Registry::new();
+        let spawn_phase = HistogramVec::new(
+            HistogramOpts::new(
+                "tine_executor_spawn_phase_seconds",
+                "Time of each phase of a child's spawn: handoff (record + worker handed the \
+                 snapshot), restore (KVM restore in the worker), running (vCPUs started, \
+                 reported back), agent (first agent answer), fixup (clock + reseed), total",
+            )
+            .buckets(prometheus::exponential_buckets(0.0001, 2.0, 20).expect("buckets")),
+            &["phase"],
+        )
+        .expect("metric");
+        let pool_idle = IntGauge::new(
+            "tine_executor_pool_idle_workers",
+            "Pre-started VMM worker processes waiting for a snapshot",
+        )
+        .expect("metric");
+        let vms_running =
+            IntGauge::new("tine_executor_vms_running", "VMs this executor runs").expect("metric");
+        let spawn_failures = IntCounterVec::new(
+            Opts::new(
+                "tine_executor_spawn_failures_total",
+                "Children that failed to restore or become ready, by reason",
+            ),
+            &["reason"],
+        )
+        .expect("metric");
+        for c in [
+            Box::new(spawn_phase.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(pool_idle.clone()),
+            Box::new(vms_running.clone()),
+            Box::new(spawn_failures.clone()),
+        ] {
+            registry.register(c).expect("unique metric names");
+        }
+        ExecutorMetrics {
+            registry,
+            spawn_phase,
+            pool_idle,
+            vms_running,
+            spawn_failures,
+        }
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    pub fn observe(&self, p: &SpawnPhases) {
+        for (name, d) in p.named() {
+            self.spawn_phase
+                .with_label_values(&[name])
+                .observe(d.as_secs_f64());
+        }
+        self.spawn_phase
+            .with_label_values(&["total"])
+            .observe(p.total.as_secs_f64());
+    }
+}
+
+impl Default for ExecutorMetrics {
+    fn default() -> Self {
+        ExecutorMetrics::new()
+    }
+}

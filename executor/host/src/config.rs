@@ -1,0 +1,109 @@
+//! The one value that configures a host: where its files live, which executable runs VMM
+//! workers, and its limits. Built at the edge (the CLI) and passed down; nothing below reads
+//! the environment.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tine_proto::limits::{DEFAULT_READY_TIMEOUT_MS, MAX_SPAWN};
+use tine_proto::names::ExecutorId;
+
+/// Who started a VM, recorded with it: the executor daemon adopts only its own VMs after a
+/// restart, and `tine kill` leaves a daemon's VMs to the daemon.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "id", rename_all = "lowercase")]
+pub enum Owner {
+    /// `tine snapshot` / `tine fork` in a terminal.
+    Cli,
+    /// The executor daemon with this id.
+    Executor(String),
+}
+
+impl Owner {
+    pub fn executor(id: &ExecutorId) -> Owner {
+        Owner::Executor(id.as_str().to_string())
+    }
+}
+
+impl std::fmt::Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Owner::Cli => f.write_str("the tine CLI"),
+            Owner::Executor(id) => write!(f, "executor {id}"),
+        }
+    }
+}
+
+/// What "ready" means for a spawned child.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Readiness {
+    /// Its guest agent answers, and the clone got its own wall clock and RNG state (the
+    /// normal case: every Tine image runs the agent).
+    Agent,
+    /// Its VMM restored the snapshot and runs the guest. For snapshots of guests without the
+    /// agent (hand-made test guests, raw `tine run --snapshot-at` snapshots): nothing in the
+    /// guest is fixed up.
+    Running,
+}
+
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Most VMs this host runs at once; spawns past it fail as [`crate::HostError::Full`].
+    pub max_vms: u32,
+    /// Idle VMM worker processes kept started (0: start one per spawn).
+    pub pool_size: usize,
+    /// Replace a taken worker in the background (a daemon), or only when asked (a one-shot
+    /// `tine fork` that pre-starts what it needs before its clock starts).
+    pub auto_refill: bool,
+    /// Per-child readiness deadline when a spawn does not give one.
+    pub ready_timeout: Duration,
+    /// Boot + warm-up of a parent before its snapshot (minutes in the nested lab).
+    pub parent_ready_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_vms: 256,
+            pool_size: 8,
+            auto_refill: true,
+            ready_timeout: Duration::from_millis(DEFAULT_READY_TIMEOUT_MS as u64),
+            parent_ready_timeout: Duration::from_secs(900),
+        }
+    }
+}
+
+impl Limits {
+    /// For one `tine fork` process: room for the largest spawn, no background workers.
+    pub fn one_shot() -> Limits {
+        Limits {
+            max_vms: MAX_SPAWN,
+            pool_size: 0,
+            auto_refill: false,
+            ..Limits::default()
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct HostConfig {
+    /// `snapshots/<tag>/` and `vms/<id>/` live here.
+    pub data_dir: PathBuf,
+    /// Kernels and images (`tine image build`), to resolve image names.
+    pub image_cache: PathBuf,
+    /// The executable that runs a VMM worker: `<worker_exe> __vmm-worker`.
+    pub worker_exe: PathBuf,
+    pub owner: Owner,
+    pub readiness: Readiness,
+    pub limits: Limits,
+}
+
+impl HostConfig {
+    pub fn snapshots_dir(&self) -> PathBuf {
+        self.data_dir.join("snapshots")
+    }
+    pub fn vms_dir(&self) -> PathBuf {
+        self.data_dir.join("vms")
+    }
+}

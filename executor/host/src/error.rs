@@ -1,0 +1,141 @@
+//! What can go wrong on a host, typed so each service can answer with the right status code
+//! (the daemon maps [`ErrorKind`] to gRPC codes) and each message says what to do.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tine_proto::names::{SandboxId, Tag};
+
+use crate::config::Owner;
+
+/// The class of an error, for status codes and metric labels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    NotFound,
+    AlreadyExists,
+    /// The host is full.
+    Exhausted,
+    /// The request cannot work in this state (e.g. VM work on a PVM host, a broken snapshot).
+    Precondition,
+    /// Not done in time.
+    Deadline,
+    /// Someone else owns it.
+    Denied,
+    /// Our own fault (I/O, a worker that could not start).
+    Internal,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    #[error("snapshot {0} does not exist on this host")]
+    NoSnapshot(Tag),
+    #[error("snapshot {0} already exists (replace it explicitly)")]
+    SnapshotExists(Tag),
+    #[error("snapshot {tag} cannot be restored: {source}")]
+    BadSnapshot {
+        tag: Tag,
+        #[source]
+        source: tine_vmm::Error,
+    },
+    #[error("no VM {0} on this host (see `tine ls`)")]
+    NoVm(SandboxId),
+    #[error("VM {0} exists already")]
+    VmExists(SandboxId),
+    #[error("VM {id} belongs to {owner}: stop it there (e.g. `tine sandbox kill {id}`)")]
+    NotOwner { id: SandboxId, owner: Owner },
+    #[error("this host is full: {running} of {max} VMs running")]
+    Full { running: u32, max: u32 },
+    #[error("{0}")]
+    VmWorkRefused(String),
+    #[error("image {image}: {reason}")]
+    Image { image: String, reason: String },
+    #[error("starting a VMM worker ({exe}): {source}")]
+    Worker {
+        exe: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("child VMM failed to restore: {log}")]
+    RestoreFailed { log: String },
+    #[error("child VMM did not restore within {0:?}")]
+    RestoreTimeout(Duration),
+    #[error("child VMM exited before it was ready: {log}")]
+    VmmExited { log: String },
+    #[error("not ready after {timeout:?}: {last}")]
+    NotReady { timeout: Duration, last: String },
+    #[error("{step} failed on the new child: {reason}")]
+    Fixup { step: &'static str, reason: String },
+    #[error("the parent never became ready (console: {console}): {reason}")]
+    ParentNotReady { console: PathBuf, reason: String },
+    #[error("warm-up code {code:?} raised:\n{error}")]
+    WarmupFailed { code: String, error: String },
+    #[error("warm-up code {code:?}: {reason}")]
+    WarmupCall { code: String, reason: String },
+    #[error("another process owns {dir}: {why}")]
+    Locked { dir: PathBuf, why: String },
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Vmm(#[from] tine_vmm::Error),
+}
+
+impl HostError {
+    pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> HostError {
+        let context = context.into();
+        move |source| HostError::Io { context, source }
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        use HostError::*;
+        match self {
+            NoSnapshot(_) | NoVm(_) => ErrorKind::NotFound,
+            SnapshotExists(_) | VmExists(_) => ErrorKind::AlreadyExists,
+            Full { .. } => ErrorKind::Exhausted,
+            NotOwner { .. } | Locked { .. } => ErrorKind::Denied,
+            RestoreTimeout(_) | NotReady { .. } => ErrorKind::Deadline,
+            BadSnapshot { .. }
+            | VmWorkRefused(_)
+            | Image { .. }
+            | RestoreFailed { .. }
+            | VmmExited { .. }
+            | Fixup { .. }
+            | ParentNotReady { .. }
+            | WarmupFailed { .. }
+            | WarmupCall { .. } => ErrorKind::Precondition,
+            Worker { .. } | Io { .. } | Vmm(_) => ErrorKind::Internal,
+        }
+    }
+
+    /// A short, stable label for metrics (`restore_failures_total{reason}`).
+    pub fn reason(&self) -> &'static str {
+        use HostError::*;
+        match self {
+            NoSnapshot(_) => "no_snapshot",
+            SnapshotExists(_) => "snapshot_exists",
+            BadSnapshot { .. } => "bad_snapshot",
+            NoVm(_) => "no_vm",
+            VmExists(_) => "vm_exists",
+            NotOwner { .. } => "not_owner",
+            Full { .. } => "full",
+            VmWorkRefused(_) => "refused",
+            Image { .. } => "image",
+            Worker { .. } => "worker",
+            RestoreFailed { .. } => "restore_failed",
+            RestoreTimeout(_) => "restore_timeout",
+            VmmExited { .. } => "vmm_exited",
+            NotReady { .. } => "not_ready",
+            Fixup { .. } => "fixup",
+            ParentNotReady { .. } => "parent_not_ready",
+            WarmupFailed { .. } | WarmupCall { .. } => "warmup",
+            Locked { .. } => "locked",
+            Io { .. } => "io",
+            Vmm(_) => "vmm",
+        }
+    }
+}
+
+pub type Result<T, E = HostError> = std::result::Result<T, E>;

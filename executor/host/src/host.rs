@@ -1,0 +1,556 @@
+//! [`Host`]: the one owner of the VMs on a host. The executor daemon and the `tine` CLI both
+//! go through it, so there is one spawn path, one set of limits and one record format.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::process::Child;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tine_proto::names::{SandboxId, Tag};
+use tine_vmm::snapshot::file::SnapshotHeader;
+
+use crate::config::{HostConfig, Readiness};
+use crate::error::{HostError, Result};
+use crate::parent::{boot_and_snapshot, MadeSnapshot, ParentSpec};
+use crate::process::{Liveness, ProcessIdentity};
+use crate::ready::{make_ready, SpawnPhases};
+use crate::records::{self, now_ms, VmRecord};
+use crate::worker::{WorkerJob, WorkerPool};
+
+/// A VM this host started or re-adopted.
+struct Live {
+    record: VmRecord,
+    /// Our own child process (None for one adopted after a restart).
+    child: Option<Child>,
+}
+
+/// Per-spawn choices; the host's limits bound them.
+#[derive(Clone, Debug, Default)]
+pub struct SpawnOptions {
+    /// None: the host's `ready_timeout`.
+    pub ready_timeout: Option<Duration>,
+    /// At most this many children restoring at once (0: all of them).
+    pub parallel: usize,
+    /// None: the host's readiness.
+    pub readiness: Option<Readiness>,
+}
+
+/// How one child of a spawn ended.
+#[derive(Debug)]
+pub struct SpawnOutcome {
+    pub id: SandboxId,
+    /// Its VMM process, once one was handed the job.
+    pub pid: Option<u32>,
+    pub result: Result<SpawnPhases>,
+}
+
+/// A VM as `list` reports it.
+#[derive(Clone, Debug)]
+pub struct VmInfo {
+    pub record: VmRecord,
+    pub liveness: Liveness,
+}
+
+pub struct Host {
+    cfg: HostConfig,
+    pool: Arc<WorkerPool>,
+    live: Mutex<HashMap<SandboxId, Live>>,
+    /// Children being set up (counted against `max_vms` before they are live).
+    starting: AtomicUsize,
+    /// Held while an executor daemon owns this data directory.
+    _lock: Option<OwnedFd>,
+}
+
+impl Host {
+    /// A host for the CLI: no lock on the data directory, no adoption.
+    pub fn open(cfg: HostConfig) -> Result<Host> {
+        Host::build(cfg, None)
+    }
+
+    /// A host for the executor daemon: takes the data directory (one daemon per directory)
+    /// and re-adopts the VMs a previous daemon with the same owner left running.
+    pub fn open_exclusive(cfg: HostConfig) -> Result<Host> {
+        std::fs::create_dir_all(&cfg.data_dir).map_err(HostError::io(format!(
+            "creating {}",
+            cfg.data_dir.display()
+        )))?;
+        let lock = lock_dir(&cfg.data_dir)?;
+        let host = Host::build(cfg, Some(lock))?;
+        host.adopt_survivors();
+        Ok(host)
+    }
+
+    fn build(cfg: HostConfig, lock: Option<OwnedFd>) -> Result<Host> {
+        for d in [cfg.snapshots_dir(), cfg.vms_dir()] {
+            std::fs::create_dir_all(&d)
+                .map_err(HostError::io(format!("creating {}", d.display())))?;
+        }
+        let pool = WorkerPool::new(
+            cfg.worker_exe.clone(),
+            cfg.limits.pool_size,
+            cfg.limits.auto_refill,
+        );
+        Ok(Host {
+            cfg,
+            pool,
+            live: Mutex::new(HashMap::new()),
+            starting: AtomicUsize::new(0),
+            _lock: lock,
+        })
+    }
+
+    pub fn config(&self) -> &HostConfig {
+        &self.cfg
+    }
+
+    /// Start the pool's workers now (the daemon, at start-up).
+    pub fn fill_pool(&self) {
+        self.pool.refill();
+    }
+
+    /// Start `n` idle workers now, before a clock starts (a one-shot fork).
+    pub fn prestart_workers(&self, n: usize) {
+        self.pool.fill_to(n);
+    }
+
+    pub fn idle_workers(&self) -> usize {
+        self.pool.idle()
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, Live>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    // ---- snapshots ----
+
+    pub fn snapshot_dir(&self, tag: &Tag) -> PathBuf {
+        self.cfg.snapshots_dir().join(tag.as_str())
+    }
+
+    /// The header of a snapshot held here, checked (so a broken one fails the call, not N
+    /// children).
+    pub fn snapshot_header(&self, tag: &Tag) -> Result<SnapshotHeader> {
+        let dir = self.snapshot_dir(tag);
+        if !dir.join("snapshot.json").is_file() {
+            return Err(HostError::NoSnapshot(tag.clone()));
+        }
+        tine_vmm::snapshot::file::load_header(&dir).map_err(|source| HostError::BadSnapshot {
+            tag: tag.clone(),
+            source,
+        })
+    }
+
+    /// Boot an image, warm it, and snapshot it under `spec.tag`. The snapshot appears under
+    /// its tag only once complete (written aside, then renamed).
+    pub fn create_snapshot(&self, spec: &ParentSpec) -> Result<MadeSnapshot> {
+        let dir = self.snapshot_dir(&spec.tag);
+        if dir.exists() && !spec.replace {
+            return Err(HostError::SnapshotExists(spec.tag.clone()));
+        }
+        let work = self
+            .cfg
+            .vms_dir()
+            .join(SandboxId::random(&format!("parent-{}", spec.tag)).as_str());
+        let staging = self.cfg.snapshots_dir().join(format!(
+            ".partial-{}",
+            work.file_name().unwrap().to_string_lossy()
+        ));
+        std::fs::create_dir_all(&work)
+            .map_err(HostError::io(format!("creating {}", work.display())))?;
+        let timeout = spec
+            .ready_timeout
+            .unwrap_or(self.cfg.limits.parent_ready_timeout);
+        let made = boot_and_snapshot(spec, &self.cfg.image_cache, &work, &staging, timeout);
+        let _ = std::fs::remove_dir_all(&work);
+        let mut made = match made {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&staging);
+                return Err(e);
+            }
+        };
+        if dir.exists() {
+            if !spec.replace {
+                let _ = std::fs::remove_dir_all(&staging);
+                return Err(HostError::SnapshotExists(spec.tag.clone()));
+            }
+            std::fs::remove_dir_all(&dir)
+                .map_err(HostError::io(format!("removing {}", dir.display())))?;
+        }
+        std::fs::rename(&staging, &dir).map_err(HostError::io(format!(
+            "moving the snapshot to {}",
+            dir.display()
+        )))?;
+        made.dir = dir;
+        Ok(made)
+    }
+
+    /// Forget a snapshot here. Running children keep their mapping of its memory image.
+    pub fn delete_snapshot(&self, tag: &Tag) -> Result<bool> {
+        let dir = self.snapshot_dir(tag);
+        if !dir.exists() {
+            return Ok(false);
+        }
+        std::fs::remove_dir_all(&dir)
+            .map_err(HostError::io(format!("removing {}", dir.display())))?;
+        Ok(true)
+    }
+
+    /// Tags of the complete snapshots held here.
+    pub fn snapshot_tags(&self) -> Vec<Tag> {
+        let Ok(entries) = std::fs::read_dir(self.cfg.snapshots_dir()) else {
+            return Vec::new();
+        };
+        let mut tags: Vec<Tag> = entries
+            .flatten()
+            .filter(|e| e.path().join("snapshot.json").is_file())
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter_map(|n| Tag::parse(n).ok())
+            .collect();
+        tags.sort();
+        tags
+    }
+
+    // ---- spawning ----
+
+    /// Restore one child per id from snapshot `tag`; `report` is called (from several
+    /// threads) as each becomes ready or fails. Children past the host's capacity fail with
+    /// [`HostError::Full`]. Errors that concern the whole call (unknown or broken snapshot)
+    /// are returned before any child starts.
+    pub fn spawn(
+        &self,
+        tag: &Tag,
+        ids: Vec<SandboxId>,
+        opts: &SpawnOptions,
+        report: impl Fn(SpawnOutcome) + Sync,
+    ) -> Result<()> {
+        self.snapshot_header(tag)?;
+        let snapshot = self.snapshot_dir(tag);
+        let timeout = opts.ready_timeout.unwrap_or(self.cfg.limits.ready_timeout);
+        let readiness = opts.readiness.unwrap_or(self.cfg.readiness);
+        let n = ids.len();
+        let width = if opts.parallel == 0 {
+            n
+        } else {
+            opts.parallel.min(n)
+        };
+        let queue = Mutex::new(ids.into_iter());
+        // Each child's spans belong to the caller's trace (e.g. the control plane's Spawn).
+        let parent = tracing::Span::current();
+        std::thread::scope(|s| {
+            for _ in 0..width {
+                s.spawn(|| loop {
+                    let _in = parent.enter();
+                    let Some(id) = queue.lock().unwrap_or_else(|p| p.into_inner()).next() else {
+                        return;
+                    };
+                    report(self.spawn_one(tag, &snapshot, id, readiness, timeout));
+                });
+            }
+        });
+        Ok(())
+    }
+
+    /// Reserve a slot under `max_vms`, counting children still being set up.
+    fn reserve(&self) -> Result<()> {
+        let max = self.cfg.limits.max_vms as usize;
+        let live = self.live().len();
+        let prev = self.starting.fetch_add(1, Ordering::AcqRel);
+        if live + prev >= max {
+            self.starting.fetch_sub(1, Ordering::AcqRel);
+            return Err(HostError::Full {
+                running: (live + prev).min(max) as u32,
+                max: max as u32,
+            });
+        }
+        Ok(())
+    }
+
+    fn spawn_one(
+        &self,
+        tag: &Tag,
+        snapshot: &std::path::Path,
+        id: SandboxId,
+        readiness: Readiness,
+        timeout: Duration,
+    ) -> SpawnOutcome {
+        let t = Instant::now();
+        let span = tracing::info_span!("spawn.child", id = %id, tag = %tag);
+        let _in = span.enter();
+        if let Err(e) = self.reserve() {
+            return SpawnOutcome {
+                id,
+                pid: None,
+                result: Err(e),
+            };
+        }
+        let handed = self.hand_off(tag, snapshot, &id);
+        self.starting.fetch_sub(1, Ordering::AcqRel);
+        let (pid, restored_pipe) = match handed {
+            Ok(x) => x,
+            Err(e) => {
+                return SpawnOutcome {
+                    id,
+                    pid: None,
+                    result: Err(e),
+                }
+            }
+        };
+        let mut phases = SpawnPhases {
+            handoff: t.elapsed(),
+            ..SpawnPhases::default()
+        };
+        let process = self.live().get(&id).map(|l| l.record.process.clone());
+        let result = match process {
+            Some(p) => make_ready(
+                &self.cfg.vms_dir().join(id.as_str()),
+                &p,
+                restored_pipe,
+                readiness,
+                timeout,
+                &mut phases,
+            ),
+            // Killed while starting.
+            None => Err(HostError::NoVm(id.clone())),
+        };
+        let result = match result {
+            Ok(()) => {
+                phases.total = t.elapsed();
+                Ok(phases)
+            }
+            Err(e) => {
+                let _ = self.kill(&id);
+                Err(e)
+            }
+        };
+        SpawnOutcome {
+            id,
+            pid: Some(pid),
+            result,
+        }
+    }
+
+    /// Create the child's directory and record, and hand a worker the snapshot.
+    fn hand_off(
+        &self,
+        tag: &Tag,
+        snapshot: &std::path::Path,
+        id: &SandboxId,
+    ) -> Result<(u32, std::fs::File)> {
+        let _s = tracing::info_span!("spawn.handoff").entered();
+        let dir = self.cfg.vms_dir().join(id.as_str());
+        if self.live().contains_key(id) {
+            return Err(HostError::VmExists(id.clone()));
+        }
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(HostError::VmExists(id.clone()))
+            }
+            Err(e) => return Err(HostError::io(format!("creating {}", dir.display()))(e)),
+        }
+        let worker = match self.pool.take() {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        let pid = worker.pid();
+        let record = VmRecord {
+            id: id.clone(),
+            tag: Some(tag.clone()),
+            owner: self.cfg.owner.clone(),
+            process: ProcessIdentity::of(pid)
+                .map_err(HostError::io(format!("identifying VMM worker {pid}")))?,
+            created_unix_ms: now_ms(),
+            dir: dir.clone(),
+        };
+        // Recorded before the job is handed over: a daemon that dies now still knows it.
+        if let Err(e) = record.write() {
+            drop(worker);
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+        let (child, restored) = match worker.run(&WorkerJob {
+            snapshot: snapshot.to_path_buf(),
+            dir: dir.clone(),
+        }) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        self.live().insert(
+            id.clone(),
+            Live {
+                record,
+                child: Some(child),
+            },
+        );
+        Ok((pid, restored))
+    }
+
+    // ---- the VMs ----
+
+    /// Ids of the VMs this host runs (its own and adopted ones).
+    pub fn live_ids(&self) -> Vec<SandboxId> {
+        let mut ids: Vec<SandboxId> = self.live().keys().cloned().collect();
+        ids.sort();
+        ids
+    }
+
+    /// The directory of a VM this host runs.
+    pub fn vm_dir(&self, id: &SandboxId) -> Result<PathBuf> {
+        self.live()
+            .get(id)
+            .map(|l| l.record.dir.clone())
+            .ok_or_else(|| HostError::NoVm(id.clone()))
+    }
+
+    /// Every VM recorded in the data directory, whoever owns it.
+    pub fn list(&self) -> Vec<VmInfo> {
+        records::list(&self.cfg.vms_dir())
+            .into_iter()
+            .map(|record| VmInfo {
+                liveness: record.liveness(),
+                record,
+            })
+            .collect()
+    }
+
+    /// Kill a VM this host runs and remove its directory. Returns false if it is not ours.
+    pub fn kill(&self, id: &SandboxId) -> Result<bool> {
+        let Some(mut l) = self.live().remove(id) else {
+            return Ok(false);
+        };
+        match l.child.as_mut() {
+            Some(c) => {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            None => {
+                l.record
+                    .process
+                    .kill()
+                    .map_err(HostError::io(format!("killing VM {id}")))?;
+            }
+        }
+        let _ = std::fs::remove_dir_all(&l.record.dir);
+        tracing::debug!(%id, "VM killed");
+        Ok(true)
+    }
+
+    /// Kill a recorded VM by id from outside its owner's process (the CLI): only VMs this
+    /// host's owner started; the daemon's VMs are the daemon's to stop.
+    pub fn kill_recorded(&self, id: &SandboxId) -> Result<()> {
+        if self.kill(id)? {
+            return Ok(());
+        }
+        let dir = self.cfg.vms_dir().join(id.as_str());
+        let record = VmRecord::read(&dir).ok_or_else(|| HostError::NoVm(id.clone()))?;
+        if record.owner != self.cfg.owner && record.liveness() == Liveness::Running {
+            return Err(HostError::NotOwner {
+                id: id.clone(),
+                owner: record.owner,
+            });
+        }
+        record
+            .process
+            .kill()
+            .map_err(HostError::io(format!("killing VM {id}")))?;
+        std::fs::remove_dir_all(&dir).map_err(HostError::io(format!("removing {}", dir.display())))
+    }
+
+    /// Kill every VM this host runs.
+    pub fn kill_all(&self) {
+        for id in self.live_ids() {
+            let _ = self.kill(&id);
+        }
+    }
+
+    /// Forget VMs whose VMM exited, reaping our own processes; returns each with its reason
+    /// and the tail of its vmm.log.
+    pub fn reap(&self) -> Vec<(SandboxId, String)> {
+        let mut gone = Vec::new();
+        self.live().retain(|id, l| {
+            let exited = match l.child.as_mut() {
+                Some(c) => match c.try_wait() {
+                    Ok(Some(status)) => Some(format!("{status}")),
+                    _ => None,
+                },
+                None => (l.record.liveness() != Liveness::Running).then(|| "exited".to_string()),
+            };
+            match exited {
+                Some(how) => {
+                    gone.push((id.clone(), l.record.dir.clone(), how));
+                    false
+                }
+                None => true,
+            }
+        });
+        gone.into_iter()
+            .map(|(id, dir, how)| {
+                let log = std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(5).collect();
+                let tail = tail.into_iter().rev().collect::<Vec<_>>().join(" | ");
+                tracing::warn!(%id, %how, vmm_log = %tail, "VMM exited");
+                let _ = std::fs::remove_dir_all(&dir);
+                (id, format!("{how}: {tail}"))
+            })
+            .collect()
+    }
+
+    /// After a restart: take back this owner's VMs that still run; clear records of ones that
+    /// are gone. A record whose pid now belongs to another process is neither adopted nor
+    /// signalled.
+    fn adopt_survivors(&self) {
+        let mut live = self.live();
+        for record in records::list(&self.cfg.vms_dir()) {
+            if record.owner != self.cfg.owner {
+                continue;
+            }
+            match record.liveness() {
+                Liveness::Running => {
+                    tracing::info!(id = %record.id, pid = record.process.pid, "re-adopting a running VM");
+                    live.insert(
+                        record.id.clone(),
+                        Live {
+                            record,
+                            child: None,
+                        },
+                    );
+                }
+                Liveness::Exited | Liveness::Replaced => {
+                    tracing::info!(id = %record.id, "clearing the record of a VM that is gone");
+                    let _ = std::fs::remove_dir_all(&record.dir);
+                }
+            }
+        }
+    }
+}
+
+/// Take an exclusive lock on `dir/host.lock` (released when the process ends).
+fn lock_dir(dir: &std::path::Path) -> Result<OwnedFd> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join("host.lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(HostError::io(format!("opening {}", path.display())))?;
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(HostError::Locked {
+            dir: dir.to_path_buf(),
+            why: "an executor daemon already runs on it (one daemon per data directory)".into(),
+        });
+    }
+    Ok(f.into())
+}

@@ -1,0 +1,25 @@
+//! The one owner of the VMs on a host: warm parent snapshots, children restored by
+//! pre-started VMM worker processes, their readiness, their on-disk records, and re-adoption
+//! after a restart. Configured by one [`HostConfig`] value; it reads no environment. The
+//! executor daemon and the `tine` CLI both use it.
+
+pub mod config;
+pub mod console;
+pub mod error;
+mod host;
+pub mod parent;
+pub mod process;
+pub mod ready;
+pub mod records;
+#[cfg(feature = "testing")]
+pub mod testing;
+pub mod worker;
+
+pub use config::{HostConfig, Limits, Owner, Readiness};
+pub use error::{ErrorKind, HostError};
+pub use host::{Host, SpawnOptions, SpawnOutcome, VmInfo};
+pub use parent::{MadeSnapshot, ParentSpec};
+pub use process::{Liveness, ProcessIdentity};
+pub use ready::SpawnPhases;
+pub use records::VmRecord;
+pub use worker::{worker_main, WORKER_SUBCOMMAND};

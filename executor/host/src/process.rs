@@ -1,0 +1,152 @@
+//! Which process a VM runs in, in a form that survives pid reuse. A bare pid is not an
+//! identity: after a daemon restart (or a host reboot) the pid in a VM's record may belong to
+//! an unrelated process. A record therefore keeps the pid together with the process's start
+//! time (in clock ticks since boot) and the kernel's boot id, and signals go through a pidfd
+//! opened and then checked against both, so the process signalled is the one recorded.
+
+use std::os::fd::{FromRawFd, OwnedFd};
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessIdentity {
+    pub pid: u32,
+    /// Field 22 of /proc/PID/stat.
+    pub start_ticks: u64,
+    /// /proc/sys/kernel/random/boot_id when the record was made.
+    pub boot_id: String,
+}
+
+/// What became of a recorded process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Liveness {
+    Running,
+    /// Exited (or a zombie waiting to be reaped).
+    Exited,
+    /// The pid runs, but it is another process (pid reused, or a different boot).
+    Replaced,
+}
+
+pub fn boot_id() -> std::io::Result<String> {
+    Ok(std::fs::read_to_string("/proc/sys/kernel/random/boot_id")?
+        .trim()
+        .to_string())
+}
+
+/// (state letter, start time) from /proc/PID/stat, or None if there is no such process.
+fn stat(pid: u32) -> Option<(char, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is parenthesised and may itself hold spaces and parentheses.
+    let (_, rest) = text.rsplit_once(')')?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state); start time is field 22.
+    let state = fields.first()?.chars().next()?;
+    let start = fields.get(22 - 3)?.parse().ok()?;
+    Some((state, start))
+}
+
+impl ProcessIdentity {
+    /// The identity of the running process `pid`.
+    pub fn of(pid: u32) -> std::io::Result<ProcessIdentity> {
+        let (_, start_ticks) = stat(pid).ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotFound, format!("no process {pid}"))
+        })?;
+        Ok(ProcessIdentity {
+            pid,
+            start_ticks,
+            boot_id: boot_id()?,
+        })
+    }
+
+    pub fn liveness(&self) -> Liveness {
+        if boot_id().ok().as_deref() != Some(self.boot_id.as_str()) {
+            // Recorded in an earlier boot: whatever has this pid now is not ours.
+            return match stat(self.pid) {
+                Some(_) => Liveness::Replaced,
+                None => Liveness::Exited,
+            };
+        }
+        match stat(self.pid) {
+            None => Liveness::Exited,
+            Some((_, start)) if start != self.start_ticks => Liveness::Replaced,
+            Some(('Z' | 'X', _)) => Liveness::Exited,
+            Some(_) => Liveness::Running,
+        }
+    }
+
+    /// SIGKILL the recorded process if it still runs. Returns whether it was signalled; a
+    /// replaced pid is never signalled.
+    pub fn kill(&self) -> std::io::Result<bool> {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, self.pid as libc::c_int, 0) };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::ESRCH) => Ok(false),
+                _ => Err(e),
+            };
+        }
+        // SAFETY: fd is a fresh descriptor we own.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        // The pidfd pins the process it was opened on; checking the identity after opening
+        // makes sure that process is the recorded one.
+        if self.liveness() != Liveness::Running {
+            return Ok(false);
+        }
+        use std::os::fd::AsRawFd;
+        // SAFETY: pidfd_send_signal on our pidfd with no siginfo.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                pidfd.as_raw_fd(),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0u32,
+            )
+        };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::ESRCH) => Ok(false),
+                _ => Err(e),
+            };
+        }
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    #[test]
+    fn a_reused_pid_is_not_the_recorded_process() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let id = ProcessIdentity::of(child.id()).unwrap();
+        assert_eq!(id.liveness(), Liveness::Running);
+        // The same pid with another start time stands for a process that was replaced.
+        let other = ProcessIdentity {
+            start_ticks: id.start_ticks + 1,
+            ..id.clone()
+        };
+        assert_eq!(other.liveness(), Liveness::Replaced);
+        assert!(
+            !other.kill().unwrap(),
+            "a replaced pid must not be signalled"
+        );
+        let earlier_boot = ProcessIdentity {
+            boot_id: "00000000-0000-0000-0000-000000000000".into(),
+            ..id.clone()
+        };
+        assert_eq!(earlier_boot.liveness(), Liveness::Replaced);
+        assert!(!earlier_boot.kill().unwrap());
+        assert_eq!(id.liveness(), Liveness::Running, "still untouched");
+        assert!(id.kill().unwrap());
+        let status = child.wait().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+        assert_eq!(id.liveness(), Liveness::Exited);
+        assert!(!id.kill().unwrap());
+    }
+}

@@ -1,0 +1,170 @@
+//! Readiness of a restored child: its VMM restored the snapshot, its agent answers, then the
+//! clone gets its own wall clock and RNG state. "Spawned" in Tine means exactly this.
+
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime};
+
+use tine_agent::client::{AgentClient, Connector};
+
+use crate::config::Readiness;
+use crate::error::{HostError, Result};
+use crate::process::{Liveness, ProcessIdentity};
+use crate::worker::Restored;
+
+/// A client for the agent behind a VM's vsock socket.
+pub fn agent(sock: &Path) -> AgentClient {
+    AgentClient::new(Connector::vsock(sock))
+}
+
+/// Where a child's readiness time went (also the executor's spawn-phase metrics).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpawnPhases {
+    /// Child directory + record, a worker taken from the pool and handed the job.
+    pub handoff: Duration,
+    /// The worker's `Vm::restore` (KVM VM, memory mapping, vCPU + device state).
+    pub restore: Duration,
+    /// vCPUs started and the "restored" report back to the host.
+    pub running: Duration,
+    /// First answer from the guest agent.
+    pub agent: Duration,
+    /// Wall clock set and RNG reseeded in the guest.
+    pub fixup: Duration,
+    /// All of it, as the caller saw it.
+    pub total: Duration,
+}
+
+impl SpawnPhases {
+    /// (name, duration) of each phase, in order.
+    pub fn named(&self) -> [(&'static str, Duration); 5] {
+        [
+            ("handoff", self.handoff),
+            ("restore", self.restore),
+            ("running", self.running),
+            ("agent", self.agent),
+            ("fixup", self.fixup),
+        ]
+    }
+}
+
+fn vmm_log(dir: &Path) -> String {
+    let log = std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
+    let tail: Vec<&str> = log.lines().rev().take(5).collect();
+    tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+}
+
+/// Wait for a handed-off child to restore, then make it ready. `phases.handoff` is filled in
+/// by the caller; this fills in the rest (but `total`).
+pub fn make_ready(
+    dir: &Path,
+    process: &ProcessIdentity,
+    restored_pipe: std::fs::File,
+    readiness: Readiness,
+    timeout: Duration,
+    phases: &mut SpawnPhases,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let t0 = Instant::now();
+    // Block until the child restored its VM (no polling while it works): its report, or EOF
+    // if it failed first.
+    let restored = {
+        let _s = tracing::info_span!("spawn.restore").entered();
+        wait_restored(&restored_pipe, timeout)?
+            .ok_or_else(|| HostError::RestoreFailed { log: vmm_log(dir) })?
+    };
+    phases.restore = restored.restore;
+    phases.running = t0.elapsed().saturating_sub(restored.restore);
+    if readiness == Readiness::Running {
+        return Ok(());
+    }
+    // Every agent call may take until the readiness deadline: on an overloaded host (100
+    // children on two cores) a reseed can legitimately take tens of seconds.
+    let left = || {
+        deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_secs(1))
+    };
+    let t1 = Instant::now();
+    let client = agent(&dir.join("vsock.sock")).with_io_timeout(Some(left()));
+    {
+        let _s = tracing::info_span!("spawn.agent").entered();
+        loop {
+            // The agent's listener survived the snapshot, so the first ping normally succeeds
+            // as soon as the guest runs; retries only cover a guest slow to get there.
+            match client.wait_ready_polling(
+                Duration::from_secs(5),
+                Duration::from_millis(1),
+                Duration::from_millis(20),
+            ) {
+                Ok(_) => break,
+                Err(e) => {
+                    if process.liveness() != Liveness::Running {
+                        return Err(HostError::VmmExited { log: vmm_log(dir) });
+                    }
+                    if Instant::now() > deadline {
+                        return Err(HostError::NotReady {
+                            timeout,
+                            last: e.to_string(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+    phases.agent = t1.elapsed();
+    let t2 = Instant::now();
+    let _s = tracing::info_span!("spawn.fixup").entered();
+    let client = client.with_io_timeout(Some(left()));
+    client
+        .set_time(SystemTime::now())
+        .map_err(|e| HostError::Fixup {
+            step: "setting the clock",
+            reason: e.to_string(),
+        })?;
+    let mut seed = [0u8; 64];
+    getrandom::fill(&mut seed).map_err(|e| HostError::Fixup {
+        step: "drawing a seed",
+        reason: e.to_string(),
+    })?;
+    client.reseed(&seed).map_err(|e| HostError::Fixup {
+        step: "reseeding the RNG",
+        reason: e.to_string(),
+    })?;
+    phases.fixup = t2.elapsed();
+    Ok(())
+}
+
+/// Wait up to `timeout` for a worker's [`Restored`] report: None at EOF (it failed).
+fn wait_restored(f: &std::fs::File, timeout: Duration) -> Result<Option<Restored>> {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    let deadline = Instant::now() + timeout;
+    let mut buf = [0u8; Restored::LEN];
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut pfd = libc::pollfd {
+            fd: f.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+        if n == 0 {
+            return Err(HostError::RestoreTimeout(timeout));
+        }
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(HostError::io("waiting for the child VMM")(e));
+        }
+        match (&*f).read(&mut buf[got..]) {
+            Ok(0) => return Ok(None),
+            Ok(k) => got += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(HostError::io("reading the child VMM's report")(e)),
+        }
+    }
+    Ok(Restored::decode(&buf))
+}

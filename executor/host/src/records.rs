@@ -1,0 +1,110 @@
+//! The on-disk record of each VM a host runs: `vms/<id>/` holds `meta.json` (this record),
+//! `vsock.sock`, `console.log` and `vmm.log`. Records are read back after a restart, so
+//! everything in them is checked again on load (ids re-validated, processes re-identified).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tine_proto::names::{SandboxId, Tag};
+
+use crate::config::Owner;
+use crate::error::{HostError, Result};
+use crate::process::{Liveness, ProcessIdentity};
+
+const META: &str = "meta.json";
+/// Bumped when the record's meaning changes; older records are skipped (never adopted).
+const RECORD_VERSION: u32 = 2;
+
+#[derive(Serialize, Deserialize)]
+struct RecordFile {
+    version: u32,
+    id: String,
+    tag: Option<String>,
+    owner: Owner,
+    process: ProcessIdentity,
+    created_unix_ms: u64,
+}
+
+/// One VM as recorded on disk.
+#[derive(Clone, Debug)]
+pub struct VmRecord {
+    pub id: SandboxId,
+    /// The snapshot it was forked from (None: a booted parent).
+    pub tag: Option<Tag>,
+    pub owner: Owner,
+    pub process: ProcessIdentity,
+    pub created_unix_ms: u64,
+    pub dir: PathBuf,
+}
+
+impl VmRecord {
+    pub fn liveness(&self) -> Liveness {
+        self.process.liveness()
+    }
+
+    /// Write `dir/meta.json` atomically (temp file, fsync, rename).
+    pub fn write(&self) -> Result<()> {
+        use std::io::Write;
+        let file = RecordFile {
+            version: RECORD_VERSION,
+            id: self.id.to_string(),
+            tag: self.tag.as_ref().map(|t| t.to_string()),
+            owner: self.owner.clone(),
+            process: self.process.clone(),
+            created_unix_ms: self.created_unix_ms,
+        };
+        let tmp = self.dir.join("meta.json.tmp");
+        let ctx = format!("writing {}", tmp.display());
+        let mut f = std::fs::File::create(&tmp).map_err(HostError::io(&ctx))?;
+        f.write_all(&serde_json::to_vec_pretty(&file).expect("record serializes"))
+            .and_then(|()| f.sync_all())
+            .map_err(HostError::io(&ctx))?;
+        std::fs::rename(&tmp, self.dir.join(META)).map_err(HostError::io(ctx))
+    }
+
+    /// Read `dir/meta.json`; None for a missing, unreadable, foreign or outdated record.
+    pub fn read(dir: &Path) -> Option<VmRecord> {
+        let raw = std::fs::read(dir.join(META)).ok()?;
+        let f: RecordFile = serde_json::from_slice(&raw).ok()?;
+        if f.version != RECORD_VERSION {
+            return None;
+        }
+        let id = SandboxId::parse(f.id).ok()?;
+        // The directory name is the id: a record copied elsewhere is not that VM.
+        if dir.file_name()?.to_str()? != id.as_str() {
+            return None;
+        }
+        Some(VmRecord {
+            id,
+            tag: f.tag.and_then(|t| Tag::parse(t).ok()),
+            owner: f.owner,
+            process: f.process,
+            created_unix_ms: f.created_unix_ms,
+            dir: dir.to_path_buf(),
+        })
+    }
+}
+
+/// Every readable record under `vms_dir`, oldest first.
+pub fn list(vms_dir: &Path) -> Vec<VmRecord> {
+    let Ok(entries) = std::fs::read_dir(vms_dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<VmRecord> = entries
+        .flatten()
+        .filter_map(|e| VmRecord::read(&e.path()))
+        .collect();
+    out.sort_by(|a, b| {
+        a.created_unix_ms
+            .cmp(&b.created_unix_ms)
+            .then(a.id.cmp(&b.id))
+    });
+    out
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,262 @@
+//! The host crate on this machine's /dev/kvm with a hand-made idle guest: snapshot, spawn,
+//! list, kill, re-adoption after a restart, a stale record whose pid belongs to another
+//! process, a full host, and a burst that must not leave idle workers behind.
+//!
+//! Its own main (harness = false): started as `host __vmm-worker`, this binary is the VMM
+//! worker the host hands snapshots to, as `tine __vmm-worker` is in production.
+
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tine_host::testing::{kvm_available, write_idle_guest_snapshot};
+use tine_host::{
+    ErrorKind, Host, HostConfig, HostError, Limits, Liveness, Owner, ProcessIdentity, Readiness,
+    SpawnOptions, SpawnOutcome, VmRecord, WORKER_SUBCOMMAND,
+};
+use tine_proto::names::{SandboxId, Tag};
+
+fn config(data: &Path, max_vms: u32, pool_size: usize) -> HostConfig {
+    HostConfig {
+        data_dir: data.to_path_buf(),
+        image_cache: data.join("images"),
+        worker_exe: std::env::current_exe().unwrap(),
+        owner: Owner::Executor("test".into()),
+        readiness: Readiness::Running,
+        limits: Limits {
+            max_vms,
+            pool_size,
+            ready_timeout: Duration::from_secs(60),
+            ..Limits::default()
+        },
+    }
+}
+
+fn tag() -> Tag {
+    Tag::parse("idle").unwrap()
+}
+
+/// A data directory holding the idle guest's snapshot under tag `idle`.
+fn data_dir_with_snapshot() -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("snapshots").join("idle");
+    std::fs::create_dir_all(dir.parent().unwrap()).unwrap();
+    write_idle_guest_snapshot(&dir, 32).unwrap();
+    tmp
+}
+
+fn ids(n: usize) -> Vec<SandboxId> {
+    (0..n).map(|_| SandboxId::random("t")).collect()
+}
+
+fn spawn(host: &Host, ids: Vec<SandboxId>) -> Vec<SpawnOutcome> {
+    let out = Mutex::new(Vec::new());
+    host.spawn(&tag(), ids, &SpawnOptions::default(), |o| {
+        out.lock().unwrap().push(o)
+    })
+    .unwrap();
+    out.into_inner().unwrap()
+}
+
+fn spawn_list_kill_readopt() {
+    let tmp = data_dir_with_snapshot();
+    let host = Host::open_exclusive(config(tmp.path(), 8, 2)).unwrap();
+    host.fill_pool();
+    let outcomes = spawn(&host, ids(3));
+    for o in &outcomes {
+        let phases = o.result.as_ref().expect("child ready");
+        assert!(phases.restore > Duration::ZERO && phases.total >= phases.restore);
+        assert!(o.pid.is_some());
+    }
+    let listed = host.list();
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    assert!(listed.iter().all(
+        |v| v.liveness == Liveness::Running && v.record.owner == Owner::Executor("test".into())
+    ));
+
+    // A second daemon on the same data directory is refused while the first holds it.
+    let second = Host::open_exclusive(config(tmp.path(), 8, 0));
+    assert!(
+        matches!(second, Err(HostError::Locked { .. })),
+        "{:?}",
+        second.err()
+    );
+
+    // Kill one without any guest cooperation.
+    let victim = outcomes[0].id.clone();
+    let rec = listed
+        .iter()
+        .find(|v| v.record.id == victim)
+        .unwrap()
+        .record
+        .clone();
+    assert!(host.kill(&victim).unwrap());
+    assert!(!rec.dir.exists());
+    assert_eq!(rec.liveness(), Liveness::Exited);
+    assert!(!host.kill(&victim).unwrap(), "a second kill finds nothing");
+    assert_eq!(host.live_ids().len(), 2);
+
+    // Restart: the children keep running; a new host for the same owner adopts them.
+    drop(host);
+    let host = Host::open_exclusive(config(tmp.path(), 8, 0)).unwrap();
+    let mut adopted = host.live_ids();
+    adopted.sort();
+    let mut want: Vec<SandboxId> = outcomes[1..].iter().map(|o| o.id.clone()).collect();
+    want.sort();
+    assert_eq!(adopted, want);
+    // An adopted child is killed through its pidfd, and a reap notices nothing amiss.
+    assert!(host.kill(&want[0]).unwrap());
+    assert!(host.reap().is_empty());
+    host.kill_all();
+    assert!(host.live_ids().is_empty());
+    assert!(host.list().is_empty());
+}
+
+fn stale_record_is_neither_adopted_nor_killed() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Another process that happens to have the pid a record names (as after a reboot).
+    let mut bystander = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let real = ProcessIdentity::of(bystander.id()).unwrap();
+    let id = SandboxId::random("stale");
+    let dir = tmp.path().join("vms").join(id.as_str());
+    std::fs::create_dir_all(&dir).unwrap();
+    VmRecord {
+        id: id.clone(),
+        tag: Some(tag()),
+        owner: Owner::Executor("test".into()),
+        process: ProcessIdentity {
+            start_ticks: real.start_ticks + 17,
+            ..real.clone()
+        },
+        created_unix_ms: 0,
+        dir: dir.clone(),
+    }
+    .write()
+    .unwrap();
+    let host = Host::open_exclusive(config(tmp.path(), 8, 0)).unwrap();
+    assert!(
+        host.live_ids().is_empty(),
+        "a stale record must not be adopted"
+    );
+    assert!(!dir.exists(), "the stale record is cleared");
+    assert!(!host.kill(&id).unwrap());
+    assert_eq!(
+        real.liveness(),
+        Liveness::Running,
+        "the bystander still runs"
+    );
+    let _ = bystander.kill();
+    let _ = bystander.wait();
+}
+
+fn a_full_host_refuses_with_exhausted() {
+    let tmp = data_dir_with_snapshot();
+    let host = Host::open_exclusive(config(tmp.path(), 2, 0)).unwrap();
+    let outcomes = spawn(&host, ids(3));
+    let ok = outcomes.iter().filter(|o| o.result.is_ok()).count();
+    let full: Vec<&HostError> = outcomes
+        .iter()
+        .filter_map(|o| o.result.as_ref().err())
+        .collect();
+    assert_eq!(ok, 2);
+    assert_eq!(full.len(), 1);
+    assert_eq!(full[0].kind(), ErrorKind::Exhausted, "{}", full[0]);
+    assert!(full[0].to_string().contains("2 of 2"), "{}", full[0]);
+    // Unknown and duplicate things are typed too.
+    let err = host
+        .spawn(
+            &Tag::parse("nope").unwrap(),
+            ids(1),
+            &SpawnOptions::default(),
+            |_| {},
+        )
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
+    host.kill_all();
+}
+
+fn a_burst_leaves_at_most_the_pool_idle() {
+    let tmp = data_dir_with_snapshot();
+    let pool = 3;
+    let host = Host::open_exclusive(config(tmp.path(), 40, pool)).unwrap();
+    host.fill_pool();
+    // 1000 requests against 40 slots: every one takes the spawn path, 40 get a worker.
+    let outcomes = spawn(&host, ids(1000));
+    let ready = outcomes.iter().filter(|o| o.result.is_ok()).count();
+    let full = outcomes
+        .iter()
+        .filter(|o| matches!(&o.result, Err(e) if e.kind() == ErrorKind::Exhausted))
+        .count();
+    assert_eq!(
+        ready + full,
+        1000,
+        "every child is ready or refused as full"
+    );
+    assert_eq!(ready, 40);
+    // Let any refill finish, then count idle workers (processes waiting for a job).
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        host.idle_workers() <= pool,
+        "{} idle workers after the burst (pool {pool})",
+        host.idle_workers()
+    );
+    host.kill_all();
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some(WORKER_SUBCOMMAND) {
+        let code = match tine_host::worker_main() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("worker: {e:#}");
+                1
+            }
+        };
+        std::process::exit(code);
+    }
+    if !kvm_available() {
+        println!("SKIPPED: /dev/kvm is absent or not usable; the host tests need KVM");
+        return;
+    }
+    let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
+    let tests: [(&str, fn()); 4] = [
+        ("spawn_list_kill_readopt", spawn_list_kill_readopt),
+        (
+            "stale_record_is_neither_adopted_nor_killed",
+            stale_record_is_neither_adopted_nor_killed,
+        ),
+        (
+            "a_full_host_refuses_with_exhausted",
+            a_full_host_refuses_with_exhausted,
+        ),
+        (
+            "a_burst_leaves_at_most_the_pool_idle",
+            a_burst_leaves_at_most_the_pool_idle,
+        ),
+    ];
+    let mut failed = 0;
+    for (name, test) in tests {
+        if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
+            continue;
+        }
+        let t = Instant::now();
+        match std::panic::catch_unwind(test) {
+            Ok(()) => println!("test {name} ... ok ({:.1} s)", t.elapsed().as_secs_f64()),
+            Err(_) => {
+                println!("test {name} ... FAILED");
+                failed += 1;
+            }
+        }
+    }
+    if failed > 0 {
+        println!("{failed} failed");
+        std::process::exit(1);
+    }
+}
