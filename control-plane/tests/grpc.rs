@@ -33,6 +33,9 @@ struct FakeState {
     files: HashMap<(String, String), Vec<u8>>,
     deleted_tags: Vec<String>,
     spawn_calls: usize,
+    /// Children it really has room for (None: unlimited), to play an executor whose
+    /// capacity is smaller than the control plane believes.
+    room: Option<usize>,
 }
 
 #[derive(Clone, Default)]
@@ -90,6 +93,16 @@ impl Executor for FakeExecutor {
         let mut st = self.state.lock().unwrap();
         st.spawn_calls += 1;
         for (i, id) in r.ids.into_iter().enumerate() {
+            if st.room.is_some_and(|room| st.live.len() >= room) {
+                let full = Status::resource_exhausted("executor fake is full (1 of 1 VMs running)");
+                let _ = tx.try_send(Ok(xpb::SpawnEvent {
+                    id,
+                    result: Some(xpb::spawn_event::Result::Error(
+                        tine_rpc::status::child_error(&full),
+                    )),
+                }));
+                continue;
+            }
             st.live.insert(id.clone());
             let _ = tx.try_send(Ok(xpb::SpawnEvent {
                 id,
@@ -503,6 +516,35 @@ async fn placement_across_three_executors() {
         metrics.contains("tine_rpcs_total{code=\"OK\",rpc=\"tine.v1.Sandboxes/Spawn\"} 3"),
         "{metrics}"
     );
+    cp.shutdown().await.unwrap();
+}
+
+/// An executor that turns children away passes its code and message to the client unchanged.
+#[tokio::test]
+async fn executor_errors_reach_the_client_with_their_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (fake, addr) = start_executor(&t.executor).await;
+    fake.state.lock().unwrap().room = Some(1);
+    register(cp.addr, &t, "ex-a", addr, 4, &["py"], &[]).await;
+    add_snapshot(&cp, "py", None, "ex-a").await;
+    let (_, mut sb, _) = clients(cp.addr, Some(&t.user)).await;
+    let ev = spawn_all(&mut sb, "py", 3, pb::PlacementPolicy::Spread).await;
+    assert_eq!(ready_on(&ev).get("ex-a"), Some(&1));
+    let failed: Vec<&pb::SpawnFailure> = ev
+        .iter()
+        .filter_map(|e| match &e.result {
+            Some(pb::spawn_event::Result::Failed(f)) => Some(f),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed.len(), 2);
+    for f in failed {
+        assert_eq!(f.code, "RESOURCE_EXHAUSTED", "{f:?}");
+        assert_eq!(f.executor, "ex-a");
+        assert!(f.message.contains("executor fake is full"), "{f:?}");
+    }
     cp.shutdown().await.unwrap();
 }
 

@@ -1,0 +1,221 @@
+//! The executor daemon over real loopback gRPC on this machine's /dev/kvm, with a hand-made
+//! idle guest's snapshot: spawn with per-child codes (a full executor answers
+//! RESOURCE_EXHAUSTED), typed errors for unknown and duplicate things, auth, the spawn-phase
+//! metrics, and re-adoption across a daemon restart.
+//!
+//! Its own main (harness = false): started as `daemon __vmm-worker`, this binary is the VMM
+//! worker, as `tine __vmm-worker` is in production.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use tine_executor::daemon::{self, ExecutorConfig, RunningExecutor};
+use tine_host::testing::{kvm_available, write_idle_guest_snapshot};
+use tine_host::{HostConfig, Limits, Owner, Readiness, WORKER_SUBCOMMAND};
+use tine_proto::executor::v1 as xpb;
+use tine_proto::executor::v1::executor_client::ExecutorClient;
+use tine_proto::v1 as pb;
+use tine_rpc::auth::{generate_token, Bearer};
+use tine_rpc::ExecutorId;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tonic::Code;
+
+type Client = ExecutorClient<InterceptedService<Channel, Bearer>>;
+
+async fn start(data: &Path, token: &str, max_vms: u32) -> RunningExecutor {
+    let id = ExecutorId::parse("test-exec").unwrap();
+    daemon::start(ExecutorConfig {
+        id: id.clone(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        advertise: None,
+        token: Some(token.to_string()),
+        control_plane: None,
+        control_plane_ca: None,
+        tls: None,
+        host: HostConfig {
+            data_dir: data.to_path_buf(),
+            image_cache: data.join("images"),
+            worker_exe: std::env::current_exe().unwrap(),
+            owner: Owner::executor(&id),
+            readiness: Readiness::Running,
+            limits: Limits {
+                max_vms,
+                pool_size: 1,
+                ready_timeout: Duration::from_secs(60),
+                ..Limits::default()
+            },
+        },
+        metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
+        allow_plaintext_remote: false,
+        vm_refusal: None,
+    })
+    .await
+    .unwrap()
+}
+
+async fn client(addr: SocketAddr, token: Option<&str>) -> Client {
+    let ch = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    ExecutorClient::with_interceptor(ch, Bearer::new(token).unwrap())
+}
+
+fn spawn_request(tag: &str, ids: &[&str]) -> xpb::SpawnRequest {
+    xpb::SpawnRequest {
+        tag: tag.into(),
+        ids: ids.iter().map(|s| s.to_string()).collect(),
+        resources: None,
+        ready_timeout_ms: 0,
+    }
+}
+
+async fn spawn(c: &mut Client, tag: &str, ids: &[&str]) -> Vec<xpb::SpawnEvent> {
+    let mut s = c.spawn(spawn_request(tag, ids)).await.unwrap().into_inner();
+    let mut out = Vec::new();
+    while let Some(ev) = s.message().await.unwrap() {
+        out.push(ev);
+    }
+    out
+}
+
+async fn metrics(addr: SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+async fn executor_api_end_to_end() {
+    let tmp = tempfile::tempdir().unwrap();
+    let snap = tmp.path().join("snapshots").join("idle");
+    std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
+    write_idle_guest_snapshot(&snap, 32).unwrap();
+    let token = generate_token();
+    let ex = start(tmp.path(), &token, 2).await;
+    let mut c = client(ex.addr, Some(&token)).await;
+
+    // Auth first: no token, no service.
+    let mut anon = client(ex.addr, None).await;
+    let e = anon.info(xpb::InfoRequest {}).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated);
+
+    // Three children on a two-slot executor: two ready, one RESOURCE_EXHAUSTED with the reason.
+    let events = spawn(&mut c, "idle", &["sbx-a1", "sbx-a2", "sbx-a3"]).await;
+    assert_eq!(events.len(), 3);
+    let mut ready = 0;
+    let mut full = Vec::new();
+    for ev in &events {
+        match ev.result.as_ref().unwrap() {
+            xpb::spawn_event::Result::ReadyUs(us) => {
+                assert!(*us > 0);
+                ready += 1;
+            }
+            xpb::spawn_event::Result::Error(e) => full.push(e.clone()),
+        }
+    }
+    assert_eq!(ready, 2);
+    assert_eq!(full.len(), 1);
+    assert_eq!(
+        Code::from_i32(full[0].code),
+        Code::ResourceExhausted,
+        "{full:?}"
+    );
+    assert!(full[0].message.contains("full"), "{full:?}");
+    let info = c.info(xpb::InfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.live_sandboxes.len(), 2);
+    assert_eq!(info.cached_tags, vec!["idle".to_string()]);
+
+    // Typed errors for unknown, duplicate and hostile things.
+    let e = c
+        .spawn(spawn_request("nope", &["sbx-b1"]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let e = c
+        .spawn(spawn_request("../etc", &["sbx-b1"]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = c
+        .create_snapshot(pb::CreateSnapshotRequest {
+            tag: "idle".into(),
+            image: "busybox".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
+    let e = c
+        .eval(pb::EvalRequest {
+            sandbox_id: "sbx-nope".into(),
+            code: "1".into(),
+            timeout_ms: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let killed = c
+        .kill(xpb::KillRequest {
+            id: "sbx-nope".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!killed.existed);
+
+    // The phase histograms counted the two ready children.
+    let text = metrics(ex.metrics_addr.unwrap()).await;
+    for phase in ["handoff", "restore", "running", "total"] {
+        let line = format!("tine_executor_spawn_phase_seconds_count{{phase=\"{phase}\"}} 2");
+        assert!(text.contains(&line), "{line} missing from:\n{text}");
+    }
+    assert!(
+        text.contains("tine_executor_spawn_failures_total{reason=\"full\"} 1"),
+        "{text}"
+    );
+
+    // Restart without killing: the new daemon re-adopts both children.
+    ex.shutdown(false).await.unwrap();
+    let ex = start(tmp.path(), &token, 2).await;
+    let mut c = client(ex.addr, Some(&token)).await;
+    let info = c.info(xpb::InfoRequest {}).await.unwrap().into_inner();
+    let mut live = info.live_sandboxes.clone();
+    live.sort();
+    assert_eq!(live, vec!["sbx-a1".to_string(), "sbx-a2".to_string()]);
+    for id in live {
+        let k = c.kill(xpb::KillRequest { id }).await.unwrap().into_inner();
+        assert!(k.existed);
+    }
+    let info = c.info(xpb::InfoRequest {}).await.unwrap().into_inner();
+    assert!(info.live_sandboxes.is_empty());
+    ex.shutdown(true).await.unwrap();
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some(WORKER_SUBCOMMAND) {
+        let code = tine_host::worker_main().unwrap_or_else(|e| {
+            eprintln!("worker: {e:#}");
+            1
+        });
+        std::process::exit(code);
+    }
+    if !kvm_available() {
+        println!("SKIPPED: /dev/kvm is absent or not usable; the daemon tests need KVM");
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(executor_api_end_to_end());
+    println!("test executor_api_end_to_end ... ok");
+}
