@@ -27,9 +27,9 @@ pub struct StoreArgs {
     /// (S3 settings from AWS_* variables). Default: $TINE_DATA_DIR/store.
     #[arg(long, env = "TINE_STORE")]
     pub store: Option<String>,
-    /// Local cache of verified layers and assembled images.
-    /// Default: $TINE_DATA_DIR/cache.
-    #[arg(long, env = "TINE_CACHE_DIR")]
+    /// Local cache of verified layers and assembled images (not the kernel/image cache,
+    /// `TINE_CACHE_DIR`). Default: $TINE_DATA_DIR/cache.
+    #[arg(long = "layer-cache", env = "TINE_LAYER_CACHE")]
     pub cache_dir: Option<PathBuf>,
     /// Object transfers in flight at once.
     #[arg(long, default_value_t = 8)]

@@ -29,7 +29,7 @@ async fn create_push_pull_pack_unpack_images_gc() {
         vec![
             "--store".to_string(),
             store.clone(),
-            "--cache-dir".to_string(),
+            "--layer-cache".to_string(),
             cache.to_string(),
         ]
     };
