@@ -8,7 +8,7 @@
 use acpi_tables::{aml, fadt, madt, rsdp::Rsdp, sdt::Sdt, xsdt::XSDT, Aml};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use crate::error::{Error, Result};
+use crate::error::{BootError, ConfigError, Result};
 use crate::layout::*;
 
 const OEM_ID: [u8; 6] = *b"TINE  ";
@@ -122,37 +122,54 @@ fn madt(vcpus: u8) -> Vec<u8> {
 /// Write all tables into guest memory; returns the RSDP address.
 pub fn write_tables(mem: &GuestMemoryMmap, cfg: &AcpiConfig) -> Result<u64> {
     if cfg.vcpus == 0 {
-        return Err(Error::Config("ACPI needs at least one vCPU".into()));
+        return Err(ConfigError::VcpuCount {
+            requested: 0,
+            max: crate::vm::MAX_VCPUS,
+        }
+        .into());
     }
     let mut next = ACPI_START;
-    let mut place = |bytes: &[u8]| -> Result<u64> {
+    let mut place = |table: &'static str, bytes: &[u8]| -> Result<u64> {
         let addr = next;
         let end = addr + bytes.len() as u64;
         if end > ACPI_END {
-            return Err(Error::Boot("ACPI tables do not fit below 1 MiB".into()));
+            return Err(BootError::AcpiTooBig {
+                table,
+                end,
+                limit: ACPI_END,
+            }
+            .into());
         }
         mem.write_slice(bytes, GuestAddress(addr))
-            .map_err(|e| Error::Boot(format!("writing ACPI tables: {e}")))?;
+            .map_err(|source| BootError::AcpiWrite {
+                table,
+                addr,
+                source,
+            })?;
         next = (end + 15) & !15;
         Ok(addr)
     };
 
     // RSDP first, at the start of the BIOS area where Linux also scans for it.
-    let rsdp_addr = place(&[0u8; 36])?;
-    let dsdt_addr = place(&dsdt(cfg))?;
-    let fadt_addr = place(&fadt(dsdt_addr))?;
-    let madt_addr = place(&madt(cfg.vcpus))?;
+    let rsdp_addr = place("RSDP", &[0u8; 36])?;
+    let dsdt_addr = place("DSDT", &dsdt(cfg))?;
+    let fadt_addr = place("FADT", &fadt(dsdt_addr))?;
+    let madt_addr = place("MADT", &madt(cfg.vcpus))?;
     let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     xsdt.add_entry(fadt_addr);
     xsdt.add_entry(madt_addr);
     let mut xsdt_bytes = Vec::new();
     xsdt.to_aml_bytes(&mut xsdt_bytes);
-    let xsdt_addr = place(&xsdt_bytes)?;
+    let xsdt_addr = place("XSDT", &xsdt_bytes)?;
 
     let mut rsdp = Vec::new();
     Rsdp::new(OEM_ID, xsdt_addr).to_aml_bytes(&mut rsdp);
     mem.write_slice(&rsdp, GuestAddress(rsdp_addr))
-        .map_err(|e| Error::Boot(format!("writing RSDP: {e}")))?;
+        .map_err(|source| BootError::AcpiWrite {
+            table: "RSDP",
+            addr: rsdp_addr,
+            source,
+        })?;
     Ok(rsdp_addr)
 }
 

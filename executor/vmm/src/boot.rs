@@ -17,7 +17,7 @@ use linux_loader::loader::elf::{Elf, PvhBootCapability};
 use linux_loader::loader::{load_cmdline, Cmdline, KernelLoader};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use crate::error::{Error, Result};
+use crate::error::{BootError, Result};
 use crate::layout::*;
 use crate::memory::GuestRam;
 
@@ -51,19 +51,17 @@ enum KernelFormat {
     BzImage,
 }
 
-fn kernel_err(path: &Path, reason: impl Into<String>) -> Error {
-    Error::Kernel {
-        path: path.display().to_string(),
-        reason: reason.into(),
+fn kernel_read_err(path: &Path) -> impl FnOnce(std::io::Error) -> BootError + '_ {
+    move |source| BootError::KernelRead {
+        path: path.to_path_buf(),
+        source,
     }
 }
 
 fn sniff(path: &Path, f: &mut File) -> Result<KernelFormat> {
     let mut head = [0u8; 0x210];
-    let n = f
-        .read(&mut head)
-        .map_err(|e| kernel_err(path, e.to_string()))?;
-    f.seek(SeekFrom::Start(0))?;
+    let n = f.read(&mut head).map_err(kernel_read_err(path))?;
+    f.seek(SeekFrom::Start(0)).map_err(kernel_read_err(path))?;
     if n >= 4 && head[..4] == *b"\x7fELF" {
         return Ok(KernelFormat::Elf);
     }
@@ -71,10 +69,10 @@ fn sniff(path: &Path, f: &mut File) -> Result<KernelFormat> {
     {
         return Ok(KernelFormat::BzImage);
     }
-    Err(kernel_err(
-        path,
-        "not a Linux kernel (neither an ELF vmlinux nor a bzImage with a \"HdrS\" header)",
-    ))
+    Err(BootError::NotAKernel {
+        path: path.to_path_buf(),
+    }
+    .into())
 }
 
 /// The RAM map the guest sees: RAM below 640 KiB, the reserved BIOS/ACPI area, RAM above 1 MiB
@@ -103,20 +101,29 @@ pub fn load(
     rsdp_addr: u64,
 ) -> Result<BootInfo> {
     let mem = ram.memory();
-    let mut kf = File::open(kernel).map_err(|e| kernel_err(kernel, e.to_string()))?;
+    let mut kf = File::open(kernel).map_err(kernel_read_err(kernel))?;
     let format = sniff(kernel, &mut kf)?;
 
-    let mut cl = Cmdline::new(CMDLINE_MAX).map_err(|e| Error::Config(format!("{e}")))?;
-    cl.insert_str(cmdline)
-        .map_err(|e| Error::Config(format!("kernel command line: {e}")))?;
+    let cmdline_err = |source| BootError::Cmdline {
+        len: cmdline.len(),
+        max: CMDLINE_MAX,
+        source,
+    };
+    let mut cl = Cmdline::new(CMDLINE_MAX).map_err(cmdline_err)?;
+    cl.insert_str(cmdline).map_err(cmdline_err)?;
     load_cmdline(mem, GuestAddress(CMDLINE), &cl)
-        .map_err(|e| Error::Config(format!("kernel command line: {e}")))?;
+        .map_err(|source| BootError::CmdlineWrite { source })?;
     let cmdline_len = cmdline.len() as u32 + 1;
 
     let (entry, kernel_end, setup_header) = match format {
         KernelFormat::Elf => {
-            let r = Elf::load(mem, None, &mut kf, Some(GuestAddress(HIMEM_START)))
-                .map_err(|e| kernel_err(kernel, format!("cannot load ELF: {e}")))?;
+            let r = Elf::load(mem, None, &mut kf, Some(GuestAddress(HIMEM_START))).map_err(
+                |source| BootError::KernelLoad {
+                    path: kernel.to_path_buf(),
+                    format: "ELF",
+                    source,
+                },
+            )?;
             let entry = match r.pvh_boot_cap {
                 PvhBootCapability::PvhEntryPresent(a) => EntryPoint::Pvh { rip: a.0 },
                 _ => EntryPoint::Linux64 {
@@ -132,7 +139,11 @@ pub fn load(
                 &mut kf,
                 Some(GuestAddress(HIMEM_START)),
             )
-            .map_err(|e| kernel_err(kernel, format!("cannot load bzImage: {e}")))?;
+            .map_err(|source| BootError::KernelLoad {
+                path: kernel.to_path_buf(),
+                format: "bzImage",
+                source,
+            })?;
             // The 64-bit entry of a bzImage sits 0x200 bytes into its protected-mode code.
             (
                 EntryPoint::Linux64 {
@@ -144,7 +155,12 @@ pub fn load(
         }
     };
     if kernel_end >= ram.low_ram_end() {
-        return Err(kernel_err(kernel, "kernel does not fit in guest RAM"));
+        return Err(BootError::KernelTooBig {
+            path: kernel.to_path_buf(),
+            kernel_end,
+            ram_end: ram.low_ram_end(),
+        }
+        .into());
     }
 
     let initrd_range = match initrd {
@@ -168,14 +184,17 @@ fn load_initrd(
     kernel_end: u64,
     path: &Path,
 ) -> Result<(u64, u64)> {
-    let err = |reason: String| Error::Initrd {
-        path: path.display().to_string(),
-        reason,
+    let read_err = |source| BootError::InitrdRead {
+        path: path.to_path_buf(),
+        source,
     };
-    let mut f = File::open(path).map_err(|e| err(e.to_string()))?;
-    let size = f.metadata().map_err(|e| err(e.to_string()))?.len();
+    let mut f = File::open(path).map_err(read_err)?;
+    let size = f.metadata().map_err(read_err)?.len();
     if size == 0 {
-        return Err(err("file is empty".into()));
+        return Err(BootError::InitrdEmpty {
+            path: path.to_path_buf(),
+        }
+        .into());
     }
     // Leave the kernel room to decompress and set up above its load address.
     let floor = (kernel_end + 0xfff) & !0xfff;
@@ -183,15 +202,18 @@ fn load_initrd(
         .checked_sub(size)
         .map(|a| a & !0xfff)
         .filter(|a| *a >= floor)
-        .ok_or_else(|| {
-            err(format!(
-                "{} MiB does not fit in guest RAM below {} MiB above the kernel: give the VM more memory",
-                size >> 20,
-                low_end >> 20
-            ))
+        .ok_or_else(|| BootError::InitrdTooBig {
+            path: path.to_path_buf(),
+            size,
+            kernel_end,
+            ram_end: low_end,
         })?;
     mem.read_exact_volatile_from(GuestAddress(addr), &mut f, size as usize)
-        .map_err(|e| err(format!("cannot read into guest RAM: {e}")))?;
+        .map_err(|source| BootError::InitrdLoad {
+            path: path.to_path_buf(),
+            addr,
+            source,
+        })?;
     Ok((addr, size))
 }
 
@@ -233,7 +255,7 @@ fn write_pvh_info(
     }
     params.set_sections(&memmap, GuestAddress(PVH_MEMMAP));
     PvhBootConfigurator::write_bootparams(&params, mem)
-        .map_err(|e| Error::Boot(format!("writing PVH start info: {e}")))
+        .map_err(|source| BootError::PvhStartInfo { source }.into())
 }
 
 fn write_zero_page(
@@ -263,7 +285,11 @@ fn write_zero_page(
     params.acpi_rsdp_addr = rsdp_addr;
     let map = e820_map(ram);
     if map.len() > params.e820_table.len() {
-        return Err(Error::Boot("too many e820 entries".into()));
+        return Err(BootError::TooManyE820 {
+            entries: map.len(),
+            max: params.e820_table.len(),
+        }
+        .into());
     }
     for (i, (addr, size, type_)) in map.iter().enumerate() {
         params.e820_table[i] = boot_e820_entry {
@@ -274,12 +300,13 @@ fn write_zero_page(
     }
     params.e820_entries = map.len() as u8;
     mem.write_obj(params, GuestAddress(ZERO_PAGE))
-        .map_err(|e| Error::Boot(format!("writing zero page: {e}")))
+        .map_err(|source| BootError::ZeroPage { source }.into())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use std::io::Write;
 
     fn ram() -> GuestRam {
@@ -291,8 +318,17 @@ mod tests {
         let mut f = tempfile::NamedTempFile::new().unwrap();
         f.write_all(b"#!/bin/sh\necho hello\n").unwrap();
         let err = load(&ram(), f.path(), None, "console=ttyS0", 0).unwrap_err();
+        assert!(
+            matches!(&err, Error::Boot(BootError::NotAKernel { path }) if path == f.path()),
+            "{err:?}"
+        );
         assert!(err.to_string().contains("not a Linux kernel"), "{err}");
         let err = load(&ram(), Path::new("/nonexistent/vmlinux"), None, "", 0).unwrap_err();
+        assert!(
+            matches!(&err, Error::Boot(BootError::KernelRead { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound),
+            "{err:?}"
+        );
         assert!(err.to_string().contains("/nonexistent/vmlinux"), "{err}");
     }
 
@@ -310,7 +346,22 @@ mod tests {
         let f = tempfile::NamedTempFile::new().unwrap();
         f.as_file().set_len(100 << 20).unwrap();
         let err = load_initrd(r.memory(), r.low_ram_end(), 2 << 20, f.path()).unwrap_err();
-        assert!(err.to_string().contains("does not fit"), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::Boot(BootError::InitrdTooBig {
+                    size: 0x640_0000,
+                    kernel_end: 0x20_0000,
+                    ..
+                })
+            ),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("100 MiB does not fit") && msg.contains("below 64 MiB"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod acpi;
 pub mod boot;
 pub mod cpuid;
 pub mod devices;
+pub mod diagnostics;
 pub mod error;
 pub mod host;
 pub mod layout;

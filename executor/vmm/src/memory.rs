@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, MemoryError, Result};
 use crate::layout::{MMIO_GAP_END, MMIO_GAP_START};
 
 /// Smallest guest we accept: Linux with an initramfs needs more than this anyway.
@@ -71,15 +71,17 @@ impl GuestRam {
         // SAFETY: the name is a valid NUL-terminated string; the returned fd is checked.
         let fd = unsafe { libc::memfd_create(c"tine-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
-            return Err(Error::Memory(format!(
-                "memfd_create failed: {}",
-                std::io::Error::last_os_error()
-            )));
+            return Err(MemoryError::Memfd {
+                source: std::io::Error::last_os_error(),
+            }
+            .into());
         }
         // SAFETY: fd is a freshly created descriptor that nothing else owns.
         let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(size)
-            .map_err(|e| Error::Memory(format!("cannot size guest RAM to {mem_mib} MiB: {e}")))?;
+        file.set_len(size).map_err(|source| MemoryError::Resize {
+            mib: mem_mib,
+            source,
+        })?;
         Self::map(file, size, Sharing::Shared)
     }
 
@@ -87,12 +89,14 @@ impl GuestRam {
     pub fn from_file(file: File, size: u64, sharing: Sharing) -> Result<Self> {
         let len = file
             .metadata()
-            .map_err(|e| Error::Memory(format!("cannot stat memory image: {e}")))?
+            .map_err(|source| MemoryError::StatImage { source })?
             .len();
         if len != size {
-            return Err(Error::Memory(format!(
-                "memory image is {len} bytes, expected {size}: truncated or wrong file"
-            )));
+            return Err(MemoryError::ImageSize {
+                expected: size,
+                actual: len,
+            }
+            .into());
         }
         Self::map(file, size, sharing)
     }
@@ -113,13 +117,21 @@ impl GuestRam {
                 libc::PROT_READ | libc::PROT_WRITE,
                 flags,
             )
-            .map_err(|e| Error::Memory(format!("cannot map guest RAM: {e}")))?;
-            let region = GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr))
-                .ok_or_else(|| Error::Memory("guest RAM region overflows".into()))?;
+            .map_err(|source| MemoryError::Map {
+                guest_addr: r.guest_addr,
+                size: r.size,
+                source,
+            })?;
+            let region = GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr)).ok_or(
+                MemoryError::RegionOverflow {
+                    guest_addr: r.guest_addr,
+                    size: r.size,
+                },
+            )?;
             regions.push(region);
         }
         let memory = GuestMemoryMmap::from_regions(regions)
-            .map_err(|e| Error::Memory(format!("bad guest RAM layout: {e}")))?;
+            .map_err(|source| MemoryError::Layout { source })?;
         Ok(Self {
             file,
             ranges,
@@ -159,19 +171,27 @@ impl GuestRam {
         let region = self
             .memory
             .find_region(GuestAddress(range.guest_addr))
-            .ok_or_else(|| Error::Memory("RAM range not mapped".into()))?;
+            .ok_or(MemoryError::NotMapped {
+                guest_addr: range.guest_addr,
+            })?;
         let ptr = region
             .get_host_address(vm_memory::MemoryRegionAddress(0))
-            .map_err(|e| Error::Memory(format!("no host address for guest RAM: {e}")))?;
+            .map_err(|source| MemoryError::HostAddress {
+                guest_addr: range.guest_addr,
+                source,
+            })?;
         Ok(ptr as u64)
     }
 }
 
 pub fn validate_mem_mib(mem_mib: u64) -> Result<()> {
     if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&mem_mib) {
-        return Err(Error::Config(format!(
-            "memory size {mem_mib} MiB is out of range: use {MIN_MEM_MIB}..={MAX_MEM_MIB} MiB"
-        )));
+        return Err(ConfigError::MemorySize {
+            mib: mem_mib,
+            min: MIN_MEM_MIB,
+            max: MAX_MEM_MIB,
+        }
+        .into());
     }
     Ok(())
 }
@@ -179,6 +199,7 @@ pub fn validate_mem_mib(mem_mib: u64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use vm_memory::Bytes;
 
     #[test]
@@ -237,7 +258,23 @@ mod tests {
 
     #[test]
     fn rejects_silly_sizes() {
-        assert!(GuestRam::new_memfd(1).is_err());
+        let err = GuestRam::new_memfd(1).err().unwrap();
+        assert!(
+            matches!(
+                err,
+                Error::Config(ConfigError::MemorySize {
+                    mib: 1,
+                    min: MIN_MEM_MIB,
+                    max: MAX_MEM_MIB
+                })
+            ),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .contains(&format!("{MIN_MEM_MIB}..={MAX_MEM_MIB} MiB")),
+            "{err}"
+        );
         assert!(GuestRam::new_memfd(MAX_MEM_MIB + 1).is_err());
     }
 
@@ -248,6 +285,16 @@ mod tests {
         let err = GuestRam::from_file(f, 64 << 20, Sharing::Private)
             .err()
             .unwrap();
+        assert!(
+            matches!(
+                err,
+                Error::Memory(MemoryError::ImageSize {
+                    expected: 0x400_0000,
+                    actual: 0x10_0000
+                })
+            ),
+            "{err:?}"
+        );
         assert!(err.to_string().contains("truncated"), "{err}");
     }
 }

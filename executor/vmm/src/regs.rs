@@ -6,7 +6,7 @@ use kvm_ioctls::VcpuFd;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::boot::EntryPoint;
-use crate::error::{Error, Result};
+use crate::error::{BootError, Result, VcpuError};
 use crate::layout::*;
 
 const CR0_PE: u64 = 1 << 0;
@@ -95,7 +95,7 @@ fn segments(entry: EntryPoint) -> (Segment, Segment, Segment) {
 pub fn write_boot_tables(mem: &GuestMemoryMmap, entry: EntryPoint) -> Result<()> {
     let w = |addr: u64, v: u64| {
         mem.write_obj(v, GuestAddress(addr))
-            .map_err(|e| Error::Boot(format!("writing boot tables: {e}")))
+            .map_err(|source| BootError::BootTables { source })
     };
     let (code, data, tss) = segments(entry);
     w(BOOT_GDT, 0)?;
@@ -116,18 +116,11 @@ pub fn write_boot_tables(mem: &GuestMemoryMmap, entry: EntryPoint) -> Result<()>
     Ok(())
 }
 
-fn vcpu_err(index: usize, what: &str, e: kvm_ioctls::Error) -> Error {
-    Error::Vcpu {
-        index,
-        reason: format!("{what}: {e}"),
-    }
-}
-
 /// Registers of the boot vCPU at the kernel entry.
 pub fn setup_boot_vcpu(vcpu: &VcpuFd, index: usize, entry: EntryPoint) -> Result<()> {
     let mut sregs: kvm_sregs = vcpu
         .get_sregs()
-        .map_err(|e| vcpu_err(index, "KVM_GET_SREGS", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_GET_SREGS"))?;
     let (code, data, tss) = segments(entry);
     sregs.cs = code.kvm();
     let d = data.kvm();
@@ -167,9 +160,9 @@ pub fn setup_boot_vcpu(vcpu: &VcpuFd, index: usize, entry: EntryPoint) -> Result
         }
     }
     vcpu.set_sregs(&sregs)
-        .map_err(|e| vcpu_err(index, "KVM_SET_SREGS", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_SREGS"))?;
     vcpu.set_regs(&regs)
-        .map_err(|e| vcpu_err(index, "KVM_SET_REGS", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_REGS"))?;
     Ok(())
 }
 
@@ -181,37 +174,38 @@ pub fn setup_common(vcpu: &VcpuFd, index: usize) -> Result<()> {
         ..Default::default()
     };
     vcpu.set_fpu(&fpu)
-        .map_err(|e| vcpu_err(index, "KVM_SET_FPU", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_FPU"))?;
 
     let entries = boot_msrs();
-    let msrs = Msrs::from_entries(&entries).map_err(|e| Error::Vcpu {
+    let msrs = Msrs::from_entries(&entries).map_err(|source| VcpuError::List {
         index,
-        reason: format!("MSR list: {e:?}"),
+        what: "MSR list",
+        source,
     })?;
     let n = vcpu
         .set_msrs(&msrs)
-        .map_err(|e| vcpu_err(index, "KVM_SET_MSRS", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_MSRS"))?;
     if n != entries.len() {
-        return Err(Error::Vcpu {
+        return Err(VcpuError::MsrsRefused {
             index,
-            reason: format!(
-                "KVM_SET_MSRS set only {n} of {} boot MSRs (first refused: {:#x})",
-                entries.len(),
-                entries[n].index
-            ),
-        });
+            which: "boot",
+            set: n,
+            total: entries.len(),
+            refused: entries[n].index,
+        }
+        .into());
     }
 
     // LINT0 = ExtINT (legacy PIC), LINT1 = NMI, as firmware would leave them.
     let mut lapic = vcpu
         .get_lapic()
-        .map_err(|e| vcpu_err(index, "KVM_GET_LAPIC", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_GET_LAPIC"))?;
     for (reg, mode) in [(APIC_LVT0, APIC_MODE_EXTINT), (APIC_LVT1, APIC_MODE_NMI)] {
         let v = lvt_delivery(get_lapic_reg(&lapic.regs, reg), mode);
         set_lapic_reg(&mut lapic.regs, reg, v);
     }
     vcpu.set_lapic(&lapic)
-        .map_err(|e| vcpu_err(index, "KVM_SET_LAPIC", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_LAPIC"))?;
     Ok(())
 }
 

@@ -11,7 +11,7 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 use crate::devices::bus::PioBus;
 use crate::devices::mmio::MmioBus;
 use crate::devices::GuestExit;
-use crate::error::{Error, Result};
+use crate::error::{Result, VcpuError};
 use crate::snapshot::vcpu::VcpuState;
 
 const KVM_SYSTEM_EVENT_SHUTDOWN: u32 = 1;
@@ -42,13 +42,17 @@ pub fn kick_signal() -> libc::c_int {
 
 /// Install the kick handler once per process.
 pub fn install_kick_handler() -> Result<()> {
-    static ONCE: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
-    ONCE.get_or_init(|| {
-        vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)
-            .map_err(|e| format!("cannot install vCPU kick handler: {e}"))
+    static ONCE: std::sync::OnceLock<std::result::Result<(), vmm_sys_util::errno::Error>> =
+        std::sync::OnceLock::new();
+    let installed = *ONCE
+        .get_or_init(|| vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler));
+    installed.map_err(|source| {
+        VcpuError::KickHandler {
+            signal: kick_signal(),
+            source,
+        }
+        .into()
     })
-    .clone()
-    .map_err(Error::Config)
 }
 
 /// How a vCPU thread ended.
@@ -117,8 +121,8 @@ impl VcpuControl {
         let mut s = self.state.lock().unwrap();
         loop {
             let epoch = s.epoch;
-            if s.exited.iter().any(|e| *e) {
-                return Err(Error::Config("the guest stopped while being paused".into()));
+            if let Some(index) = s.exited.iter().position(|e| *e) {
+                return Err(VcpuError::StoppedWhilePausing { index }.into());
             }
             if s.parked.iter().all(|p| *p == Some(epoch)) {
                 return Ok(s.saved.iter_mut().map(|v| v.take()).collect());
@@ -177,13 +181,6 @@ impl VcpuRunner {
         result
     }
 
-    fn fail(&self, reason: String) -> Error {
-        Error::Vcpu {
-            index: self.index,
-            reason,
-        }
-    }
-
     /// Registers at a guest crash: the first thing anyone debugging it asks for.
     fn log_crash_state(&self) {
         let regs = self.fd.get_regs();
@@ -222,29 +219,50 @@ impl VcpuRunner {
                         KVM_SYSTEM_EVENT_SHUTDOWN => GuestExit::PowerOff,
                         KVM_SYSTEM_EVENT_RESET => GuestExit::Reboot,
                         KVM_SYSTEM_EVENT_CRASH => GuestExit::TripleFault,
-                        other => return Err(self.fail(format!("unknown system event {other}"))),
+                        event => {
+                            return Err(VcpuError::UnknownSystemEvent {
+                                index: self.index,
+                                event,
+                            }
+                            .into())
+                        }
                     };
                     return Ok(VcpuOutcome::Guest(exit));
                 }
                 Ok(VcpuExit::FailEntry(reason, cpu)) => {
-                    return Err(self.fail(format!(
-                        "KVM_RUN entry failed: hardware reason {reason:#x} on host CPU {cpu}"
-                    )))
+                    return Err(VcpuError::EntryFailed {
+                        index: self.index,
+                        reason,
+                        cpu,
+                    }
+                    .into())
                 }
                 Ok(VcpuExit::InternalError) => {
                     let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
-                    return Err(self.fail(format!(
-                        "KVM internal error (emulation failure?) at rip {rip:#x}"
-                    )));
+                    return Err(VcpuError::Internal {
+                        index: self.index,
+                        rip,
+                    }
+                    .into());
                 }
                 Ok(other) => {
-                    let what = format!("{other:?}");
-                    return Err(self.fail(format!("unexpected exit {what}")));
+                    return Err(VcpuError::UnexpectedExit {
+                        index: self.index,
+                        exit: format!("{other:?}"),
+                    }
+                    .into());
                 }
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                     self.fd.set_kvm_immediate_exit(0);
                 }
-                Err(e) => return Err(self.fail(format!("KVM_RUN: {e}"))),
+                Err(source) => {
+                    return Err(VcpuError::Ioctl {
+                        index: self.index,
+                        call: "KVM_RUN",
+                        source,
+                    }
+                    .into())
+                }
             }
         }
     }

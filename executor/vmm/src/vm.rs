@@ -23,7 +23,7 @@ use crate::devices::virtio::mmio::VirtioMmio;
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqLine, VirtioDevice};
 use crate::devices::GuestExit;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, RestoreError, Result, SnapshotError, VcpuError};
 use crate::layout::*;
 use crate::memory::{GuestRam, Sharing};
 use crate::snapshot::devices::{SerialSnapshot, VirtioKind};
@@ -67,31 +67,36 @@ pub struct Vm {
     serial: Arc<Mutex<SerialConsole>>,
 }
 
-fn validate_vcpus(n: u8) -> Result<()> {
-    if n == 0 || n > MAX_VCPUS {
-        return Err(Error::Config(format!(
-            "{n} vCPUs requested: use 1..={MAX_VCPUS}"
-        )));
+/// The vCPU count as KVM and the MADT take it, or why not.
+fn validate_vcpus(n: usize) -> Result<u8> {
+    match u8::try_from(n) {
+        Ok(v) if (1..=MAX_VCPUS).contains(&v) => Ok(v),
+        _ => Err(ConfigError::VcpuCount {
+            requested: n,
+            max: MAX_VCPUS,
+        }
+        .into()),
     }
-    Ok(())
 }
 
 impl Vm {
     /// KVM VM, irqchip, PIT, memory slots, legacy devices and bare vCPUs: what both a fresh
     /// boot and a restore need.
     fn build(
-        vcpus: u8,
+        vcpus: usize,
         ram: GuestRam,
         console: Box<dyn Write + Send>,
         serial_state: Option<&SerialSnapshot>,
     ) -> Result<Self> {
-        validate_vcpus(vcpus)?;
+        let vcpus = validate_vcpus(vcpus)?;
         let kvm = host::open_kvm()?;
         let max = kvm.get_max_vcpus();
         if vcpus as usize > max {
-            return Err(Error::Config(format!(
-                "{vcpus} vCPUs requested but this host's KVM allows {max}"
-            )));
+            return Err(ConfigError::VcpusOverHostLimit {
+                requested: vcpus,
+                host_max: max,
+            }
+            .into());
         }
         let vm = kvm.create_vm().map_err(Error::kvm("KVM_CREATE_VM"))?;
         vm.set_tss_address(KVM_TSS_ADDR as usize)
@@ -123,19 +128,14 @@ impl Vm {
         vm.register_irqfd(&serial_irq, COM1_IRQ)
             .map_err(Error::kvm("KVM_IRQFD"))?;
         let serial = match serial_state {
-            Some(s) => {
-                SerialConsole::from_snapshot(serial_irq, console, s).map_err(Error::Snapshot)?
-            }
+            Some(s) => SerialConsole::from_snapshot(serial_irq, console, s)?,
             None => SerialConsole::new(serial_irq, console),
         };
         let serial = Arc::new(Mutex::new(serial));
         let mut pio = PioBus::default();
-        pio.insert(COM1_PORT, 8, serial.clone())
-            .map_err(Error::Config)?;
-        pio.insert(I8042_CMD_PORT, 1, Arc::new(Mutex::new(I8042)))
-            .map_err(Error::Config)?;
-        pio.insert(ACPI_PM_PORT, 3, Arc::new(Mutex::new(AcpiPm)))
-            .map_err(Error::Config)?;
+        pio.insert(COM1_PORT, 8, serial.clone())?;
+        pio.insert(I8042_CMD_PORT, 1, Arc::new(Mutex::new(I8042)))?;
+        pio.insert(ACPI_PM_PORT, 3, Arc::new(Mutex::new(AcpiPm)))?;
 
         let mut fds = Vec::with_capacity(vcpus as usize);
         for i in 0..vcpus {
@@ -159,15 +159,13 @@ impl Vm {
 
     /// Create a fresh VM with `vcpus` vCPUs over `ram`, console output to `console`.
     pub fn create(vcpus: u8, ram: GuestRam, console: Box<dyn Write + Send>) -> Result<Self> {
-        let vm = Self::build(vcpus, ram, console, None)?;
+        let vm = Self::build(vcpus.into(), ram, console, None)?;
         let base_cpuid: CpuId = cpuid::supported(&vm.kvm)?;
         let tsc_deadline = vm.kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer);
         for (i, fd) in vm.vcpus.iter().enumerate() {
             let c = cpuid::for_vcpu(&base_cpuid, i as u32, vcpus as u32, tsc_deadline);
-            fd.set_cpuid2(&c).map_err(|e| Error::Vcpu {
-                index: i,
-                reason: format!("KVM_SET_CPUID2: {e}"),
-            })?;
+            fd.set_cpuid2(&c)
+                .map_err(VcpuError::ioctl(i, "KVM_SET_CPUID2"))?;
             regs::setup_common(fd, i)?;
         }
         Ok(vm)
@@ -180,23 +178,17 @@ impl Vm {
         let snap = snapfile::load(dir)?;
         let state = snap.state;
         let ram = GuestRam::from_file(snap.memory, state.mem_size, Sharing::Private)?;
-        let mut vm = Self::build(
-            state.vcpus.len() as u8,
-            ram,
-            opts.console,
-            Some(&state.serial),
-        )?;
+        let mut vm = Self::build(state.vcpus.len(), ram, opts.console, Some(&state.serial))?;
         for v in &state.virtio {
             let dev: Box<dyn VirtioDevice> = match v.kind {
                 VirtioKind::Vsock { guest_cid } => {
-                    let uds = opts.vsock_uds.as_deref().ok_or_else(|| {
-                        Error::Config(
-                            "the snapshot has a vsock device: give it a host socket path".into(),
-                        )
-                    })?;
-                    Box::new(Vsock::new(guest_cid, uds).map_err(|e| {
-                        Error::Config(format!("vsock socket {}: {e}", uds.display()))
-                    })?)
+                    let uds =
+                        opts.vsock_uds
+                            .as_deref()
+                            .ok_or_else(|| RestoreError::NoVsockSocket {
+                                dir: dir.to_path_buf(),
+                            })?;
+                    Box::new(Vsock::new(guest_cid, uds)?)
                 }
             };
             vm.add_virtio(dev)?;
@@ -207,7 +199,7 @@ impl Vm {
         snapshot::restore_vm(&vm.vm, &state.vm)?;
         // Devices last: a restored vsock raises an interrupt for its transport reset.
         for (t, s) in vm.virtio.iter().zip(&state.virtio) {
-            t.lock().unwrap().restore(s).map_err(Error::Snapshot)?;
+            t.lock().unwrap().restore(s)?;
         }
         tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), "restored");
         Ok(vm)
@@ -238,9 +230,7 @@ impl Vm {
             self.ram.memory().clone(),
             IrqLine::new(evt),
         )));
-        self.mmio
-            .insert(slot.base, slot.size, transport.clone())
-            .map_err(Error::Config)?;
+        self.mmio.insert(slot.base, slot.size, transport.clone())?;
         self.virtio.push(transport);
         self.virtio_slots.push(slot);
         Ok(slot)
@@ -248,9 +238,7 @@ impl Vm {
 
     /// Attach a virtio-vsock device with guest CID `cid`, host side on the Unix socket `uds`.
     pub fn add_vsock(&mut self, cid: u64, uds: &Path) -> Result<VirtioMmioSlot> {
-        let dev = Vsock::new(cid, uds)
-            .map_err(|e| Error::Config(format!("vsock socket {}: {e}", uds.display())))?;
-        self.add_virtio(Box::new(dev))
+        self.add_virtio(Box::new(Vsock::new(cid, uds)?))
     }
 
     /// Load a Linux kernel and point the boot vCPU at its entry.
@@ -280,6 +268,10 @@ impl Vm {
     /// Start every vCPU on its own thread.
     pub fn start(self) -> Result<RunningVm> {
         install_kick_handler()?;
+        // Diagnostics only: a VM without the handler still runs (SIGUSR1 would then kill it).
+        if let Err(e) = crate::diagnostics::install_state_dump_signal() {
+            tracing::warn!("cannot install the SIGUSR1 state-dump handler: {e}");
+        }
         let msrs = Arc::new(snapshot::vcpu::msr_candidates(&self.kvm)?);
         let pio = Arc::new(self.pio);
         let mmio = Arc::new(self.mmio);
@@ -374,8 +366,12 @@ impl RunningVm {
         self.set_devices_paused(true);
         let paused_at = t0.elapsed();
         let mut vcpus = Vec::with_capacity(saved.len());
-        for s in saved {
-            vcpus.push(s.ok_or_else(|| Error::Snapshot("a vCPU did not save its state".into()))??);
+        for (index, s) in saved.into_iter().enumerate() {
+            let s = s.ok_or_else(|| SnapshotError::VcpuNotSaved {
+                dir: dir.to_path_buf(),
+                index,
+            })?;
+            vcpus.push(s?);
         }
         let state = MachineState {
             vcpus,
@@ -416,7 +412,7 @@ impl RunningVm {
             }
         }
         self.finish();
-        result.unwrap_or_else(|| Err(Error::Config("no vCPU reported an outcome".into())))
+        result.unwrap_or_else(|| Err(VcpuError::NoOutcome.into()))
     }
 
     /// Stop the VM now (the guest does not get a say).
@@ -432,5 +428,30 @@ impl RunningVm {
             let _ = t.join();
         }
         let _ = self.serial.lock().map(|mut s| s.flush());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vcpu_counts_outside_the_madt_range_are_refused_with_the_count() {
+        assert_eq!(validate_vcpus(1).unwrap(), 1);
+        assert_eq!(validate_vcpus(MAX_VCPUS.into()).unwrap(), MAX_VCPUS);
+        // 300 must not wrap to 44 on its way to a u8 (a snapshot header can say anything).
+        for n in [0, 255, 300] {
+            let err = validate_vcpus(n).unwrap_err();
+            assert!(
+                matches!(err, Error::Config(ConfigError::VcpuCount { requested, max: MAX_VCPUS })
+                    if requested == n),
+                "{err:?}"
+            );
+            assert!(
+                err.to_string()
+                    .contains(&format!("{n} vCPUs requested: use 1..=254")),
+                "{err}"
+            );
+        }
     }
 }

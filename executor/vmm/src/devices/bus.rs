@@ -3,6 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::GuestExit;
+use crate::error::DeviceError;
 
 /// A device reached through port I/O. `offset` is relative to the device's first port.
 pub trait PioDevice: Send {
@@ -29,17 +30,19 @@ impl PioBus {
         base: u16,
         len: u16,
         device: Arc<Mutex<dyn PioDevice>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let end = base as u32 + len as u32;
         if let Some(e) = self
             .entries
             .iter()
             .find(|e| (base as u32) < e.base as u32 + e.len as u32 && (e.base as u32) < end)
         {
-            return Err(format!(
-                "port range {base:#x}+{len} overlaps {:#x}+{}",
-                e.base, e.len
-            ));
+            return Err(DeviceError::PortOverlap {
+                base,
+                len,
+                other_base: e.base,
+                other_len: e.len,
+            });
         }
         self.entries.push(Entry { base, len, device });
         Ok(())
@@ -87,7 +90,21 @@ mod tests {
         let mut bus = PioBus::default();
         bus.insert(0x100, 4, Arc::new(Mutex::new(Echo(10))))
             .unwrap();
-        assert!(bus.insert(0x103, 2, Arc::new(Mutex::new(Echo(0)))).is_err());
+        let err = bus
+            .insert(0x103, 2, Arc::new(Mutex::new(Echo(0))))
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                DeviceError::PortOverlap {
+                    base: 0x103,
+                    other_base: 0x100,
+                    other_len: 4,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
         bus.insert(0x104, 2, Arc::new(Mutex::new(Echo(50))))
             .unwrap();
         let mut b = [0u8];

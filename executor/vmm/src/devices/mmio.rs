@@ -2,6 +2,8 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::error::DeviceError;
+
 /// A device reached through MMIO. `offset` is relative to the window base.
 pub trait MmioDevice: Send {
     fn read(&mut self, offset: u64, data: &mut [u8]);
@@ -25,16 +27,21 @@ impl MmioBus {
         base: u64,
         size: u64,
         device: Arc<Mutex<dyn MmioDevice>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         if size == 0 || base.checked_add(size).is_none() {
-            return Err(format!("bad MMIO window {base:#x}+{size:#x}"));
+            return Err(DeviceError::MmioWindow { base, size });
         }
-        if self
+        if let Some(w) = self
             .windows
             .iter()
-            .any(|w| base < w.base + w.size && w.base < base + size)
+            .find(|w| base < w.base + w.size && w.base < base + size)
         {
-            return Err(format!("MMIO window {base:#x}+{size:#x} overlaps another"));
+            return Err(DeviceError::MmioOverlap {
+                base,
+                size,
+                other_base: w.base,
+                other_size: w.size,
+            });
         }
         self.windows.push(Window { base, size, device });
         Ok(())

@@ -8,6 +8,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::bus::PioDevice;
 use super::GuestExit;
+use crate::error::DeviceError;
 
 /// Raises the UART's interrupt by signalling an eventfd registered as an irqfd.
 pub struct IrqTrigger(pub EventFd);
@@ -35,11 +36,14 @@ impl SerialConsole {
         irq: EventFd,
         out: Box<dyn Write + Send>,
         s: &crate::snapshot::devices::SerialSnapshot,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, DeviceError> {
         let state = vm_superio::serial::SerialState::from(s);
         Serial::from_state(&state, IrqTrigger(irq), NoEvents, out)
             .map(|uart| Self { uart })
-            .map_err(|e| format!("serial state: {e:?}"))
+            .map_err(|source| DeviceError::SerialState {
+                fifo: s.in_buffer.len(),
+                source,
+            })
     }
 
     pub fn snapshot(&self) -> crate::snapshot::devices::SerialSnapshot {

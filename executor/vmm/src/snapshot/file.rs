@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 
 use super::host_id::HostIdentity;
 use super::MachineState;
-use crate::error::{Error, Result};
+use crate::error::{RestoreError, Result, SnapshotError};
 
 pub const FORMAT_VERSION: u32 = 1;
 pub const HEADER_FILE: &str = "snapshot.json";
@@ -31,17 +31,28 @@ pub struct SnapshotHeader {
 
 const FORMAT_NAME: &str = "tine-vm-snapshot";
 
-fn snap_err(dir: &Path, why: impl std::fmt::Display) -> Error {
-    Error::Snapshot(format!("{}: {why}", dir.display()))
+/// Context for an I/O failure while writing `path`.
+fn write_err(path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotError + '_ {
+    move |source| SnapshotError::Write {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn fsync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)?.sync_all()?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(write_err(dir))?;
     Ok(())
 }
 
 /// Copy guest RAM from `src` to a new file at `dst`, leaving holes where `src` has none of data.
 pub fn write_memory(src: &File, len: u64, dst: &Path) -> Result<()> {
+    copy_sparse(src, len, dst).map_err(write_err(dst))?;
+    Ok(())
+}
+
+fn copy_sparse(src: &File, len: u64, dst: &Path) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let out = File::create(dst)?;
     out.set_len(len)?;
@@ -55,7 +66,7 @@ pub fn write_memory(src: &File, len: u64, dst: &Path) -> Result<()> {
             if e.raw_os_error() == Some(libc::ENXIO) {
                 break; // only holes remain
             }
-            return Err(e.into());
+            return Err(e);
         }
         // SAFETY: as above.
         let hole = unsafe { libc::lseek(sfd, data, libc::SEEK_HOLE) };
@@ -73,7 +84,7 @@ pub fn write_memory(src: &File, len: u64, dst: &Path) -> Result<()> {
 
 /// Copy `[start, end)` between files: in the kernel when it can (same filesystem), else
 /// through a buffer that skips all-zero pages so the copy stays sparse.
-fn copy_range(src: &File, dst: &File, start: u64, end: u64) -> Result<()> {
+fn copy_range(src: &File, dst: &File, start: u64, end: u64) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileExt;
     let (sfd, dfd) = (src.as_raw_fd(), dst.as_raw_fd());
@@ -100,7 +111,7 @@ fn copy_range(src: &File, dst: &File, start: u64, end: u64) -> Result<()> {
         let e = std::io::Error::last_os_error();
         match e.raw_os_error() {
             Some(libc::EXDEV | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP) => break,
-            _ => return Err(e.into()),
+            _ => return Err(e),
         }
     }
     const PAGE: usize = 4096;
@@ -123,23 +134,30 @@ fn copy_range(src: &File, dst: &File, start: u64, end: u64) -> Result<()> {
 /// sibling first and appears under `dir` only once fully on disk.
 pub fn write(dir: &Path, state: &MachineState, memory: &File) -> Result<SnapshotHeader> {
     if dir.exists() {
-        return Err(snap_err(dir, "already exists"));
+        return Err(SnapshotError::AlreadyExists {
+            dir: dir.to_path_buf(),
+        }
+        .into());
     }
     let parent = dir
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    fs::create_dir_all(parent)?;
+    fs::create_dir_all(parent).map_err(write_err(parent))?;
     let name = dir
         .file_name()
-        .ok_or_else(|| snap_err(dir, "not a directory name"))?
+        .ok_or_else(|| SnapshotError::NotADirName {
+            dir: dir.to_path_buf(),
+        })?
         .to_string_lossy();
     let tmp: PathBuf = parent.join(format!(".{name}.tmp-{}", std::process::id()));
     let _ = fs::remove_dir_all(&tmp);
-    fs::create_dir(&tmp)?;
+    fs::create_dir(&tmp).map_err(write_err(&tmp))?;
     let result = (|| {
-        let body =
-            bincode::serialize(state).map_err(|e| snap_err(dir, format!("encoding state: {e}")))?;
+        let body = bincode::serialize(state).map_err(|source| SnapshotError::EncodeState {
+            dir: dir.to_path_buf(),
+            source,
+        })?;
         let header = SnapshotHeader {
             format: FORMAT_NAME.into(),
             version: FORMAT_VERSION,
@@ -153,15 +171,16 @@ pub fn write(dir: &Path, state: &MachineState, memory: &File) -> Result<Snapshot
             state_len: body.len() as u64,
             state_sha256: hex::encode(Sha256::digest(&body)),
         };
+        let header_json =
+            serde_json::to_vec_pretty(&header).map_err(|source| SnapshotError::EncodeHeader {
+                dir: dir.to_path_buf(),
+                source,
+            })?;
         write_memory(memory, state.mem_size, &tmp.join(MEMORY_FILE))?;
-        let mut f = File::create(tmp.join(STATE_FILE))?;
-        f.write_all(&body)?;
-        f.sync_all()?;
-        let mut f = File::create(tmp.join(HEADER_FILE))?;
-        f.write_all(&serde_json::to_vec_pretty(&header).map_err(|e| snap_err(dir, e))?)?;
-        f.sync_all()?;
+        write_synced(&tmp.join(STATE_FILE), &body)?;
+        write_synced(&tmp.join(HEADER_FILE), &header_json)?;
         fsync_dir(&tmp)?;
-        fs::rename(&tmp, dir)?;
+        fs::rename(&tmp, dir).map_err(write_err(dir))?;
         fsync_dir(parent)?;
         Ok(header)
     })();
@@ -169,6 +188,14 @@ pub fn write(dir: &Path, state: &MachineState, memory: &File) -> Result<Snapshot
         let _ = fs::remove_dir_all(&tmp);
     }
     result
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(write_err(path))?;
+    f.write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .map_err(write_err(path))?;
+    Ok(())
 }
 
 /// A validated snapshot ready to restore.
@@ -180,21 +207,38 @@ pub struct LoadedSnapshot {
 
 /// Read the header and check it against this host (format version, CPU model, kernel).
 pub fn load_header(dir: &Path) -> Result<SnapshotHeader> {
-    let raw = fs::read(dir.join(HEADER_FILE))
-        .map_err(|e| snap_err(dir, format!("no readable {HEADER_FILE}: {e}")))?;
-    let header: SnapshotHeader = serde_json::from_slice(&raw)
-        .map_err(|e| snap_err(dir, format!("{HEADER_FILE} is corrupt: {e}")))?;
-    if header.format != FORMAT_NAME || header.version != FORMAT_VERSION {
-        return Err(snap_err(
-            dir,
-            format!(
-                "format {} v{} is not supported (this build reads {FORMAT_NAME} v{FORMAT_VERSION})",
-                header.format, header.version
-            ),
-        ));
+    let path = dir.join(HEADER_FILE);
+    let raw = fs::read(&path).map_err(|source| RestoreError::Unreadable {
+        path: path.clone(),
+        source,
+    })?;
+    let header: SnapshotHeader =
+        serde_json::from_slice(&raw).map_err(|source| RestoreError::CorruptHeader {
+            path: path.clone(),
+            source,
+        })?;
+    if header.format != FORMAT_NAME {
+        return Err(RestoreError::NotASnapshot {
+            path,
+            found: header.format,
+            expected: FORMAT_NAME,
+        }
+        .into());
     }
-    if let Some(why) = header.host.incompatibility(&HostIdentity::current()) {
-        return Err(snap_err(dir, why));
+    if header.version != FORMAT_VERSION {
+        return Err(RestoreError::Version {
+            path,
+            found: header.version,
+            supported: FORMAT_VERSION,
+        }
+        .into());
+    }
+    if let Some(source) = header.host.incompatibility(&HostIdentity::current()) {
+        return Err(RestoreError::Host {
+            dir: dir.to_path_buf(),
+            source,
+        }
+        .into());
     }
     Ok(header)
 }
@@ -202,44 +246,256 @@ pub fn load_header(dir: &Path) -> Result<SnapshotHeader> {
 /// Read and check everything before a single KVM call is made.
 pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
     let header = load_header(dir)?;
-    let body = fs::read(dir.join(STATE_FILE))
-        .map_err(|e| snap_err(dir, format!("no readable {STATE_FILE}: {e}")))?;
+    let state_path = dir.join(STATE_FILE);
+    let body = fs::read(&state_path).map_err(|source| RestoreError::Unreadable {
+        path: state_path.clone(),
+        source,
+    })?;
     if body.len() as u64 != header.state_len {
-        return Err(snap_err(
-            dir,
-            format!(
-                "{STATE_FILE} is {} bytes, header says {}: truncated or replaced",
-                body.len(),
-                header.state_len
-            ),
-        ));
+        return Err(RestoreError::StateSize {
+            path: state_path,
+            expected: header.state_len,
+            actual: body.len() as u64,
+        }
+        .into());
     }
-    if hex::encode(Sha256::digest(&body)) != header.state_sha256 {
-        return Err(snap_err(
-            dir,
-            format!("{STATE_FILE} checksum mismatch: the file is corrupted"),
-        ));
+    let sha256 = hex::encode(Sha256::digest(&body));
+    if sha256 != header.state_sha256 {
+        return Err(RestoreError::Checksum {
+            path: state_path,
+            expected: header.state_sha256,
+            actual: sha256,
+        }
+        .into());
     }
-    let state: MachineState = bincode::deserialize(&body)
-        .map_err(|e| snap_err(dir, format!("{STATE_FILE} does not decode: {e}")))?;
+    let state: MachineState =
+        bincode::deserialize(&body).map_err(|source| RestoreError::Decode {
+            path: state_path,
+            source,
+        })?;
     if state.mem_size != header.mem_size || state.vcpus.len() as u32 != header.vcpus {
-        return Err(snap_err(dir, "header and state disagree"));
+        return Err(RestoreError::HeaderStateMismatch {
+            dir: dir.to_path_buf(),
+            header_vcpus: header.vcpus,
+            state_vcpus: state.vcpus.len(),
+            header_mem: header.mem_size,
+            state_mem: state.mem_size,
+        }
+        .into());
     }
-    let memory = File::open(dir.join(MEMORY_FILE))
-        .map_err(|e| snap_err(dir, format!("no readable {MEMORY_FILE}: {e}")))?;
-    let len = memory.metadata()?.len();
+    let memory_path = dir.join(MEMORY_FILE);
+    let unreadable = |source| RestoreError::Unreadable {
+        path: memory_path.clone(),
+        source,
+    };
+    let memory = File::open(&memory_path).map_err(unreadable)?;
+    let len = memory.metadata().map_err(unreadable)?.len();
+    if len < header.mem_size {
+        return Err(RestoreError::MemoryTruncated {
+            path: memory_path,
+            expected: header.mem_size,
+            actual: len,
+        }
+        .into());
+    }
     if len != header.mem_size {
-        return Err(snap_err(
-            dir,
-            format!(
-                "{MEMORY_FILE} is {len} bytes, expected {}: truncated",
-                header.mem_size
-            ),
-        ));
+        return Err(RestoreError::MemorySize {
+            path: memory_path,
+            expected: header.mem_size,
+            actual: len,
+        }
+        .into());
     }
     Ok(LoadedSnapshot {
         header,
         state,
         memory,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+    use crate::snapshot::VmKvmState;
+
+    const MEM: u64 = 1 << 20;
+
+    /// A complete snapshot without KVM: no vCPUs, default device state, 1 MiB of memory.
+    fn snapshot(dir: &Path) {
+        let state = MachineState {
+            vcpus: Vec::new(),
+            vm: VmKvmState {
+                pit: Default::default(),
+                clock: Default::default(),
+                pic_master: Default::default(),
+                pic_slave: Default::default(),
+                ioapic: Default::default(),
+            },
+            serial: Default::default(),
+            virtio: Vec::new(),
+            mem_size: MEM,
+        };
+        let memory = tempfile::tempfile().unwrap();
+        memory.set_len(MEM).unwrap();
+        write(dir, &state, &memory).unwrap();
+    }
+
+    fn edit_header(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+        let path = dir.join(HEADER_FILE);
+        let mut header: serde_json::Value =
+            serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        edit(&mut header);
+        fs::write(&path, serde_json::to_vec(&header).unwrap()).unwrap();
+    }
+
+    fn restore_error(dir: &Path) -> RestoreError {
+        match load(dir) {
+            Err(Error::Restore(e)) => e,
+            Err(e) => panic!("not a restore error: {e:?}"),
+            Ok(_) => panic!("{} loaded", dir.display()),
+        }
+    }
+
+    #[test]
+    fn a_written_snapshot_loads() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("snap");
+        snapshot(&dir);
+        let loaded = load(&dir).unwrap();
+        assert_eq!(loaded.header.mem_size, MEM);
+        assert_eq!(loaded.state.mem_size, MEM);
+    }
+
+    #[test]
+    fn truncated_memory_image_names_the_file_and_both_sizes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("snap");
+        snapshot(&dir);
+        let image = dir.join(MEMORY_FILE);
+        File::options()
+            .write(true)
+            .open(&image)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        let e = restore_error(&dir);
+        assert!(
+            matches!(&e, RestoreError::MemoryTruncated { path, expected: MEM, actual: 4096 }
+                if *path == image),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&image.display().to_string())
+                && msg.contains("4096 bytes, expected 1048576"),
+            "{msg}"
+        );
+
+        // Longer than the header says is a different mistake: some other snapshot's image.
+        fs::write(&image, vec![0u8; MEM as usize + 4096]).unwrap();
+        let e = restore_error(&dir);
+        assert!(
+            matches!(
+                e,
+                RestoreError::MemorySize {
+                    expected: MEM,
+                    actual: 1052672,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn wrong_version_and_wrong_format_are_their_own_variants() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("snap");
+        snapshot(&dir);
+        edit_header(&dir, |h| h["version"] = 99.into());
+        let e = restore_error(&dir);
+        assert!(
+            matches!(
+                e,
+                RestoreError::Version {
+                    found: 99,
+                    supported: FORMAT_VERSION,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&dir.join(HEADER_FILE).display().to_string())
+                && msg.contains("version 99")
+                && msg.contains(&format!("reads version {FORMAT_VERSION}")),
+            "{msg}"
+        );
+
+        edit_header(&dir, |h| h["format"] = "qemu-savevm".into());
+        let e = restore_error(&dir);
+        assert!(
+            matches!(&e, RestoreError::NotASnapshot { found, .. } if found == "qemu-savevm"),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn damaged_state_is_told_apart_from_a_missing_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("snap");
+        snapshot(&dir);
+        let state = dir.join(STATE_FILE);
+        let mut body = fs::read(&state).unwrap();
+        let len = body.len() as u64;
+
+        body[0] ^= 1;
+        fs::write(&state, &body).unwrap();
+        assert!(
+            matches!(restore_error(&dir), RestoreError::Checksum { .. }),
+            "same size, other bytes"
+        );
+
+        body.pop();
+        fs::write(&state, &body).unwrap();
+        let e = restore_error(&dir);
+        assert!(
+            matches!(e, RestoreError::StateSize { expected, actual, .. }
+                if expected == len && actual == len - 1),
+            "{e:?}"
+        );
+
+        fs::remove_file(&state).unwrap();
+        let e = restore_error(&dir);
+        assert!(
+            matches!(&e, RestoreError::Unreadable { path, source }
+                if *path == state && source.kind() == std::io::ErrorKind::NotFound),
+            "{e:?}"
+        );
+        // The I/O error stays reachable for callers walking the chain.
+        assert!(std::error::Error::source(&e).is_some());
+    }
+
+    #[test]
+    fn no_snapshot_at_all_names_the_header_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let e = restore_error(tmp.path());
+        assert!(e.to_string().contains(HEADER_FILE), "{e}");
+    }
+
+    #[test]
+    fn writing_over_a_snapshot_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let memory = tempfile::tempfile().unwrap();
+        let dir = tmp.path().join("snap");
+        snapshot(&dir);
+        let state = load(&dir).unwrap().state;
+        let err = write(&dir, &state, &memory).unwrap_err();
+        assert!(
+            matches!(&err, Error::Snapshot(SnapshotError::AlreadyExists { dir: d }) if *d == dir),
+            "{err:?}"
+        );
+    }
 }

@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::HostMismatch;
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostIdentity {
     /// CPUID vendor string, e.g. "AuthenticAMD".
@@ -47,22 +49,21 @@ impl HostIdentity {
     }
 
     /// Why a snapshot taken on `self` cannot be restored on `here`, if it cannot.
-    pub fn incompatibility(&self, here: &HostIdentity) -> Option<String> {
+    pub fn incompatibility(&self, here: &HostIdentity) -> Option<HostMismatch> {
         if self.cpu_vendor != here.cpu_vendor
             || self.cpu_signature != here.cpu_signature
             || self.cpu_model_name != here.cpu_model_name
         {
-            return Some(format!(
-                "snapshot was taken on CPU {} \"{}\" (signature {:#x}) but this host has {} \"{}\" ({:#x}); vCPU state only restores on the same CPU model",
-                self.cpu_vendor, self.cpu_model_name, self.cpu_signature,
-                here.cpu_vendor, here.cpu_model_name, here.cpu_signature
-            ));
+            return Some(HostMismatch::Cpu {
+                snapshot: Box::new(self.clone()),
+                here: Box::new(here.clone()),
+            });
         }
         if major_minor(&self.kernel_release) != major_minor(&here.kernel_release) {
-            return Some(format!(
-                "snapshot was taken under host kernel {} but this host runs {}; KVM state is only restored across the same major.minor kernel",
-                self.kernel_release, here.kernel_release
-            ));
+            return Some(HostMismatch::Kernel {
+                snapshot: self.kernel_release.clone(),
+                here: here.kernel_release.clone(),
+            });
         }
         None
     }
@@ -87,12 +88,18 @@ mod tests {
         let mut other = here.clone();
         other.cpu_signature ^= 0x10;
         let why = other.incompatibility(&here).unwrap();
-        assert!(why.contains("same CPU model"), "{why}");
+        assert!(matches!(why, HostMismatch::Cpu { .. }), "{why:?}");
+        assert!(why.to_string().contains("same CPU model"), "{why}");
         let mut patched = here.clone();
         patched.kernel_release = format!("{}.999", here.kernel_release);
         let mut newer = here.clone();
         newer.kernel_release = "99.1.0".into();
-        assert!(newer.incompatibility(&here).unwrap().contains("kernel"));
+        let why = newer.incompatibility(&here).unwrap();
+        assert!(
+            matches!(&why, HostMismatch::Kernel { snapshot, .. } if snapshot == "99.1.0"),
+            "{why:?}"
+        );
+        assert!(why.to_string().contains("kernel 99.1.0"), "{why}");
         assert!(
             patched.incompatibility(&here).is_none(),
             "patch releases are compatible"

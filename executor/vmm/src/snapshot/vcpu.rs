@@ -9,7 +9,7 @@ use kvm_bindings::{
 use kvm_ioctls::{Kvm, VcpuFd};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, VcpuError};
 
 const MSR_IA32_TSC: u32 = 0x10;
 const MSR_IA32_TSC_DEADLINE: u32 = 0x6e0;
@@ -27,13 +27,6 @@ pub struct VcpuState {
     pub tsc_khz: Option<u32>,
     pub msrs: Vec<kvm_msr_entry>,
     pub vcpu_events: kvm_vcpu_events,
-}
-
-fn err(index: usize, what: &str, e: impl std::fmt::Display) -> Error {
-    Error::Vcpu {
-        index,
-        reason: format!("{what}: {e}"),
-    }
 }
 
 /// Whether an MSR belongs in a snapshot (the list from the KVM snapshot notes).
@@ -80,11 +73,14 @@ fn read_msrs(fd: &VcpuFd, index: usize, list: &[u32]) -> Result<Vec<kvm_msr_entr
                 ..Default::default()
             })
             .collect();
-        let mut msrs =
-            Msrs::from_entries(&entries).map_err(|e| err(index, "MSR list", format!("{e:?}")))?;
+        let mut msrs = Msrs::from_entries(&entries).map_err(|source| VcpuError::List {
+            index,
+            what: "MSR list",
+            source,
+        })?;
         let n = fd
             .get_msrs(&mut msrs)
-            .map_err(|e| err(index, "KVM_GET_MSRS", e))?;
+            .map_err(VcpuError::ioctl(index, "KVM_GET_MSRS"))?;
         if n == list.len() {
             return Ok(msrs.as_slice().to_vec());
         }
@@ -96,19 +92,29 @@ fn read_msrs(fd: &VcpuFd, index: usize, list: &[u32]) -> Result<Vec<kvm_msr_entr
 pub fn save(fd: &VcpuFd, index: usize, msr_list: &[u32]) -> Result<VcpuState> {
     let mp_state = fd
         .get_mp_state()
-        .map_err(|e| err(index, "KVM_GET_MP_STATE", e))?;
-    let regs = fd.get_regs().map_err(|e| err(index, "KVM_GET_REGS", e))?;
-    let sregs = fd.get_sregs().map_err(|e| err(index, "KVM_GET_SREGS", e))?;
-    let xsave = fd.get_xsave().map_err(|e| err(index, "KVM_GET_XSAVE", e))?;
-    let xcrs = fd.get_xcrs().map_err(|e| err(index, "KVM_GET_XCRS", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_GET_MP_STATE"))?;
+    let regs = fd
+        .get_regs()
+        .map_err(VcpuError::ioctl(index, "KVM_GET_REGS"))?;
+    let sregs = fd
+        .get_sregs()
+        .map_err(VcpuError::ioctl(index, "KVM_GET_SREGS"))?;
+    let xsave = fd
+        .get_xsave()
+        .map_err(VcpuError::ioctl(index, "KVM_GET_XSAVE"))?;
+    let xcrs = fd
+        .get_xcrs()
+        .map_err(VcpuError::ioctl(index, "KVM_GET_XCRS"))?;
     let debugregs = fd
         .get_debug_regs()
-        .map_err(|e| err(index, "KVM_GET_DEBUGREGS", e))?;
-    let lapic = fd.get_lapic().map_err(|e| err(index, "KVM_GET_LAPIC", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_GET_DEBUGREGS"))?;
+    let lapic = fd
+        .get_lapic()
+        .map_err(VcpuError::ioctl(index, "KVM_GET_LAPIC"))?;
     let tsc_khz = fd.get_tsc_khz().ok();
     let cpuid = fd
         .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
-        .map_err(|e| err(index, "KVM_GET_CPUID2", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_GET_CPUID2"))?;
     let cpuid: Vec<kvm_cpuid_entry2> = cpuid
         .as_slice()
         .iter()
@@ -118,7 +124,7 @@ pub fn save(fd: &VcpuFd, index: usize, msr_list: &[u32]) -> Result<VcpuState> {
     let msrs = read_msrs(fd, index, msr_list)?;
     let vcpu_events = fd
         .get_vcpu_events()
-        .map_err(|e| err(index, "KVM_GET_VCPU_EVENTS", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_GET_VCPU_EVENTS"))?;
     Ok(VcpuState {
         cpuid,
         mp_state,
@@ -138,48 +144,55 @@ fn set_msrs(fd: &VcpuFd, index: usize, entries: &[kvm_msr_entry]) -> Result<()> 
     if entries.is_empty() {
         return Ok(());
     }
-    let msrs = Msrs::from_entries(entries).map_err(|e| err(index, "MSR list", format!("{e:?}")))?;
+    let msrs = Msrs::from_entries(entries).map_err(|source| VcpuError::List {
+        index,
+        what: "MSR list",
+        source,
+    })?;
     let n = fd
         .set_msrs(&msrs)
-        .map_err(|e| err(index, "KVM_SET_MSRS", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_MSRS"))?;
     if n != entries.len() {
-        return Err(err(
+        return Err(VcpuError::MsrsRefused {
             index,
-            "KVM_SET_MSRS",
-            format!(
-                "set {n} of {} MSRs (refused {:#x})",
-                entries.len(),
-                entries[n].index
-            ),
-        ));
+            which: "saved",
+            set: n,
+            total: entries.len(),
+            refused: entries[n].index,
+        }
+        .into());
     }
     Ok(())
 }
 
 pub fn restore(fd: &VcpuFd, index: usize, s: &VcpuState) -> Result<()> {
-    let cpuid = CpuId::from_entries(&s.cpuid).map_err(|e| err(index, "CPUID", format!("{e:?}")))?;
+    let cpuid = CpuId::from_entries(&s.cpuid).map_err(|source| VcpuError::List {
+        index,
+        what: "CPUID",
+        source,
+    })?;
     fd.set_cpuid2(&cpuid)
-        .map_err(|e| err(index, "KVM_SET_CPUID2", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_CPUID2"))?;
     if let Some(khz) = s.tsc_khz {
         if fd.get_tsc_khz().ok() != Some(khz) {
             fd.set_tsc_khz(khz)
-                .map_err(|e| err(index, "KVM_SET_TSC_KHZ", e))?;
+                .map_err(VcpuError::ioctl(index, "KVM_SET_TSC_KHZ"))?;
         }
     }
     fd.set_mp_state(s.mp_state)
-        .map_err(|e| err(index, "KVM_SET_MP_STATE", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_MP_STATE"))?;
     fd.set_regs(&s.regs)
-        .map_err(|e| err(index, "KVM_SET_REGS", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_REGS"))?;
     fd.set_sregs(&s.sregs)
-        .map_err(|e| err(index, "KVM_SET_SREGS", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_SREGS"))?;
     // SAFETY: the buffer is a kvm_xsave of the size KVM_GET_XSAVE produced.
-    unsafe { fd.set_xsave(&s.xsave) }.map_err(|e| err(index, "KVM_SET_XSAVE", e))?;
+    unsafe { fd.set_xsave(&s.xsave) }.map_err(VcpuError::ioctl(index, "KVM_SET_XSAVE"))?;
     fd.set_xcrs(&s.xcrs)
-        .map_err(|e| err(index, "KVM_SET_XCRS", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_XCRS"))?;
     fd.set_debug_regs(&s.debugregs)
-        .map_err(|e| err(index, "KVM_SET_DEBUGREGS", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_DEBUGREGS"))?;
     fd.set_lapic(&s.lapic)
-        .map_err(|e| err(index, "KVM_SET_LAPIC", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_LAPIC"))?;
     // TSC_DEADLINE only sticks once the LAPIC and TSC are set: a final, separate call. A zero
     // deadline would leave the timer unarmed forever, so arm it "now" instead.
     let (deadline, rest): (Vec<_>, Vec<_>) = s
@@ -203,7 +216,7 @@ pub fn restore(fd: &VcpuFd, index: usize, s: &VcpuState) -> Result<()> {
         .collect();
     set_msrs(fd, index, &deadline)?;
     fd.set_vcpu_events(&s.vcpu_events)
-        .map_err(|e| err(index, "KVM_SET_VCPU_EVENTS", e))?;
+        .map_err(VcpuError::ioctl(index, "KVM_SET_VCPU_EVENTS"))?;
     // EINVAL when the guest does not use kvmclock: nothing to tell then.
     let _ = fd.kvmclock_ctrl();
     Ok(())

@@ -7,6 +7,7 @@ use vm_memory::GuestMemoryMmap;
 
 use super::{IrqLine, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::devices::mmio::MmioDevice;
+use crate::error::DeviceError;
 use crate::snapshot::devices::{QueueSnapshot, VirtioMmioSnapshot};
 
 const MAGIC: u32 = 0x7472_6976; // "virt"
@@ -247,14 +248,26 @@ impl VirtioMmio {
 
     /// Recreate the transport state; an activated device is re-activated with the saved queue
     /// positions and told it was restored.
-    pub fn restore(&mut self, s: &VirtioMmioSnapshot) -> Result<(), String> {
-        if s.kind != self.device.kind() || s.queues.len() != self.queues.len() {
-            return Err(format!("virtio device mismatch: snapshot has {:?}", s.kind));
+    pub fn restore(&mut self, s: &VirtioMmioSnapshot) -> Result<(), DeviceError> {
+        let kind = self.device.kind();
+        if s.kind != kind || s.queues.len() != self.queues.len() {
+            return Err(DeviceError::VirtioMismatch {
+                device: kind,
+                device_queues: self.queues.len(),
+                snapshot: s.kind.clone(),
+                snapshot_queues: s.queues.len(),
+            });
         }
         let mut queues = Vec::with_capacity(s.queues.len());
-        for q in &s.queues {
+        for (index, q) in s.queues.iter().enumerate() {
             let st = QueueState::from(q);
-            queues.push(Queue::try_from(st).map_err(|e| format!("bad queue in snapshot: {e:?}"))?);
+            queues.push(
+                Queue::try_from(st).map_err(|source| DeviceError::VirtioQueue {
+                    kind: kind.clone(),
+                    index,
+                    source,
+                })?,
+            );
         }
         self.status = s.status;
         self.acked_features = s.acked_features;

@@ -1,0 +1,273 @@
+//! The virtio device: its config space (the guest CID), the RX/TX/event virtqueues and moving
+//! packets between them and the muxer, pause for snapshots, and the transport reset sent after
+//! a restore. The device thread lives in `event_loop`.
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
+use vm_memory::GuestMemoryMmap;
+
+use super::muxer::Muxer;
+use super::packet::{Header, HDR_LEN, MAX_PKT};
+use super::{event_loop, DEVICE_ID, HOST_CID};
+use crate::devices::virtio::{IrqLine, VirtioDevice, INT_USED_RING};
+use crate::error::DeviceError;
+use crate::snapshot::devices::VirtioKind;
+
+const QUEUE_SIZE: u16 = 256;
+const RX: usize = 0;
+const TX: usize = 1;
+const EVT: usize = 2;
+const EVENT_TRANSPORT_RESET: u32 = 0;
+
+/// Everything the vCPU threads (queue notifications) and the device thread (host streams)
+/// share, under one lock.
+pub(super) struct DeviceState {
+    pub(super) mem: Option<GuestMemoryMmap>,
+    pub(super) queues: Vec<Queue>,
+    pub(super) irq: Option<IrqLine>,
+    /// Set while the VM is paused for a snapshot: no guest memory is touched.
+    pub(super) paused: bool,
+    pub(super) muxer: Muxer,
+}
+
+impl DeviceState {
+    /// Drain the guest's transmit queue.
+    fn process_tx(&mut self) {
+        if self.paused {
+            return;
+        }
+        let Some(mem) = self.mem.clone() else { return };
+        let mut used = false;
+        while let Some(chain) = self.queues[TX].pop_descriptor_chain(&mem) {
+            let head = chain.head_index();
+            let packet = chain.reader(&mem).ok().and_then(|mut r| {
+                let mut hb = [0u8; HDR_LEN];
+                r.read_exact(&mut hb).ok()?;
+                let h = Header::parse(&hb);
+                if h.len > MAX_PKT || h.len as usize > r.available_bytes() {
+                    return Some((h, None));
+                }
+                let mut payload = vec![0u8; h.len as usize];
+                r.read_exact(&mut payload).ok()?;
+                Some((h, Some(payload)))
+            });
+            let _ = self.queues[TX].add_used(&mem, head, 0);
+            used = true;
+            match packet {
+                Some((h, Some(payload))) => self.muxer.on_guest_packet(h, &payload),
+                Some((h, None)) => {
+                    tracing::warn!(len = h.len, "vsock: oversized or truncated guest packet");
+                    self.muxer.rst_for(&h);
+                }
+                None => tracing::warn!("vsock: unreadable guest packet"),
+            }
+        }
+        if used {
+            self.signal();
+        }
+    }
+
+    pub(super) fn signal(&self) {
+        if let Some(irq) = &self.irq {
+            irq.trigger(INT_USED_RING);
+        }
+    }
+
+    /// Fill the guest's receive queue: control packets first, then stream data within credit.
+    pub(super) fn process_rx(&mut self) {
+        if self.paused {
+            return;
+        }
+        let Some(mem) = self.mem.clone() else { return };
+        let mut used = false;
+        let mut buf = vec![0u8; MAX_PKT as usize];
+        while let Some(chain) = self.queues[RX].pop_descriptor_chain(&mem) {
+            let head = chain.head_index();
+            let Ok(mut w) = chain.writer(&mem) else {
+                let _ = self.queues[RX].add_used(&mem, head, 0);
+                used = true;
+                continue;
+            };
+            let room = w.available_bytes().saturating_sub(HDR_LEN);
+            let Some((h, n)) = self.muxer.next_for_guest(room, &mut buf) else {
+                // Nothing to send: give the buffer back for later.
+                self.queues[RX].go_to_previous_position();
+                break;
+            };
+            let _ = w.write_all(&h.to_bytes());
+            if n > 0 {
+                let _ = w.write_all(&buf[..n]);
+            }
+            let _ = self.queues[RX].add_used(&mem, head, (HDR_LEN + n) as u32);
+            used = true;
+        }
+        if used {
+            self.signal();
+        }
+    }
+
+    /// Connections did not survive the snapshot: tell the guest so it drops its side (its
+    /// listeners stay). Needs one of the event buffers the guest keeps posted.
+    fn send_transport_reset(&mut self) {
+        let Some(mem) = self.mem.clone() else { return };
+        let Some(chain) = self.queues[EVT].pop_descriptor_chain(&mem) else {
+            tracing::warn!("vsock: no event buffer for the transport reset");
+            return;
+        };
+        let head = chain.head_index();
+        let ok = chain
+            .writer(&mem)
+            .ok()
+            .and_then(|mut w| w.write_all(&EVENT_TRANSPORT_RESET.to_le_bytes()).ok())
+            .is_some();
+        let _ = self.queues[EVT].add_used(&mem, head, if ok { 4 } else { 0 });
+        self.signal();
+    }
+}
+
+/// The vsock device: owns the host socket and a thread that moves host stream data.
+pub struct Vsock {
+    state: Arc<Mutex<DeviceState>>,
+    guest_cid: u64,
+}
+
+impl Vsock {
+    /// Listen on `uds_path` (replaced if a stale socket is there) for guest `guest_cid`.
+    pub fn new(guest_cid: u64, uds_path: &Path) -> Result<Self, DeviceError> {
+        // 0-2 are the hypervisor, local and host; the top of the 32-bit range is reserved too.
+        const MAX_CID: u64 = u32::MAX as u64 - 1;
+        if guest_cid <= HOST_CID || guest_cid > MAX_CID {
+            return Err(DeviceError::VsockCid {
+                cid: guest_cid,
+                max: MAX_CID,
+            });
+        }
+        let socket_err = |source| DeviceError::VsockSocket {
+            path: uds_path.to_path_buf(),
+            source,
+        };
+        let muxer = Muxer::bind(guest_cid, uds_path).map_err(socket_err)?;
+        let epoll = muxer.epoll();
+        let state = Arc::new(Mutex::new(DeviceState {
+            mem: None,
+            queues: Vec::new(),
+            irq: None,
+            paused: false,
+            muxer,
+        }));
+        let worker = state.clone();
+        std::thread::Builder::new()
+            .name("vsock".into())
+            .spawn(move || event_loop::run(worker, epoll))
+            .map_err(|source| DeviceError::VsockThread { source })?;
+        Ok(Self { state, guest_cid })
+    }
+}
+
+impl VirtioDevice for Vsock {
+    fn device_type(&self) -> u32 {
+        DEVICE_ID
+    }
+
+    fn features(&self) -> u64 {
+        0
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE; 3]
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let config = self.guest_cid.to_le_bytes();
+        let off = offset as usize;
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = config.get(off + i).copied().unwrap_or(0);
+        }
+    }
+
+    fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqLine, _features: u64) {
+        let mut g = self.state.lock().unwrap();
+        g.mem = Some(mem);
+        g.queues = queues;
+        g.irq = Some(irq);
+    }
+
+    fn queue_notify(&mut self, queue: u16) {
+        let mut g = self.state.lock().unwrap();
+        if queue as usize == TX {
+            g.process_tx();
+        }
+        // New receive buffers, or answers queued by the packets just read.
+        g.process_rx();
+    }
+
+    fn set_paused(&mut self, paused: bool) {
+        let mut g = self.state.lock().unwrap();
+        g.paused = paused;
+        if !paused {
+            // Work that arrived while paused.
+            g.process_tx();
+            g.process_rx();
+        }
+    }
+
+    fn queue_states(&self) -> Vec<QueueState> {
+        self.state
+            .lock()
+            .unwrap()
+            .queues
+            .iter()
+            .map(|q| q.state())
+            .collect()
+    }
+
+    fn kind(&self) -> VirtioKind {
+        VirtioKind::Vsock {
+            guest_cid: self.guest_cid,
+        }
+    }
+
+    fn after_restore(&mut self) {
+        self.state.lock().unwrap().send_transport_reset();
+    }
+
+    fn reset(&mut self) {
+        let mut g = self.state.lock().unwrap();
+        g.muxer.reset();
+        g.mem = None;
+        g.queues.clear();
+        g.irq = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserved_cids_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = Vsock::new(2, &dir.path().join("v.sock")).err().unwrap();
+        assert!(
+            matches!(err, DeviceError::VsockCid { cid: 2, .. }),
+            "{err:?}"
+        );
+        assert!(Vsock::new(u32::MAX as u64, &dir.path().join("v.sock")).is_err());
+        assert!(Vsock::new(3, &dir.path().join("v.sock")).is_ok());
+    }
+
+    #[test]
+    fn config_space_is_the_guest_cid() {
+        let dir = tempfile::tempdir().unwrap();
+        let v = Vsock::new(0x1234_5678, &dir.path().join("v.sock")).unwrap();
+        let mut b = [0u8; 8];
+        v.read_config(0, &mut b);
+        assert_eq!(u64::from_le_bytes(b), 0x1234_5678);
+        let mut past = [0xffu8; 4];
+        v.read_config(6, &mut past);
+        assert_eq!(past, [0, 0, 0, 0]);
+    }
+}

@@ -1,0 +1,154 @@
+//! The device thread: waits on the host streams (epoll), hands their events to the muxer,
+//! fills the guest's receive queue, and runs the watchdog that recovers from lost interrupts and
+//! reports work that stays stuck.
+
+use std::collections::HashMap;
+use std::io::ErrorKind;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use vmm_sys_util::epoll::{Epoll, EpollEvent};
+
+use super::device::DeviceState;
+use super::dump;
+use super::muxer::TOKEN_LISTENER;
+use crate::devices::virtio::INT_USED_RING;
+use crate::diagnostics::DumpRequests;
+
+/// How often an idle device thread wakes to look at its interrupt line.
+const IDLE_WAKE: Duration = Duration::from_secs(5);
+
+/// How long the interrupt status may stay un-acknowledged before the interrupt is sent again.
+const IRQ_RESEND_AFTER: Duration = Duration::from_millis(1000);
+
+pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
+    let mut events = vec![EpollEvent::default(); 64];
+    let mut watchdog = IrqWatchdog::default();
+    let mut busy = false;
+    loop {
+        // Wake for the watchdog: often while something is pending, rarely when idle (a
+        // hundred idle VMMs should not keep the host awake), never blocking forever since an
+        // interrupt raised from a vCPU thread must still be checked.
+        let timeout = if busy {
+            IRQ_RESEND_AFTER / 2
+        } else {
+            IDLE_WAKE
+        };
+        let n = match epoll.wait(timeout.as_millis() as i32, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => {
+                tracing::error!("vsock: epoll failed: {e}");
+                return;
+            }
+        };
+        let mut g = state.lock().unwrap();
+        for ev in &events[..n] {
+            if ev.data() == TOKEN_LISTENER {
+                g.muxer.accept();
+            } else {
+                g.muxer.on_stream_event(ev.data(), ev.event_set());
+            }
+        }
+        g.process_rx();
+        watchdog.check(&mut g);
+        busy = watchdog.watching();
+    }
+}
+
+/// Recovery and diagnosis for stalls the device cannot see directly.
+///
+/// Linux acknowledges the interrupt status in its handler right away, so a status that stays
+/// set means an interrupt never reached the guest (seen in nested virtualization). Without a
+/// resend the guest never refills its receive queue and the device, having no buffers, never
+/// signals again: a silent, permanent stall. Resending is harmless if the guest was just slow.
+/// Likewise a connection blocked on guest credit asks for a credit update instead of waiting
+/// for one forever, and work that stays pending is logged with the device state.
+#[derive(Default)]
+struct IrqWatchdog {
+    pending_since: Option<Instant>,
+    resent: u64,
+    stuck_since: Option<Instant>,
+    stuck_reports: u32,
+    credit_asked: HashMap<u64, Instant>,
+    dumps: DumpRequests,
+}
+
+impl IrqWatchdog {
+    /// Something is pending that the next checks must follow closely.
+    fn watching(&self) -> bool {
+        self.pending_since.is_some() || self.stuck_since.is_some() || !self.credit_asked.is_empty()
+    }
+
+    fn check(&mut self, g: &mut DeviceState) {
+        if self.dumps.take() {
+            tracing::warn!("vsock state (SIGUSR1): {}", dump::describe(g));
+        }
+        if g.paused || g.irq.is_none() {
+            self.pending_since = None;
+            return;
+        }
+        let now = Instant::now();
+        let status = g.irq.as_ref().map_or(0, |i| i.status());
+        if status == 0 {
+            self.pending_since = None;
+        } else {
+            match self.pending_since {
+                None => self.pending_since = Some(now),
+                Some(t) if now.duration_since(t) >= IRQ_RESEND_AFTER => {
+                    self.resent += 1;
+                    if self.resent.is_power_of_two() {
+                        tracing::warn!(
+                            resent = self.resent,
+                            "vsock: interrupt not acknowledged for {IRQ_RESEND_AFTER:?}; sending it again; {}",
+                            dump::describe(g)
+                        );
+                    }
+                    if let Some(irq) = &g.irq {
+                        irq.resend();
+                    }
+                    self.pending_since = Some(now);
+                }
+                Some(_) => {}
+            }
+        }
+        // Connections with host data waiting on guest credit: ask for an update.
+        let blocked = g.muxer.credit_starved();
+        self.credit_asked.retain(|t, _| blocked.contains(t));
+        let mut asked = false;
+        for t in blocked {
+            let due = self
+                .credit_asked
+                .get(&t)
+                .is_none_or(|at| now.duration_since(*at) >= IRQ_RESEND_AFTER);
+            if due && g.muxer.request_credit(t) {
+                self.credit_asked.insert(t, now);
+                asked = true;
+            }
+        }
+        if asked {
+            g.process_rx();
+        }
+        // Work that cannot get out (control packets queued, or requests unanswered): say so
+        // with the state, at 3 s and then at doubling intervals.
+        if !g.muxer.awaiting_guest() {
+            self.stuck_since = None;
+            self.stuck_reports = 0;
+        } else {
+            let since = *self.stuck_since.get_or_insert(now);
+            let due = Duration::from_secs(3) * (1u32 << self.stuck_reports.min(8));
+            if now.duration_since(since) >= due {
+                self.stuck_reports += 1;
+                tracing::warn!(
+                    "vsock: work pending for {:.1} s; {}",
+                    now.duration_since(since).as_secs_f64(),
+                    dump::describe(g)
+                );
+                // A guest that acknowledged but never refilled its receive ring: nudge it.
+                if let Some(irq) = &g.irq {
+                    irq.trigger(INT_USED_RING);
+                }
+            }
+        }
+    }
+}
