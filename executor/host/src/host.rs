@@ -20,6 +20,10 @@ use crate::ready::{make_ready, SpawnPhases};
 use crate::records::{self, now_ms, VmRecord};
 use crate::worker::{WorkerJob, WorkerPool};
 
+/// Children set up at once by one spawn call: each is a thread that mostly waits (for its
+/// worker, then its agent); past a few hundred they only cost memory and scheduler time.
+const MAX_CONCURRENT_SPAWNS: usize = 256;
+
 /// A VM this host started or re-adopted.
 struct Live {
     record: VmRecord,
@@ -232,11 +236,11 @@ impl Host {
         let timeout = opts.ready_timeout.unwrap_or(self.cfg.limits.ready_timeout);
         let readiness = opts.readiness.unwrap_or(self.cfg.readiness);
         let n = ids.len();
-        let width = if opts.parallel == 0 {
-            n
-        } else {
-            opts.parallel.min(n)
-        };
+        let width = match opts.parallel {
+            0 => n,
+            p => p.min(n),
+        }
+        .min(MAX_CONCURRENT_SPAWNS);
         let queue = Mutex::new(ids.into_iter());
         // Each child's spans belong to the caller's trace (e.g. the control plane's Spawn).
         let parent = tracing::Span::current();
