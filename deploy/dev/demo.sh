@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 bash deploy/dev/setup.sh
-cargo build --release -p tine-cli
-TINE="$PWD/target/release/tine"
+bash deploy/build.sh   # tine and, beside it, the static tine-agent that tine image build uses
+TINE="$PWD/target/dist/tine"
 "$TINE" doctor || true
 "$TINE" image build python-numpy
 if [ -e /sys/module/kvm_pvm ] || ! grep -qwE 'vmx|svm' /proc/cpuinfo; then

@@ -9,6 +9,8 @@ export PATH="${TINE_VENV:-$HOME/.cache/tine/venv}/bin:$PATH"
 
 echo "== fmt"; cargo fmt --all -- --check
 echo "== clippy"; cargo clippy --workspace --all-targets -- -D warnings
+echo "== static guest agent"; bash deploy/build.sh --agent-only target/dist
+export TINE_AGENT_BIN="$PWD/target/dist/tine-agent"
 echo "== unit and integration tests"; cargo test --workspace
 echo "== API end to end: tine up + grpcurl + tine CLI + the Python client"
 cargo test -p tine-cli --test api -- --ignored

@@ -1,11 +1,12 @@
 //! Default guest kernel and initramfs: the Debian cloud kernel and the smoke initramfs from the
-//! cache, fetched or built on first use so `tine run` works with no arguments.
+//! cache, fetched or built on first use so `tine run` works with no arguments. Where the cache
+//! is read-only (inside `tine lab`, which prepares both before booting L1) a missing one is a
+//! clear error, not an attempt to write.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use tine_image::initramfs::find_busybox;
-use tine_image::{default_cache_dir, fetch_kernel, smoke_init_script, Flavor, Initramfs};
+use tine_image::{default_cache_dir, fetch_kernel, smoke_initramfs, Flavor};
 
 /// The cloud kernel's ELF vmlinux (PVH entry), fetching and extracting it if needed.
 pub fn kernel() -> Result<PathBuf> {
@@ -17,12 +18,5 @@ pub fn kernel() -> Result<PathBuf> {
 
 /// The smoke initramfs (prints the boot marker and powers off), built if missing.
 pub fn smoke_initrd() -> Result<PathBuf> {
-    let path = default_cache_dir().join("smoke-initramfs.cpio.gz");
-    if !path.exists() {
-        Initramfs::new(smoke_init_script(&[]))
-            .busybox(find_busybox()?)
-            .write_gz(&path)
-            .with_context(|| format!("building {}", path.display()))?;
-    }
-    Ok(path)
+    smoke_initramfs(&default_cache_dir()).context("the default initramfs (--initrd)")
 }

@@ -1,6 +1,10 @@
 //! Linux boot tests: they need real KVM with VMX/SVM, so on other hosts they run inside the
 //! nested lab (`tine lab`). Slow (tens of seconds each), hence `#[ignore]`; CI runs them with
 //! `cargo test -p tine-cli --test lab -- --ignored`.
+//!
+//! Inside the lab the host's cache (`$TINE_CACHE_DIR` or `~/.cache/tine`) is read-only, so
+//! everything a scenario boots (kernel, smoke initramfs, images) is prepared here on the host
+//! first; the tests work from an empty cache.
 
 use std::path::Path;
 use std::process::Command;
@@ -80,18 +84,27 @@ fn lab_timed_out(out: &str) -> bool {
     out.contains("did not finish within")
 }
 
-fn cached_kernel(file_prefix: &str) -> String {
-    // `tine image kernel` prints the cached kernel's paths; make sure it is there.
+/// Runs `tine <args>` on the host, which must succeed; returns its stdout.
+fn tine_on_host(args: &[&str]) -> String {
     let out = Command::new(TINE)
-        .args(["image", "kernel", "--flavor", "cloud", "--vmlinux"])
+        .args(args)
         .output()
-        .expect("tine image kernel");
+        .unwrap_or_else(|e| panic!("tine {args:?}: {e}"));
     assert!(
         out.status.success(),
-        "{}",
+        "tine {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The cached cloud kernel's `vmlinux-*` or `vmlinuz-*` path, fetched on the host if needed,
+/// and the smoke initramfs that `tine run` boots when no `--initrd` is given.
+fn cached_kernel(file_prefix: &str) -> String {
+    // `tine image kernel` prints the cached kernel's paths.
+    let text = tine_on_host(&["image", "kernel", "--flavor", "cloud", "--vmlinux"]);
+    tine_on_host(&["image", "initramfs"]);
     text.split_whitespace()
         .find(|w| {
             std::path::Path::new(w)
@@ -138,18 +151,16 @@ fn guest_reboot_is_reported_in_the_exit_status() {
     assert_eq!(code, 2, "reboot must exit 2:\n{out}");
 }
 
-/// Build (or reuse) a guest image on the host, where the package mirror is reachable.
+/// The static guest agent (see `tine_agent::build::static_agent_for_tests`).
+fn static_agent() -> &'static Path {
+    tine_agent::build::static_agent_for_tests()
+}
+
+/// Build (or reuse) a guest image on the host, where the package mirror is reachable and the
+/// cache writable.
 fn build_image(recipe: &str) {
-    let out = Command::new(TINE)
-        .args(["image", "build", recipe])
-        .output()
-        .expect("tine image build");
-    assert!(
-        out.status.success(),
-        "tine image build {recipe}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let agent = static_agent().to_str().expect("agent path is UTF-8");
+    tine_on_host(&["image", "build", recipe, "--agent", agent]);
 }
 
 /// Run a scenario script and check every `CHECK` line it prints.
@@ -304,6 +315,7 @@ fn control_plane_end_to_end_with_the_python_client() {
             "eval-cli",
             "python-example",
             "python-tests",
+            "executor-metrics",
             "shutdown",
         ],
     );

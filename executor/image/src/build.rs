@@ -15,8 +15,9 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::compress::Compression;
+use crate::elf::check_static_x86_64;
 use crate::guestpath::Excludes;
-use crate::initramfs::{find_busybox, is_static_elf, KernelModules};
+use crate::initramfs::{find_busybox, KernelModules};
 use crate::manifest::{self, AgentInfo, FileInfo, ImageManifest, RootfsInfo};
 use crate::modules::ModuleIndex;
 use crate::recipe::{Recipe, RootfsSource};
@@ -36,8 +37,8 @@ pub struct BuildOptions {
     /// Points `<cache>/images/names/<name>` at the image (default: the recipe name).
     pub name: Option<String>,
     pub cache: PathBuf,
-    /// Static tine-agent binary (default: built with tine_agent::build::static_agent_binary).
-    pub agent: Option<PathBuf>,
+    /// The static tine-agent binary (a build artifact, see [`crate::agent`]).
+    pub agent: PathBuf,
     /// Static busybox (default: /bin/busybox from busybox-static, installed if missing).
     pub busybox: Option<PathBuf>,
     /// Overrides the recipe's compression.
@@ -47,13 +48,13 @@ pub struct BuildOptions {
 }
 
 impl BuildOptions {
-    pub fn new(recipe: Recipe, cache: PathBuf) -> BuildOptions {
+    pub fn new(recipe: Recipe, cache: PathBuf, agent: PathBuf) -> BuildOptions {
         BuildOptions {
             recipe,
             rootfs: None,
             name: None,
             cache,
-            agent: None,
+            agent,
             busybox: None,
             compression: None,
             rebuild: false,
@@ -103,6 +104,8 @@ pub fn build_image(opts: &BuildOptions) -> Result<BuiltImage> {
     recipe.compression = Some(compression);
     let name = opts.name.clone().unwrap_or_else(|| recipe.name.clone());
     check_name(&name)?;
+    // Before any download: a missing or dynamic agent should fail at once.
+    let agent_data = crate::agent::read_agent(&opts.agent)?;
 
     let kernel = fetch_kernel(Flavor::Cloud, &opts.cache).context("fetching the guest kernel")?;
     let vmlinux = kernel.vmlinux().context("extracting vmlinux")?;
@@ -116,16 +119,6 @@ pub fn build_image(opts: &BuildOptions) -> Result<BuiltImage> {
         None => find_busybox()?,
     };
     let busybox_data = read_static(&busybox, "busybox (install busybox-static)")?;
-    let agent = match &opts.agent {
-        Some(a) => a.clone(),
-        None => {
-            eprintln!("tine-image: building the static tine-agent (cargo)");
-            tine_agent::build::static_agent_binary().context(
-                "building the static tine-agent; pass --agent PATH to use a prebuilt one",
-            )?
-        }
-    };
-    let agent_data = read_static(&agent, "tine-agent (see tine_agent::build)")?;
 
     let files = recipe
         .files
@@ -161,6 +154,7 @@ pub fn build_image(opts: &BuildOptions) -> Result<BuiltImage> {
             });
         }
     }
+    crate::cache::ensure_writable(&images, &format!("image {name} ({id})"))?;
     fs::create_dir_all(&images).with_context(|| format!("creating {}", images.display()))?;
     let work = tempfile::Builder::new()
         .prefix(".build-")
@@ -315,9 +309,10 @@ fn describe_source(source: Option<&RootfsSource>) -> String {
 
 fn read_static(path: &Path, what: &str) -> Result<Vec<u8>> {
     let data = fs::read(path).with_context(|| format!("reading {what} at {}", path.display()))?;
-    if !is_static_elf(&data) {
+    if let Err(problem) = check_static_x86_64(&data) {
         bail!(
-            "{} is not a static executable; the guest has no dynamic loader for {what}",
+            "{} is not a static x86_64 executable ({problem}); the guest has no dynamic loader \
+             for {what}",
             path.display()
         );
     }

@@ -108,8 +108,9 @@ pub fn is_x86_64_elf(data: &[u8]) -> bool {
         && u16::from_le_bytes([data[18], data[19]]) == 0x3e
 }
 
-/// Extracts `vmlinux-<release>` next to `vmlinuz-<release>` (once) and returns its path.
-pub fn extract_vmlinux(vmlinuz: &Path) -> anyhow::Result<PathBuf> {
+/// Where [`extract_vmlinux`] puts the vmlinux of `vmlinuz`: `vmlinux-<release>` next to
+/// `vmlinuz-<release>`.
+pub fn vmlinux_path(vmlinuz: &Path) -> anyhow::Result<PathBuf> {
     let name = vmlinuz
         .file_name()
         .context("kernel path has no file name")?
@@ -118,7 +119,12 @@ pub fn extract_vmlinux(vmlinuz: &Path) -> anyhow::Result<PathBuf> {
         Some(rest) => format!("vmlinux{rest}"),
         None => format!("{name}.vmlinux"),
     };
-    let out = vmlinuz.with_file_name(out_name);
+    Ok(vmlinuz.with_file_name(out_name))
+}
+
+/// Extracts `vmlinux-<release>` next to `vmlinuz-<release>` (once) and returns its path.
+pub fn extract_vmlinux(vmlinuz: &Path) -> anyhow::Result<PathBuf> {
+    let out = vmlinux_path(vmlinuz)?;
     if out.is_file() {
         return Ok(out);
     }

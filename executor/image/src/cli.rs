@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 
 use crate::build::export_image;
-use crate::initramfs::{find_busybox, smoke_init_script, Initramfs, KernelModules};
+use crate::initramfs::{
+    find_busybox, smoke_init_script, Initramfs, KernelModules, SMOKE_INITRAMFS,
+};
 use crate::modules::ModuleIndex;
 use crate::{
     build_image, default_cache_dir, fetch_kernel, list_images, BuildOptions, Flavor, Recipe,
@@ -74,7 +76,8 @@ pub enum ImageCommand {
         /// Cache directory (default: $TINE_CACHE_DIR or ~/.cache/tine).
         #[arg(long)]
         cache: Option<PathBuf>,
-        /// Static tine-agent binary (default: build it with cargo, see tine_agent::build).
+        /// Static tine-agent binary (default: tine-agent beside this tine executable, as
+        /// deploy/build.sh places it).
         #[arg(long, env = "TINE_AGENT_BIN", value_name = "PATH")]
         agent: Option<PathBuf>,
         /// Static busybox (default: /bin/busybox from busybox-static).
@@ -131,7 +134,7 @@ pub fn run(cmd: ImageCommand) -> Result<()> {
             cache,
         } => {
             let cache = cache.unwrap_or_else(default_cache_dir);
-            let output = output.unwrap_or_else(|| cache.join("smoke-initramfs.cpio.gz"));
+            let output = output.unwrap_or_else(|| cache.join(SMOKE_INITRAMFS));
             let busybox = match busybox {
                 Some(b) => b,
                 None => find_busybox()?,
@@ -171,13 +174,15 @@ pub fn run(cmd: ImageCommand) -> Result<()> {
             compression,
             rebuild,
         } => {
+            // The running binary is looked up here, at the edge; the builder gets a path.
+            let agent = crate::agent::choose(agent, std::env::current_exe())?;
             let mut opts = BuildOptions::new(
                 Recipe::resolve(&recipe)?,
                 cache.unwrap_or_else(default_cache_dir),
+                agent,
             );
             opts.rootfs = rootfs;
             opts.name = name;
-            opts.agent = agent;
             opts.busybox = busybox;
             opts.compression = compression;
             opts.rebuild = rebuild;

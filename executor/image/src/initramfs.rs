@@ -237,20 +237,7 @@ pub(crate) fn applets(busybox: &Path) -> Vec<String> {
     listed.unwrap_or_else(|| FALLBACK_APPLETS.iter().map(|s| s.to_string()).collect())
 }
 
-/// True for an ELF without a PT_INTERP program header (no dynamic loader needed).
-pub fn is_static_elf(data: &[u8]) -> bool {
-    if data.len() < 64 || data[..4] != *b"\x7fELF" || data[4] != 2 {
-        return false;
-    }
-    let phoff = u64::from_le_bytes(data[0x20..0x28].try_into().unwrap()) as usize;
-    let phentsize = u16::from_le_bytes([data[0x36], data[0x37]]) as usize;
-    let phnum = u16::from_le_bytes([data[0x38], data[0x39]]) as usize;
-    (0..phnum).all(|i| {
-        let at = phoff + i * phentsize;
-        // PT_INTERP = 3
-        data.get(at..at + 4) != Some(&3u32.to_le_bytes()[..])
-    })
-}
+pub use crate::elf::is_static_elf;
 
 /// The static busybox, installing Debian's busybox-static if it is missing.
 pub fn find_busybox() -> Result<PathBuf> {
@@ -305,6 +292,23 @@ unset IFS
         "echo \"{BOOT_MARKER} cpus=$cpus kernel=$(uname -r)\"\nsync\npoweroff -f\n"
     ));
     s
+}
+
+/// File name of the default smoke initramfs in the cache: what `tine run` boots without
+/// `--initrd`, and what `tine image initramfs` writes without `-o`.
+pub const SMOKE_INITRAMFS: &str = "smoke-initramfs.cpio.gz";
+
+/// The default smoke initramfs, `<cache>/smoke-initramfs.cpio.gz` (busybox, no modules), built
+/// if missing.
+pub fn smoke_initramfs(cache: &Path) -> Result<PathBuf> {
+    let path = cache.join(SMOKE_INITRAMFS);
+    if !path.is_file() {
+        crate::cache::ensure_writable(cache, "the smoke initramfs")?;
+        Initramfs::new(smoke_init_script(&[]))
+            .busybox(find_busybox()?)
+            .write_gz(&path)?;
+    }
+    Ok(path)
 }
 
 /// Quotes `s` as one POSIX shell word.

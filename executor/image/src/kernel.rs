@@ -100,7 +100,13 @@ impl Kernel {
 
     /// The uncompressed ELF `vmlinux`, extracted next to the bzImage on first use.
     pub fn vmlinux(&self) -> Result<PathBuf> {
-        crate::bzimage::extract_vmlinux(&self.vmlinuz)
+        let out = crate::bzimage::vmlinux_path(&self.vmlinuz)?;
+        if !out.is_file() {
+            let dir = out.parent().unwrap_or(Path::new("."));
+            crate::cache::ensure_writable(dir, &format!("the vmlinux of {}", self.package))?;
+            crate::bzimage::extract_vmlinux_to(&self.vmlinuz, &out)?;
+        }
+        Ok(out)
     }
 }
 
@@ -162,6 +168,7 @@ pub fn fetch_kernel(flavor: Flavor, cache: &Path) -> Result<Kernel> {
     if dir.is_dir() {
         return Kernel::load(&dir);
     }
+    crate::cache::ensure_writable(&kernels, &format!("kernel {package} {version}"))?;
     fs::create_dir_all(&kernels).with_context(|| format!("creating {}", kernels.display()))?;
     tracing::info!(%package, %version, "downloading kernel");
     let work = tempfile::Builder::new()
@@ -229,17 +236,20 @@ fn cache_key(package: &str, version: &str) -> String {
     format!("{package}_{}", version.replace([':', '/'], "_"))
 }
 
+/// By absolute path: it exists with and without merged /usr, and PATH may lack the sbin
+/// directories (e.g. `env -i PATH=/usr/bin:/bin`).
+const DEPMOD: &str = "/sbin/depmod";
+
 /// Debian generates `modules.dep` at install time; we never install, so run depmod ourselves.
 fn depmod(root: &Path, modules: &Path, release: &str) -> Result<()> {
-    // /sbin/depmod exists with and without merged /usr.
-    apt::ensure_installed(&[("kmod", "/sbin/depmod")])?;
+    apt::ensure_installed(&[("kmod", DEPMOD)])?;
     // depmod -b wants <base>/lib/modules/<release>; derive <base> from where the modules are.
     let base = modules
         .parent()
         .and_then(Path::parent)
         .and_then(Path::parent)
         .unwrap_or(root);
-    let out = Command::new("depmod")
+    let out = Command::new(DEPMOD)
         .arg("-b")
         .arg(base)
         .arg(release)

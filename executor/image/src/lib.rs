@@ -5,8 +5,11 @@
 //! - [`cpio`] and [`initramfs`]: write `newc` archives and minimal busybox initramfs images.
 //! - [`build`]: `tine image build`: guest images (kernel + initramfs holding the whole root
 //!   filesystem + the agent) from [`recipe`]s, cached by input hash; [`manifest`] reads them back.
+//! - [`agent`]: where the prebuilt static agent comes from; [`elf`] checks it (and busybox) can
+//!   run in the guest.
 //! - [`cli`]: the `tine image ...` subcommands.
 
+pub mod agent;
 pub mod apt;
 pub mod build;
 pub mod bzimage;
@@ -15,6 +18,7 @@ pub mod cli;
 pub mod compress;
 pub mod cpio;
 pub mod debootstrap;
+pub mod elf;
 mod fsutil;
 pub mod guest;
 pub mod guestpath;
@@ -33,7 +37,7 @@ pub use build::{build_image, BuildOptions, BuiltImage};
 pub use bzimage::{extract_vmlinux, vmlinux_from_bzimage, BzImageError};
 pub use cache::default_cache_dir;
 pub use compress::Compression;
-pub use initramfs::{smoke_init_script, Initramfs, BOOT_MARKER};
+pub use initramfs::{smoke_init_script, smoke_initramfs, Initramfs, BOOT_MARKER};
 pub use kernel::{fetch_kernel, Flavor, Kernel};
 pub use manifest::{list_images, load_image, load_image_in, ImageManifest};
 pub use recipe::Recipe;

@@ -22,11 +22,9 @@ fn scratch_cache() -> tempfile::TempDir {
     tmp
 }
 
+/// The static agent (see `tine_agent::build::static_agent_for_tests`).
 fn agent_binary() -> PathBuf {
-    match std::env::var_os("TINE_AGENT_BIN") {
-        Some(p) => PathBuf::from(p),
-        None => tine_agent::build::static_agent_binary().expect("building the static agent"),
-    }
+    tine_agent::build::static_agent_for_tests().to_path_buf()
 }
 
 fn unpack(m: &tine_image::ImageManifest) -> Vec<Entry> {
@@ -66,11 +64,11 @@ fn check_agent_can_load_modules(entries: &[Entry], lib_modules: &str, cfg: &Agen
 fn busybox_image_has_agent_init_config_and_modules() {
     let cache = scratch_cache();
     let agent = agent_binary();
-    let mut opts = BuildOptions::new(
+    let opts = BuildOptions::new(
         Recipe::resolve("busybox").unwrap(),
         cache.path().to_path_buf(),
+        agent.clone(),
     );
-    opts.agent = Some(agent.clone());
     let built = build_image(&opts).unwrap();
     assert!(!built.reused);
     let m = &built.manifest;
@@ -165,8 +163,8 @@ fn tarball_rootfs_is_packed_with_the_agent_on_top() {
     let mut opts = BuildOptions::new(
         Recipe::resolve("busybox").unwrap(),
         cache.path().to_path_buf(),
+        agent_binary(),
     );
-    opts.agent = Some(agent_binary());
     opts.rootfs = Some(tarball);
     opts.name = Some("from-tarball".into());
     let m = build_image(&opts).unwrap().manifest;
@@ -187,11 +185,11 @@ fn tarball_rootfs_is_packed_with_the_agent_on_top() {
 #[ignore = "runs debootstrap (downloads ~100 MB of packages, a few minutes)"]
 fn python_numpy_image_has_python_numpy_and_compiled_bytecode() {
     let cache = scratch_cache();
-    let mut opts = BuildOptions::new(
+    let opts = BuildOptions::new(
         Recipe::resolve("python-numpy").unwrap(),
         cache.path().to_path_buf(),
+        agent_binary(),
     );
-    opts.agent = Some(agent_binary());
     let m = build_image(&opts).unwrap().manifest;
     eprintln!(
         "python-numpy: initrd {} bytes ({:?}), unpacked {} bytes, {} files, built in {} s, memory {} MiB",

@@ -30,15 +30,15 @@ pub struct LabArgs {
     pub command: Vec<String>,
 }
 
-/// Inside L1 these host paths are hidden under fresh tmpfs mounts.
-const MASKED: [&str; 3] = ["/tmp", "/run", "/dev/shm"];
-
 /// A working directory under a masked path (a checkout in /tmp, as CI may use) would not exist
 /// inside L1: export the top directory it lives in below the masked path (e.g. the whole
 /// checkout for `/tmp/ci/clients/cli`), so the command finds its files and the workspace's
 /// binaries where it left them. Returns the directory to add, if any.
 fn masked_cwd(cwd: &Path, shares: &[PathBuf]) -> Option<PathBuf> {
-    let root = MASKED.iter().map(Path::new).find(|m| cwd.starts_with(m))?;
+    let root = crate::l1::MASKED
+        .iter()
+        .map(Path::new)
+        .find(|m| cwd.starts_with(m))?;
     let first = cwd.strip_prefix(root).ok()?.components().next()?;
     let top = root.join(first);
     let covered = shares.iter().any(|s| top.starts_with(s));

@@ -1,5 +1,5 @@
 //! The per-run part of the L1 initrd: a small uncompressed cpio with `/tine/nonce`,
-//! `/tine/setup.sh` (mounts the writable shares) and `/tine/job.sh` (cwd, environment, argv).
+//! `/tine/setup.sh` (mounts the shares) and `/tine/job.sh` (cwd, environment, argv).
 //!
 //! Every string is single-quoted for the shell (see [`shell_quote`]), so arguments travel
 //! verbatim whatever they contain. The archive goes in front of the cached gzip image: the kernel
@@ -19,8 +19,32 @@ pub struct Job {
     /// Working directory (a host path; the host root is mounted read-only).
     pub cwd: PathBuf,
     pub env: Vec<(String, String)>,
-    /// Host directories exported writable and mounted at the same path.
-    pub shares: Vec<PathBuf>,
+    /// Host directories exported and mounted at the same path, in this order (a directory
+    /// before any share inside it).
+    pub shares: Vec<Share>,
+}
+
+/// A host directory exported to L1 and mounted at its own path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Share {
+    pub dir: PathBuf,
+    pub writable: bool,
+}
+
+impl Share {
+    pub fn writable(dir: impl Into<PathBuf>) -> Share {
+        Share {
+            dir: dir.into(),
+            writable: true,
+        }
+    }
+
+    pub fn read_only(dir: impl Into<PathBuf>) -> Share {
+        Share {
+            dir: dir.into(),
+            writable: false,
+        }
+    }
 }
 
 /// The 9p mount tag of the i-th writable share.
@@ -30,12 +54,13 @@ pub fn share_tag(i: usize) -> String {
 
 impl Job {
     pub fn setup_script(&self) -> String {
-        let mut s = String::from("# Writable shares, mounted over the read-only host root.\n");
-        for (i, dir) in self.shares.iter().enumerate() {
-            let target = shell_quote(&format!("/host{}", dir.display()));
-            let what = shell_quote(&format!("share {}", dir.display()));
+        let mut s = String::from("# Shares, mounted over the read-only host root.\n");
+        for (i, share) in self.shares.iter().enumerate() {
+            let target = shell_quote(&format!("/host{}", share.dir.display()));
+            let what = shell_quote(&format!("share {}", share.dir.display()));
+            let ro = if share.writable { "" } else { ",ro" };
             s.push_str(&format!(
-                "mkdir -p {target} 2>/dev/null\nmount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 {} {target} || fail {what}\n",
+                "mkdir -p {target} 2>/dev/null\nmount -t 9p -o trans=virtio,version=9p2000.L,msize=262144{ro} {} {target} || fail {what}\n",
                 share_tag(i)
             ));
         }
@@ -119,7 +144,10 @@ mod tests {
             argv: argv.iter().map(|s| s.to_string()).collect(),
             cwd: PathBuf::from("/"),
             env: vec![("TINE_X".into(), "a 'b' $c".into())],
-            shares: vec![PathBuf::from("/tmp/it's here")],
+            shares: vec![
+                Share::writable("/tmp/it's here"),
+                Share::read_only("/tmp/cache"),
+            ],
         }
     }
 
@@ -165,7 +193,11 @@ mod tests {
     fn setup_mounts_each_share_at_its_host_path() {
         let s = job(&["true"]).setup_script();
         assert!(
-            s.contains("tineshare0 '/host/tmp/it'\\''s here' || fail"),
+            s.contains("msize=262144 tineshare0 '/host/tmp/it'\\''s here' || fail"),
+            "{s}"
+        );
+        assert!(
+            s.contains("msize=262144,ro tineshare1 /host/tmp/cache || fail"),
             "{s}"
         );
     }

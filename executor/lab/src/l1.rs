@@ -31,6 +31,10 @@ pub const L1_MODULES: &[&str] = &[
 /// The 9p mount tag of the read-only host root export.
 pub const HOST_TAG: &str = "host";
 
+/// Host paths /init hides under fresh tmpfs mounts: host files there are not visible in L1
+/// unless a share exports them.
+pub const MASKED: [&str; 3] = ["/tmp", "/run", "/dev/shm"];
+
 /// Bump when the image layout or /init changes in a way the inputs below do not capture.
 const FORMAT: &str = "tine-lab-l1-v1";
 

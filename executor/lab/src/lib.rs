@@ -3,7 +3,8 @@
 //!
 //! The host root is mounted read-only over 9p at `/host` and the command runs chrooted into it,
 //! in the caller's working directory; `shares` are exported writable at their own paths so the
-//! command can leave results behind. See `docs/lab.md`.
+//! command can leave results behind. The cache is read-only inside too, so [`Lab::prepare`]
+//! fills in what `tine run` needs by default first. See `docs/lab.md`.
 //!
 //! ```no_run
 //! # fn main() -> anyhow::Result<()> {
@@ -28,6 +29,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use tine_image::{apt, Flavor, Kernel};
 
+use crate::job::Share;
 pub use job::passthrough_env;
 pub use l1::L1_MODULES;
 pub use runner::{LabError, LabOutcome};
@@ -50,8 +52,12 @@ pub struct LabConfig {
     pub timeout: Duration,
     /// Host directories exported writable and mounted at the same path inside L1.
     pub shares: Vec<PathBuf>,
-    /// Kernel and image cache (default: `$TINE_CACHE_DIR` or `~/.cache/tine`).
+    /// Kernel and image cache (default: `$TINE_CACHE_DIR` or `~/.cache/tine`). L1 sees it
+    /// read-only, at the same path (exported when it is under a path L1 hides, like `/tmp`).
     pub cache_dir: PathBuf,
+    /// Before booting L1, fetch the default guest kernel (cloud, with its vmlinux) and build the
+    /// smoke initramfs into the cache, so `tine run` works inside without `--kernel`/`--initrd`.
+    pub guest_defaults: bool,
     /// Print boot timing and status lines to stderr.
     pub progress: bool,
 }
@@ -64,6 +70,7 @@ impl Default for LabConfig {
             timeout: Duration::from_secs(900),
             shares: Vec::new(),
             cache_dir: tine_image::default_cache_dir(),
+            guest_defaults: true,
             progress: true,
         }
     }
@@ -118,11 +125,13 @@ pub struct Lab {
     config: LabConfig,
     kernel: Kernel,
     initramfs: PathBuf,
+    /// What L1 mounts over the host root: `config.shares`, and the cache when it needs one.
+    shares: Vec<Share>,
 }
 
 impl Lab {
     /// Installs missing packages, fetches the generic kernel and builds (or reuses) the L1
-    /// initramfs.
+    /// initramfs; with `guest_defaults`, also prepares the default guest kernel and initramfs.
     pub fn prepare(mut config: LabConfig) -> Result<Lab> {
         apt::ensure_installed(PACKAGES)?;
         for share in &mut config.shares {
@@ -138,10 +147,27 @@ impl Lab {
         let kernel = tine_image::fetch_kernel(Flavor::Generic, &config.cache_dir)
             .context("fetching the L1 (generic) kernel")?;
         let initramfs = l1::l1_initramfs(&kernel, &config.cache_dir)?;
+        if config.guest_defaults {
+            // A warning, not an error: the lab runs any command, and most need no guest.
+            if let Err(e) = prepare_guest_defaults(&config.cache_dir) {
+                eprintln!(
+                    "tine-lab: warning: could not prepare the default guest kernel and \
+                     initramfs ({e:#}); inside L1, `tine run` will need --kernel and --initrd"
+                );
+            }
+        }
+        let cache = config.cache_dir.canonicalize().with_context(|| {
+            format!(
+                "resolving the cache directory {}",
+                config.cache_dir.display()
+            )
+        })?;
+        let shares = mounts(&cache, &config.shares);
         Ok(Lab {
             config,
             kernel,
             initramfs,
+            shares,
         })
     }
 
@@ -157,5 +183,54 @@ impl Lab {
     /// The cached L1 initramfs (without the per-run job archive).
     pub fn initramfs(&self) -> &Path {
         &self.initramfs
+    }
+}
+
+/// What `tine run` uses without `--kernel`/`--initrd`: L1 sees the cache read-only, so these
+/// are made on the host first.
+fn prepare_guest_defaults(cache: &Path) -> Result<()> {
+    let kernel = tine_image::fetch_kernel(Flavor::Cloud, cache)?;
+    kernel.vmlinux()?;
+    tine_image::smoke_initramfs(cache)?;
+    Ok(())
+}
+
+/// The shares L1 mounts: the (canonical) cache read-only, first, when /init would hide it
+/// under a tmpfs and no share already covers it (e.g. `TINE_CACHE_DIR=/tmp/...`), then
+/// `shares` writable. First, so a share inside the cache is mounted on top of it.
+fn mounts(cache: &Path, shares: &[PathBuf]) -> Vec<Share> {
+    let hidden = l1::MASKED.iter().any(|m| cache.starts_with(m));
+    let covered = shares.iter().any(|s| cache.starts_with(s));
+    let mut all = Vec::with_capacity(shares.len() + 1);
+    if hidden && !covered {
+        all.push(Share::read_only(cache));
+    }
+    all.extend(shares.iter().map(Share::writable));
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cache_under_tmp_is_exported_read_only_unless_a_share_covers_it() {
+        let w = || vec![PathBuf::from("/work/out")];
+        assert_eq!(
+            mounts(Path::new("/tmp/c"), &w()),
+            [Share::read_only("/tmp/c"), Share::writable("/work/out")]
+        );
+        assert_eq!(
+            mounts(Path::new("/root/.cache/tine"), &w()),
+            [Share::writable("/work/out")]
+        );
+        assert_eq!(
+            mounts(Path::new("/tmp/ci/cache"), &[PathBuf::from("/tmp/ci")]),
+            [Share::writable("/tmp/ci")]
+        );
+        assert_eq!(
+            mounts(Path::new("/run/c"), &[]),
+            [Share::read_only("/run/c")]
+        );
     }
 }

@@ -2,9 +2,9 @@
 //! inside is the real kvm_amd.
 
 use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use crate::job::share_tag;
+use crate::job::{share_tag, Share};
 use crate::l1::HOST_TAG;
 
 pub const QEMU: &str = "qemu-system-x86_64";
@@ -14,7 +14,7 @@ pub struct QemuConfig<'a> {
     pub initrd: &'a Path,
     pub mem_mib: u32,
     pub cpus: u32,
-    pub shares: &'a [PathBuf],
+    pub shares: &'a [Share],
 }
 
 /// QEMU's option parser splits on `,`; a literal comma is written `,,`.
@@ -48,12 +48,13 @@ pub fn args(c: &QemuConfig<'_>) -> Vec<OsString> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    for (i, dir) in c.shares.iter().enumerate() {
+    for (i, share) in c.shares.iter().enumerate() {
         a.push("-virtfs".into());
         a.push(format!(
-            "local,path={},mount_tag={},security_model=none,multidevs=remap",
-            escape(dir),
-            share_tag(i)
+            "local,path={},mount_tag={},security_model=none,{}multidevs=remap",
+            escape(&share.dir),
+            share_tag(i),
+            if share.writable { "" } else { "readonly=on," }
         ));
     }
     a.into_iter().map(OsString::from).collect()
@@ -65,7 +66,7 @@ mod tests {
 
     #[test]
     fn builds_the_lab_md_command_line_with_shares() {
-        let shares = [PathBuf::from("/work/out,1")];
+        let shares = [Share::writable("/work/out,1"), Share::read_only("/c")];
         let a = args(&QemuConfig {
             kernel: Path::new("/k/vmlinuz"),
             initrd: Path::new("/t/initrd"),
@@ -82,6 +83,10 @@ mod tests {
         ));
         assert!(a.contains(
             &"local,path=/work/out,,1,mount_tag=tineshare0,security_model=none,multidevs=remap"
+                .into()
+        ));
+        assert!(a.contains(
+            &"local,path=/c,mount_tag=tineshare1,security_model=none,readonly=on,multidevs=remap"
                 .into()
         ));
     }

@@ -108,11 +108,15 @@ impl Lab {
             Some(c) => c.clone(),
             None => std::env::current_dir().context("reading the current directory")?,
         };
+        // Tells tine inside that the host's files (its cache too) are read-only there.
+        let mut env = cmd.env.clone();
+        env.retain(|(k, _)| k != tine_image::cache::IN_LAB_ENV);
+        env.push((tine_image::cache::IN_LAB_ENV.into(), "1".into()));
         let job = Job {
             argv: cmd.argv.clone(),
             cwd,
-            env: cmd.env.clone(),
-            shares: self.config.shares.clone(),
+            env,
+            shares: self.shares.clone(),
         };
         let nonce = nonce()?;
         let tmp = tempfile::Builder::new()
@@ -127,7 +131,7 @@ impl Lab {
             initrd: &initrd,
             mem_mib: self.config.mem_mib,
             cpus: self.config.cpus,
-            shares: &self.config.shares,
+            shares: &self.shares,
         });
         let started = Instant::now();
         let mut child = spawn_qemu(args)?;

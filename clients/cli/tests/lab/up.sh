@@ -9,7 +9,8 @@ mkdir -p "$W"
 ok() { echo "CHECK $1 ok"; }
 fail() { echo "CHECK $1 FAIL $2"; }
 
-"$T" up --data-dir "$W/data" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --pool 4 \
+"$T" up --data-dir "$W/data" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
+  --executor-metrics-listen 127.0.0.1:0 --pool 4 \
   >"$W/up.out" 2>"$W/up.err" &
 UP=$!
 i=0
@@ -49,4 +50,17 @@ fi
 cat "$W/py-tests"
 
 "$T" executors ls
+
+# The executor's own metrics: where each spawn's time went (a histogram per phase).
+EXM=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["executor_metrics"])' "$W/data/up.json")
+python3 -c 'import sys,urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
+  "http://$EXM/metrics" >"$W/executor-metrics" 2>&1
+grep -E '^tine_executor_(spawn_phase_seconds_(sum|count)|pool_idle_workers|vms_running|spawn_failures_total)' "$W/executor-metrics"
+n=$(sed -n 's/^tine_executor_spawn_phase_seconds_count{phase="restore"} //p' "$W/executor-metrics")
+missing=""
+for p in handoff restore running agent fixup total; do
+  grep -q "^tine_executor_spawn_phase_seconds_count{phase=\"$p\"} [1-9]" "$W/executor-metrics" || missing="$missing $p"
+done
+[ -z "$missing" ] && [ "${n:-0}" -ge 3 ] && ok executor-metrics \
+  || fail executor-metrics "phases without observations:$missing (restore count ${n:-none})"
 kill -TERM $UP; wait $UP && ok shutdown || fail shutdown "tine up exited $?"

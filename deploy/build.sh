@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The release build: `tine` and the static guest agent `tine-agent`, side by side in OUTDIR
+# (default: target/dist in the checkout). `tine image build` takes the agent from beside the
+# running `tine`, so the two files copied together build images on a machine with no checkout
+# and no Rust toolchain.
+#
+# Usage: deploy/build.sh [--agent-only] [OUTDIR]
+#   --agent-only   build only the static tine-agent (what the tests use)
+set -euo pipefail
+
+agent_only=0
+if [ "${1:-}" = --agent-only ]; then agent_only=1; shift; fi
+root=$(cd "$(dirname "$0")/.." && pwd)
+# OUTDIR is relative to the caller's directory; the default lives in the checkout.
+out=$(realpath -m "${1:-$root/target/dist}")
+cargo=${CARGO:-cargo}
+target_dir=$(cd "$root" && realpath -m "${CARGO_TARGET_DIR:-target}")
+cd "$root"
+
+if [ $agent_only = 0 ]; then
+  "$cargo" build --release -p tine-cli --bin tine
+fi
+# The guest has no dynamic loader, so glibc is linked in statically. With an explicit --target,
+# RUSTFLAGS reach only the target's crates, not build scripts and proc macros (which must stay
+# dynamic), and the output gets its own directory instead of replacing target/release/tine-agent.
+# The workspace's release profile keeps debuginfo; a guest image wants the small binary.
+RUSTFLAGS="-C target-feature=+crt-static" \
+  CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=true \
+  "$cargo" build --release -p tine-agent --bin tine-agent --target x86_64-unknown-linux-gnu
+
+mkdir -p "$out"
+# Copy, then rename: a binary that is running (or being read by a concurrent test) is replaced,
+# never rewritten in place.
+place() {
+  cp "$1" "$out/.$2.tmp.$$"
+  chmod 755 "$out/.$2.tmp.$$"
+  mv -f "$out/.$2.tmp.$$" "$out/$2"
+  printf '  %s (%s KiB)\n' "$out/$2" $(( $(stat -c %s "$out/$2") / 1024 ))
+}
+echo "deploy/build.sh: built"
+[ $agent_only = 1 ] || place "$target_dir/release/tine" tine
+place "$target_dir/x86_64-unknown-linux-gnu/release/tine-agent" tine-agent
