@@ -25,6 +25,9 @@ pub struct RestoreArgs {
     allow_pvm: bool,
     #[arg(short, long)]
     quiet: bool,
+    /// Deliver virtio queue notifications as MMIO exits instead of KVM ioeventfds.
+    #[arg(long)]
+    no_ioeventfd: bool,
 }
 
 pub fn run(a: RestoreArgs) -> Result<i32> {
@@ -32,11 +35,14 @@ pub fn run(a: RestoreArgs) -> Result<i32> {
     if KvmFlavor::detect() == KvmFlavor::Pvm && !a.allow_pvm {
         bail!("this host's /dev/kvm is PVM: a Linux guest cannot run here; use `tine lab -- tine restore ...` (or --allow-pvm)");
     }
-    let vm = Vm::restore(
+    let vm = Vm::restore_with(
         &a.dir,
         RestoreOptions {
             console: open_console(a.console.as_deref())?,
             vsock_uds: a.vsock,
+        },
+        tine_vmm::VmOptions {
+            ioeventfd: !a.no_ioeventfd,
         },
     )?;
     let restored = started.elapsed();

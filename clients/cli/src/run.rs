@@ -59,6 +59,10 @@ pub struct RunArgs {
     /// Print nothing but the guest console.
     #[arg(short, long)]
     quiet: bool,
+    /// Deliver virtio queue notifications as MMIO exits to the VMM instead of through KVM
+    /// ioeventfds (to compare the two).
+    #[arg(long)]
+    no_ioeventfd: bool,
 }
 
 pub fn run(a: RunArgs) -> Result<i32> {
@@ -115,7 +119,14 @@ pub fn run(a: RunArgs) -> Result<i32> {
     };
 
     let ram = GuestRam::new_memfd(mem_mib)?;
-    let mut vm = Vm::create(a.vcpus, ram, console)?;
+    let mut vm = Vm::create_with(
+        a.vcpus,
+        ram,
+        console,
+        tine_vmm::VmOptions {
+            ioeventfd: !a.no_ioeventfd,
+        },
+    )?;
     if let Some(path) = &a.vsock {
         vm.add_vsock(a.cid, path)?;
     }

@@ -19,4 +19,4 @@ pub mod vm;
 pub use devices::GuestExit;
 pub use error::{Error, Result};
 pub use memory::{GuestRam, Sharing};
-pub use vm::{LinuxBoot, Vm, DEFAULT_CMDLINE, MAX_VCPUS};
+pub use vm::{LinuxBoot, NotifyPath, Vm, VmOptions, DEFAULT_CMDLINE, MAX_VCPUS};

@@ -5,12 +5,13 @@
 use std::io::Write;
 use std::os::unix::thread::JoinHandleExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use kvm_ioctls::{IoEventAddress, Kvm, VcpuFd, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::acpi::{self, AcpiConfig, VirtioMmioSlot};
@@ -19,7 +20,7 @@ use crate::devices::bus::PioBus;
 use crate::devices::mmio::MmioBus;
 use crate::devices::power::{AcpiPm, I8042};
 use crate::devices::serial::SerialConsole;
-use crate::devices::virtio::mmio::VirtioMmio;
+use crate::devices::virtio::mmio::{VirtioMmio, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqLine, VirtioDevice};
 use crate::devices::GuestExit;
@@ -48,6 +49,33 @@ pub struct LinuxBoot {
     pub cmdline: String,
 }
 
+/// How the VMM runs a VM, where that changes nothing the guest can see (so nothing a snapshot
+/// records: a VM can be restored with other options than it was snapshotted with).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VmOptions {
+    /// Deliver virtio queue notifications through KVM ioeventfds (default): the guest's write
+    /// to a queue's QueueNotify register signals an eventfd inside KVM, the vCPU goes straight
+    /// back to the guest, and the device thread picks the notification up. Off, or where KVM
+    /// refuses the registration (logged once), each notification is an MMIO exit handled on
+    /// the vCPU thread.
+    pub ioeventfd: bool,
+}
+
+impl Default for VmOptions {
+    fn default() -> Self {
+        Self { ioeventfd: true }
+    }
+}
+
+/// How one virtio device's queue notifications reach it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotifyPath {
+    /// KVM signals the device's eventfds; the vCPU does not leave the kernel.
+    Ioeventfd,
+    /// The write exits to the VMM and is handled on the vCPU thread.
+    VcpuExit,
+}
+
 /// Host-side wiring for a VM restored from a snapshot.
 pub struct RestoreOptions {
     pub console: Box<dyn Write + Send>,
@@ -64,7 +92,9 @@ pub struct Vm {
     mmio: MmioBus,
     virtio_slots: Vec<VirtioMmioSlot>,
     virtio: Vec<Arc<Mutex<VirtioMmio>>>,
+    notify_paths: Vec<NotifyPath>,
     serial: Arc<Mutex<SerialConsole>>,
+    options: VmOptions,
 }
 
 /// The vCPU count as KVM and the MADT take it, or why not.
@@ -87,6 +117,7 @@ impl Vm {
         ram: GuestRam,
         console: Box<dyn Write + Send>,
         serial_state: Option<&SerialSnapshot>,
+        options: VmOptions,
     ) -> Result<Self> {
         let vcpus = validate_vcpus(vcpus)?;
         let kvm = host::open_kvm()?;
@@ -153,13 +184,26 @@ impl Vm {
             mmio: MmioBus::default(),
             virtio_slots: Vec::new(),
             virtio: Vec::new(),
+            notify_paths: Vec::new(),
             serial,
+            options,
         })
     }
 
-    /// Create a fresh VM with `vcpus` vCPUs over `ram`, console output to `console`.
+    /// Create a fresh VM with `vcpus` vCPUs over `ram`, console output to `console`, with the
+    /// default [`VmOptions`].
     pub fn create(vcpus: u8, ram: GuestRam, console: Box<dyn Write + Send>) -> Result<Self> {
-        let vm = Self::build(vcpus.into(), ram, console, None)?;
+        Self::create_with(vcpus, ram, console, VmOptions::default())
+    }
+
+    /// [`create`](Self::create) with `options`.
+    pub fn create_with(
+        vcpus: u8,
+        ram: GuestRam,
+        console: Box<dyn Write + Send>,
+        options: VmOptions,
+    ) -> Result<Self> {
+        let vm = Self::build(vcpus.into(), ram, console, None, options)?;
         let base_cpuid: CpuId = cpuid::supported(&vm.kvm)?;
         let tsc_deadline = vm.kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer);
         for (i, fd) in vm.vcpus.iter().enumerate() {
@@ -172,13 +216,26 @@ impl Vm {
     }
 
     /// Recreate a VM from a snapshot directory. Guest RAM is the snapshot's memory image mapped
-    /// copy-on-write: the image is never modified, and pages stay shared until written.
+    /// copy-on-write: the image is never modified, and pages stay shared until written. The
+    /// default [`VmOptions`] apply.
     pub fn restore(dir: &Path, opts: RestoreOptions) -> Result<Self> {
+        Self::restore_with(dir, opts, VmOptions::default())
+    }
+
+    /// [`restore`](Self::restore) with `options`. Devices are created anew, so host-side
+    /// wiring such as queue-notification eventfds belongs to this VM alone.
+    pub fn restore_with(dir: &Path, opts: RestoreOptions, options: VmOptions) -> Result<Self> {
         let t0 = Instant::now();
         let snap = snapfile::load(dir)?;
         let state = snap.state;
         let ram = GuestRam::from_file(snap.memory, state.mem_size, Sharing::Private)?;
-        let mut vm = Self::build(state.vcpus.len(), ram, opts.console, Some(&state.serial))?;
+        let mut vm = Self::build(
+            state.vcpus.len(),
+            ram,
+            opts.console,
+            Some(&state.serial),
+            options,
+        )?;
         for v in &state.virtio {
             let dev: Box<dyn VirtioDevice> = match v.kind {
                 VirtioKind::Vsock { guest_cid } => {
@@ -213,8 +270,17 @@ impl Vm {
         &self.vm
     }
 
+    pub fn options(&self) -> VmOptions {
+        self.options
+    }
+
+    /// How each virtio device (in the order they were added) gets its queue notifications.
+    pub fn notify_paths(&self) -> &[NotifyPath] {
+        &self.notify_paths
+    }
+
     /// Attach a virtio device in the next free MMIO window, announced to the guest in the DSDT.
-    pub fn add_virtio(&mut self, device: Box<dyn VirtioDevice>) -> Result<VirtioMmioSlot> {
+    pub fn add_virtio(&mut self, mut device: Box<dyn VirtioDevice>) -> Result<VirtioMmioSlot> {
         let index = self.virtio_slots.len() as u64;
         let slot = VirtioMmioSlot {
             base: VIRTIO_MMIO_BASE + index * VIRTIO_MMIO_SIZE,
@@ -225,6 +291,12 @@ impl Vm {
         self.vm
             .register_irqfd(&evt, slot.irq)
             .map_err(Error::kvm("KVM_IRQFD"))?;
+        let notify = if self.options.ioeventfd {
+            self.wire_queue_events(device.as_mut(), slot.base)
+        } else {
+            NotifyPath::VcpuExit
+        };
+        tracing::debug!(base = slot.base, ?notify, "virtio device added");
         let transport = Arc::new(Mutex::new(VirtioMmio::new(
             device,
             self.ram.memory().clone(),
@@ -233,7 +305,48 @@ impl Vm {
         self.mmio.insert(slot.base, slot.size, transport.clone())?;
         self.virtio.push(transport);
         self.virtio_slots.push(slot);
+        self.notify_paths.push(notify);
         Ok(slot)
+    }
+
+    /// One eventfd per queue of `device`, registered with KVM for a 4-byte write of the queue
+    /// index to QueueNotify in the window at `base`, handed to the device. Any failure leaves
+    /// nothing registered: the write then exits to the VMM as without ioeventfds.
+    fn wire_queue_events(&self, device: &mut dyn VirtioDevice, base: u64) -> NotifyPath {
+        let addr = IoEventAddress::Mmio(base + QUEUE_NOTIFY_OFFSET);
+        let queues = device.queue_max_sizes().len();
+        let mut events: Vec<Arc<EventFd>> = Vec::with_capacity(queues);
+        let unregister = |events: &[Arc<EventFd>]| {
+            for (q, e) in events.iter().enumerate() {
+                let _ = self.vm.unregister_ioevent(e, &addr, q as u32);
+            }
+        };
+        for q in 0..queues {
+            let registered = EventFd::new(EFD_NONBLOCK)
+                .map_err(|e| format!("creating its eventfd: {e}"))
+                .and_then(|e| {
+                    // Datamatch on a u32: KVM matches 4-byte writes of exactly `q`; any other
+                    // width or value still exits (and the transport handles or ignores it).
+                    self.vm
+                        .register_ioevent(&e, &addr, q as u32)
+                        .map(|()| e)
+                        .map_err(|e| format!("KVM_IOEVENTFD: {e}"))
+                });
+            match registered {
+                Ok(e) => events.push(Arc::new(e)),
+                Err(err) => {
+                    unregister(&events);
+                    warn_ioeventfd_unavailable(base, q, &err);
+                    return NotifyPath::VcpuExit;
+                }
+            }
+        }
+        if device.attach_queue_events(&events) {
+            NotifyPath::Ioeventfd
+        } else {
+            unregister(&events);
+            NotifyPath::VcpuExit
+        }
     }
 
     /// Attach a virtio-vsock device with guest CID `cid`, host side on the Unix socket `uds`.
@@ -312,6 +425,19 @@ impl Vm {
     /// Run until the guest stops or a vCPU fails.
     pub fn run(self) -> Result<GuestExit> {
         self.start()?.wait()
+    }
+}
+
+/// Say once per process that KVM refused an ioeventfd (every later VM would say the same).
+fn warn_ioeventfd_unavailable(base: u64, queue: usize, err: &str) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            "no ioeventfd for virtio queue {queue} at {base:#x} ({err}): virtio queue \
+             notifications exit to the VMM instead (slower, same behaviour)"
+        );
+    } else {
+        tracing::debug!(base, queue, "no ioeventfd: {err}");
     }
 }
 

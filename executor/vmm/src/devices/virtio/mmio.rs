@@ -48,6 +48,9 @@ mod reg {
     pub const CONFIG: u64 = 0x100;
 }
 
+/// Offset of QueueNotify in a device's window: where the VMM registers its ioeventfds.
+pub const QUEUE_NOTIFY_OFFSET: u64 = reg::QUEUE_NOTIFY;
+
 pub struct VirtioMmio {
     device: Box<dyn VirtioDevice>,
     mem: GuestMemoryMmap,

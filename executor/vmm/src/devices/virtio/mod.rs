@@ -76,12 +76,26 @@ pub trait VirtioDevice: Send {
         irq: IrqLine,
         acked_features: u64,
     );
-    /// The driver made buffers available on `queue`.
+    /// The driver made buffers available on `queue` (a QueueNotify write that exited to the
+    /// VMM: ioeventfds off or not registered, or a device that does not take them).
     fn queue_notify(&mut self, queue: u16);
+    /// Take queue notifications from `events` (one per queue, in queue order) on the device's
+    /// own thread instead of through [`queue_notify`](Self::queue_notify) on a vCPU thread.
+    /// Called before the VM runs, once KVM signals them (`KVM_IOEVENTFD`: a 4-byte write of
+    /// the queue index to QueueNotify); on false the VMM unregisters them and notifications
+    /// keep coming through `queue_notify`. A signal can arrive before activation or after a
+    /// reset (ignore it) and says no more than "look at this queue". Default: not taken.
+    fn attach_queue_events(&mut self, events: &[Arc<EventFd>]) -> bool {
+        let _ = events;
+        false
+    }
     /// The driver reset the device.
     fn reset(&mut self);
     /// Stop (or resume) touching guest memory from device threads: while paused, the memory
-    /// image and the vCPU state can be saved as one instant.
+    /// image and the vCPU state can be saved as one instant. The vCPUs are already parked when
+    /// this pauses: a device fed by queue events must first handle the notifications already
+    /// signalled, as the vCPU would have before parking, or a snapshot would keep buffers the
+    /// guest announced that no restored copy is ever told about.
     fn set_paused(&mut self, paused: bool);
     /// Live queue positions of an activated device.
     fn queue_states(&self) -> Vec<QueueState>;

@@ -3,11 +3,14 @@
 //! a restore. The device thread lives in `event_loop`.
 
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
 use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::epoll::{ControlOperation, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::muxer::Muxer;
 use super::packet::{Header, HDR_LEN, MAX_PKT};
@@ -22,8 +25,12 @@ const TX: usize = 1;
 const EVT: usize = 2;
 const EVENT_TRANSPORT_RESET: u32 = 0;
 
-/// Everything the vCPU threads (queue notifications) and the device thread (host streams)
-/// share, under one lock.
+/// Epoll token of queue `q`'s notification eventfd: `TOKEN_QUEUE_BASE + q`, far above the
+/// muxer's tokens (the listener, then one per connection counting up from 1).
+pub(super) const TOKEN_QUEUE_BASE: u64 = 1 << 63;
+
+/// Everything the vCPU threads (queue notifications without ioeventfds) and the device thread
+/// (host streams, and queue notifications through ioeventfds) share, under one lock.
 pub(super) struct DeviceState {
     pub(super) mem: Option<GuestMemoryMmap>,
     pub(super) queues: Vec<Queue>,
@@ -31,9 +38,38 @@ pub(super) struct DeviceState {
     /// Set while the VM is paused for a snapshot: no guest memory is touched.
     pub(super) paused: bool,
     pub(super) muxer: Muxer,
+    /// One eventfd per queue that KVM signals when the guest notifies it (empty without
+    /// ioeventfds). Not guest state: a restored device gets fresh ones.
+    pub(super) queue_events: Vec<Arc<EventFd>>,
 }
 
 impl DeviceState {
+    /// The guest made buffers available on `queue`, whichever way the notification came.
+    pub(super) fn on_queue_notify(&mut self, queue: usize) {
+        if queue == TX {
+            self.process_tx();
+        }
+        // New receive buffers, or answers queued by the packets just read.
+        self.process_rx();
+    }
+
+    /// Consume queue `queue`'s eventfd (the device thread woke for it); true if it was signalled.
+    pub(super) fn take_queue_event(&self, queue: usize) -> bool {
+        // Non-blocking: another holder of the lock (a pause) may have consumed it already.
+        self.queue_events
+            .get(queue)
+            .is_some_and(|e| e.read().is_ok_and(|n| n > 0))
+    }
+
+    /// Handle every notification already signalled through the eventfds, now, on this thread.
+    fn drain_queue_events(&mut self) {
+        for q in 0..self.queue_events.len() {
+            if self.take_queue_event(q) {
+                self.on_queue_notify(q);
+            }
+        }
+    }
+
     /// Drain the guest's transmit queue.
     fn process_tx(&mut self) {
         if self.paused {
@@ -157,6 +193,7 @@ impl Vsock {
             irq: None,
             paused: false,
             muxer,
+            queue_events: Vec::new(),
         }));
         let worker = state.clone();
         std::thread::Builder::new()
@@ -196,16 +233,40 @@ impl VirtioDevice for Vsock {
     }
 
     fn queue_notify(&mut self, queue: u16) {
+        self.state.lock().unwrap().on_queue_notify(queue as usize);
+    }
+
+    fn attach_queue_events(&mut self, events: &[Arc<EventFd>]) -> bool {
         let mut g = self.state.lock().unwrap();
-        if queue as usize == TX {
-            g.process_tx();
+        if !g.queue_events.is_empty() || events.len() != self.queue_max_sizes().len() {
+            return false;
         }
-        // New receive buffers, or answers queued by the packets just read.
-        g.process_rx();
+        let epoll = g.muxer.epoll();
+        for (q, e) in events.iter().enumerate() {
+            let ev = EpollEvent::new(EventSet::IN, TOKEN_QUEUE_BASE + q as u64);
+            if let Err(err) = epoll.ctl(ControlOperation::Add, e.as_raw_fd(), ev) {
+                tracing::warn!("vsock: cannot watch queue {q}'s notification eventfd: {err}");
+                for e in &events[..q] {
+                    let _ = epoll.ctl(
+                        ControlOperation::Delete,
+                        e.as_raw_fd(),
+                        EpollEvent::default(),
+                    );
+                }
+                return false;
+            }
+        }
+        g.queue_events = events.to_vec();
+        true
     }
 
     fn set_paused(&mut self, paused: bool) {
         let mut g = self.state.lock().unwrap();
+        if paused {
+            // The vCPUs are parked: what they notified through the eventfds is handled now, as
+            // it would have been on the vCPU thread, so the snapshot holds no unseen buffers.
+            g.drain_queue_events();
+        }
         g.paused = paused;
         if !paused {
             // Work that arrived while paused.
@@ -246,6 +307,93 @@ impl VirtioDevice for Vsock {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::virtio::vsock::packet::{OP_REQUEST, TYPE_STREAM};
+    use std::os::unix::net::UnixListener;
+    use vm_memory::{Bytes, GuestAddress};
+    use vmm_sys_util::eventfd::EFD_NONBLOCK;
+
+    /// Queue `q`'s descriptor table; available ring 4 KiB above, used ring 8 KiB above.
+    fn ring(q: usize) -> u64 {
+        0x1_0000 + q as u64 * 0x1_0000
+    }
+
+    /// An activated device with no device thread, so nothing consumes its queue events
+    /// behind the test's back.
+    fn activated_without_thread(uds: &Path) -> (Vsock, GuestMemoryMmap) {
+        let state = DeviceState {
+            mem: None,
+            queues: Vec::new(),
+            irq: None,
+            paused: false,
+            muxer: Muxer::bind(3, uds).unwrap(),
+            queue_events: Vec::new(),
+        };
+        let mut v = Vsock {
+            state: Arc::new(Mutex::new(state)),
+            guest_cid: 3,
+        };
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let queues = (0..3)
+            .map(|q| {
+                let mut queue = Queue::new(QUEUE_SIZE).unwrap();
+                queue.set_size(16);
+                queue.set_desc_table_address(Some(ring(q) as u32), Some(0));
+                queue.set_avail_ring_address(Some(ring(q) as u32 + 0x1000), Some(0));
+                queue.set_used_ring_address(Some(ring(q) as u32 + 0x2000), Some(0));
+                queue.set_ready(true);
+                queue
+            })
+            .collect();
+        let irq = IrqLine::new(EventFd::new(EFD_NONBLOCK).unwrap());
+        v.activate(mem.clone(), queues, irq, 0);
+        (v, mem)
+    }
+
+    /// One OP_REQUEST from guest port 1234 to host port `port` on the transmit queue.
+    fn post_connect_request(mem: &GuestMemoryMmap, port: u32) {
+        let h = Header {
+            src_cid: 3,
+            dst_cid: HOST_CID,
+            src_port: 1234,
+            dst_port: port,
+            type_: TYPE_STREAM,
+            op: OP_REQUEST,
+            buf_alloc: 4096,
+            ..Default::default()
+        };
+        let packet = 0x8_0000u64;
+        mem.write_slice(&h.to_bytes(), GuestAddress(packet))
+            .unwrap();
+        let tx = ring(TX);
+        mem.write_obj(packet, GuestAddress(tx)).unwrap();
+        mem.write_obj(HDR_LEN as u32, GuestAddress(tx + 8)).unwrap();
+        mem.write_obj(0u16, GuestAddress(tx + 0x1000 + 4)).unwrap();
+        mem.write_obj(1u16, GuestAddress(tx + 0x1000 + 2)).unwrap();
+    }
+
+    #[test]
+    fn pausing_handles_notifications_already_signalled() {
+        // The vCPU notified through KVM and parked before the device thread woke: the pause
+        // for a snapshot must take the packet, or the snapshot holds a transmit buffer that no
+        // restored child would ever be told about.
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let host_port = UnixListener::bind(dir.path().join("v.sock_77")).unwrap();
+        host_port.set_nonblocking(true).unwrap();
+        let (mut v, mem) = activated_without_thread(&uds);
+        let events: Vec<Arc<EventFd>> = (0..3)
+            .map(|_| Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()))
+            .collect();
+        assert!(v.attach_queue_events(&events));
+        assert!(!v.attach_queue_events(&events), "attached once only");
+        post_connect_request(&mem, 77);
+        events[TX].write(1).unwrap();
+
+        v.set_paused(true);
+        assert_eq!(v.queue_states()[TX].next_avail, 1, "the packet was taken");
+        assert!(host_port.accept().is_ok(), "and acted on");
+        assert!(events[TX].read().is_err(), "the notification was consumed");
+    }
 
     #[test]
     fn reserved_cids_are_refused() {

@@ -1,6 +1,6 @@
-//! The device's state in one line (interrupt status, queue positions on both sides, every
-//! connection with its credit), for diagnosing stalls: logged by the watchdog when work stays
-//! pending, and on demand through [`crate::diagnostics`].
+//! The device's state in one line (interrupt status, how queue notifications arrive, queue
+//! positions on both sides, every connection with its credit), for diagnosing stalls: logged by
+//! the watchdog when work stays pending, and on demand through [`crate::diagnostics`].
 
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -12,9 +12,14 @@ use super::device::DeviceState;
 
 pub(super) fn describe(s: &DeviceState) -> String {
     let mut out = format!(
-        "irq_status={} paused={} ctrl_pending={}",
+        "irq_status={} paused={} notify={} ctrl_pending={}",
         s.irq.as_ref().map_or(0, |i| i.status()),
         s.paused,
+        if s.queue_events.is_empty() {
+            "exit"
+        } else {
+            "eventfd"
+        },
         s.muxer.ctrl.len()
     );
     if let Some(h) = s.muxer.ctrl.front() {

@@ -1,4 +1,5 @@
-//! The device thread: waits on the host streams (epoll), hands their events to the muxer,
+//! The device thread: waits on the host streams and the queue notification eventfds (epoll),
+//! hands stream events to the muxer, drains the transmit queue when the guest notifies it,
 //! fills the guest's receive queue, and runs the watchdog that recovers from lost interrupts and
 //! reports work that stays stuck.
 
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{Epoll, EpollEvent};
 
-use super::device::DeviceState;
+use super::device::{DeviceState, TOKEN_QUEUE_BASE};
 use super::dump;
 use super::muxer::TOKEN_LISTENER;
 use crate::devices::virtio::INT_USED_RING;
@@ -44,10 +45,16 @@ pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
         };
         let mut g = state.lock().unwrap();
         for ev in &events[..n] {
-            if ev.data() == TOKEN_LISTENER {
-                g.muxer.accept();
-            } else {
-                g.muxer.on_stream_event(ev.data(), ev.event_set());
+            match ev.data() {
+                TOKEN_LISTENER => g.muxer.accept(),
+                t if t >= TOKEN_QUEUE_BASE => {
+                    let q = (t - TOKEN_QUEUE_BASE) as usize;
+                    // Already consumed (a pause drained it): nothing new to look at.
+                    if g.take_queue_event(q) {
+                        g.on_queue_notify(q);
+                    }
+                }
+                t => g.muxer.on_stream_event(t, ev.event_set()),
             }
         }
         g.process_rx();
