@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{kvm_available, out8, Capture, POWER_OFF};
+use common::{kvm_available, out8, wait_for, Capture, POWER_OFF};
 use kvm_ioctls::{Cap, IoEventAddress};
 use tine_vmm::boot::EntryPoint;
 use tine_vmm::devices::virtio::vsock::Header;
@@ -334,17 +334,6 @@ fn expect_connection(listener: &UnixListener, what: &str) {
 
 fn host_port_listener(uds: &Path) -> UnixListener {
     UnixListener::bind(format!("{}_{PORT}", uds.display())).unwrap()
-}
-
-fn wait_for(cap: &Capture, text: &str) {
-    let t0 = Instant::now();
-    while !cap.text().contains(text) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "guest never printed {text:?}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 fn vsock_guest_sends_a_packet(options: VmOptions) {

@@ -6,8 +6,7 @@
 
 mod common;
 
-use common::{kvm_available, out8, Capture, POWER_OFF};
-use std::time::{Duration, Instant};
+use common::{kvm_available, out8, wait_for, Capture, POWER_OFF};
 
 use tine_vmm::boot::EntryPoint;
 use tine_vmm::vm::RestoreOptions;
@@ -28,17 +27,6 @@ fn spin_guest() -> Vec<u8> {
     out8(&mut c, 0x3f8, b'2');
     out8(&mut c, POWER_OFF.0, POWER_OFF.1);
     c
-}
-
-fn wait_for(cap: &Capture, text: &str) {
-    let t0 = Instant::now();
-    while !cap.text().contains(text) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "guest never printed {text:?}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// Boot the parent, let it reach its spin loop, snapshot it into `dir`.

@@ -3,6 +3,7 @@
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// A console that keeps everything the guest printed.
 #[derive(Clone, Default)]
@@ -40,4 +41,16 @@ pub fn kvm_available() -> bool {
     }
     eprintln!("SKIPPED: /dev/kvm is absent on this host; the tiny-guest tests need KVM");
     false
+}
+
+/// Wait (up to 30 s) until the guest has printed `text`.
+pub fn wait_for(cap: &Capture, text: &str) {
+    let t0 = Instant::now();
+    while !cap.text().contains(text) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "guest never printed {text:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
