@@ -78,7 +78,7 @@ pub fn run(a: RunArgs) -> Result<i32> {
     let image = a
         .image
         .as_deref()
-        .map(tine_image::load_image)
+        .map(|name| tine_image::load_image_in(&crate::local::image_cache(), name))
         .transpose()
         .context("loading the image")?;
     let (kernel, initrd) = match &image {

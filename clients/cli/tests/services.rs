@@ -30,6 +30,8 @@ fn tine(addr: &str, token: &str, args: &[&str]) -> (Output, String) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    // What the user saw, for the test log (`--nocapture`).
+    println!("$ tine {}\n{text}", args.join(" "));
     (out, text)
 }
 

@@ -126,13 +126,8 @@ pub fn names_dir(cache: &Path) -> PathBuf {
     images_dir(cache).join("names")
 }
 
-/// An image by directory (or its image.json), id, unique id prefix or name, in the default
-/// cache (`$TINE_CACHE_DIR` or `~/.cache/tine`).
-pub fn load_image(dir_or_hash: &str) -> Result<ImageManifest> {
-    load_image_in(&crate::default_cache_dir(), dir_or_hash)
-}
-
-/// [`load_image`] with an explicit cache directory.
+/// An image by directory (or its image.json), id, unique id prefix or name, in the image cache
+/// `cache` (the caller's configuration: `tine` resolves `$TINE_CACHE_DIR` at its edge).
 pub fn load_image_in(cache: &Path, dir_or_hash: &str) -> Result<ImageManifest> {
     let as_path = Path::new(dir_or_hash);
     if as_path.join(MANIFEST_FILE).is_file() {
