@@ -209,6 +209,57 @@ fn a_burst_leaves_at_most_the_pool_idle() {
     host.kill_all();
 }
 
+/// (span name, parent span name) as each span was created.
+type SpanEdges = Vec<(String, Option<String>)>;
+
+/// Records each new span's name with its parent's, across threads.
+#[derive(Clone, Default)]
+struct SpanTree(std::sync::Arc<Mutex<SpanEdges>>);
+
+impl<S> tracing_subscriber::Layer<S> for SpanTree
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_new_span(
+        &self,
+        _: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let span = ctx.span(id).expect("new span");
+        let parent = span.parent().map(|p| p.name().to_string());
+        self.0
+            .lock()
+            .unwrap()
+            .push((span.name().to_string(), parent));
+    }
+}
+
+/// The spawn phases are spans under the caller's span (the executor's request span, itself
+/// joined to the control plane's trace), even though children are set up on other threads.
+fn spawn_phases_are_spans_of_the_callers_trace() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let tree = SpanTree::default();
+    // Global: the host sets children up on threads of its own.
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(tree.clone()))
+        .expect("first subscriber");
+    let tmp = data_dir_with_snapshot();
+    let host = Host::open_exclusive(config(tmp.path(), 4, 0)).unwrap();
+    let request = tracing::info_span!("request");
+    let outcomes = request.in_scope(|| spawn(&host, ids(2)));
+    assert!(outcomes.iter().all(|o| o.result.is_ok()));
+    let seen = tree.0.lock().unwrap().clone();
+    let count = |name: &str, parent: &str| {
+        seen.iter()
+            .filter(|(n, p)| n == name && p.as_deref() == Some(parent))
+            .count()
+    };
+    assert_eq!(count("spawn.child", "request"), 2, "{seen:?}");
+    assert_eq!(count("spawn.handoff", "spawn.child"), 2, "{seen:?}");
+    assert_eq!(count("spawn.restore", "spawn.child"), 2, "{seen:?}");
+    host.kill_all();
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some(WORKER_SUBCOMMAND) {
@@ -226,7 +277,7 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 4] = [
+    let tests: [(&str, fn()); 5] = [
         ("spawn_list_kill_readopt", spawn_list_kill_readopt),
         (
             "stale_record_is_neither_adopted_nor_killed",
@@ -239,6 +290,10 @@ fn main() {
         (
             "a_burst_leaves_at_most_the_pool_idle",
             a_burst_leaves_at_most_the_pool_idle,
+        ),
+        (
+            "spawn_phases_are_spans_of_the_callers_trace",
+            spawn_phases_are_spans_of_the_callers_trace,
         ),
     ];
     let mut failed = 0;
