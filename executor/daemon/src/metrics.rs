@@ -1,7 +1,9 @@
 //! The executor's Prometheus metrics: where each spawn's time goes, the worker pool, the
 //! VMs running, and why restores fail.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
 use tine_host::SpawnPhases;
 
 pub struct ExecutorMetrics {
@@ -12,6 +14,8 @@ pub struct ExecutorMetrics {
     pub vms_running: IntGauge,
     /// Children that did not become ready, by reason.
     pub spawn_failures: IntCounterVec,
+    /// VMMs that exited on their own after they were ready (guest power-off, crash).
+    pub vm_exits: IntCounter,
 }
 
 impl ExecutorMetrics {
@@ -43,11 +47,17 @@ impl ExecutorMetrics {
             &["reason"],
         )
         .expect("metric");
+        let vm_exits = IntCounter::new(
+            "tine_executor_vm_exits_total",
+            "VMMs that exited on their own after their child was ready",
+        )
+        .expect("metric");
         for c in [
             Box::new(spawn_phase.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(pool_idle.clone()),
             Box::new(vms_running.clone()),
             Box::new(spawn_failures.clone()),
+            Box::new(vm_exits.clone()),
         ] {
             registry.register(c).expect("unique metric names");
         }
@@ -57,6 +67,7 @@ impl ExecutorMetrics {
             pool_idle,
             vms_running,
             spawn_failures,
+            vm_exits,
         }
     }
 

@@ -123,14 +123,10 @@ impl State {
         }
     }
 
-    /// Reap exited children, counting them as failures, and refresh the gauges.
+    /// Reap children whose VMM exited, count them, and refresh the gauges.
     pub fn reap(&self) {
-        for _ in self.host.reap() {
-            self.metrics
-                .spawn_failures
-                .with_label_values(&["vmm_exited_later"])
-                .inc();
-        }
+        let gone = self.host.reap();
+        self.metrics.vm_exits.inc_by(gone.len() as u64);
         self.metrics
             .vms_running
             .set(self.host.live_ids().len() as i64);
