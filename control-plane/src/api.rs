@@ -18,7 +18,8 @@ use tracing::Instrument;
 
 use crate::calls::{Ctx, Rpc};
 use crate::db::{
-    DbError, ExecutorReport, ExecutorRow, NewSnapshot, SandboxRow, SandboxState, SnapshotRow,
+    DbError, ExecutorReport, ExecutorRow, NewSnapshot, SandboxRow, SandboxState, SnapshotLayers,
+    SnapshotRow,
 };
 use crate::executors::ExecClient;
 use crate::now_ms;
@@ -45,6 +46,31 @@ impl From<DbError> for Status {
     }
 }
 
+/// An executor's report of a snapshot's layers, checked: every digest must parse, since
+/// executors fetch by them.
+fn layers_from(l: &pb::SnapshotLayers) -> Result<SnapshotLayers, Status> {
+    let digest = |field: &str, d: &str| {
+        tine_snapshot_store::Digest::parse(d)
+            .map(|d| d.to_string())
+            .map_err(|e| Status::internal(format!("the executor reported a bad {field}: {e}")))
+    };
+    Ok(SnapshotLayers {
+        head_digest: digest("head_digest", &l.head_digest)?,
+        parent_digest: match l.parent_digest.as_str() {
+            "" => None,
+            p => Some(digest("parent_digest", p)?),
+        },
+        chain: l
+            .chain
+            .iter()
+            .map(|d| digest("chain", d))
+            .collect::<Result<_, _>>()?,
+        memory_bytes: l.memory_bytes,
+        stored_bytes: l.stored_bytes,
+        compressed_bytes: l.compressed_bytes,
+    })
+}
+
 fn snapshot_msg(r: &SnapshotRow) -> pb::Snapshot {
     pb::Snapshot {
         tag: r.tag.clone(),
@@ -55,6 +81,14 @@ fn snapshot_msg(r: &SnapshotRow) -> pb::Snapshot {
         created_unix_ms: r.created_ms,
         executors: r.executor_list(),
         source_sandbox: r.source_sandbox.clone().unwrap_or_default(),
+        layers: r.layers().map(|l| pb::SnapshotLayers {
+            head_digest: l.head_digest,
+            parent_digest: l.parent_digest.unwrap_or_default(),
+            chain: l.chain,
+            memory_bytes: l.memory_bytes,
+            stored_bytes: l.stored_bytes,
+            compressed_bytes: l.compressed_bytes,
+        }),
     }
 }
 
@@ -214,6 +248,7 @@ impl Api {
         let mut req = Request::new(r.clone());
         req.set_timeout(CREATE_SNAPSHOT_TIMEOUT);
         let made = client.create_snapshot(req).await?.into_inner();
+        let layers = made.layers.as_ref().map(layers_from).transpose()?;
         self.ctx
             .db
             .insert_snapshot(&NewSnapshot {
@@ -224,6 +259,7 @@ impl Api {
                 mem_mib: made.mem_mib,
                 source_sandbox: None,
                 executor_id: executor,
+                layers,
             })
             .await?;
         let row = self
@@ -282,13 +318,14 @@ impl Api {
             .filter(|l| l.holds)
             .map(|l| l.executor.id.clone())
             .collect();
-        // A held snapshot exists (foreign key); only without holders is a second look needed.
-        if holders.is_empty() && self.ctx.db.snapshot(&r.tag).await?.is_none() {
-            return Err(Status::not_found(format!(
-                "snapshot {} does not exist",
-                r.tag
-            )));
-        }
+        let snapshot = self
+            .ctx
+            .db
+            .snapshot(&r.tag)
+            .await?
+            .ok_or_else(|| Status::not_found(format!("snapshot {} does not exist", r.tag)))?;
+        // In the store, any executor can fetch it: holding it is a preference, not a filter.
+        let head_digest = snapshot.head_digest.clone();
         let counts: HashMap<&str, i64> = loads
             .iter()
             .map(|l| (l.executor.id.as_str(), l.live))
@@ -301,12 +338,12 @@ impl Api {
                 )));
             }
         }
-        // Only executors holding the snapshot can restore it today (no transfer between hosts yet).
+        // Without layers in the store only the executors holding the snapshot can restore it.
         let usable: Vec<&ExecutorRow> = all
             .iter()
             .filter(|e| self.is_up(e) && !e.draining)
             .filter(|e| placement.executors.is_empty() || placement.executors.contains(&e.id))
-            .filter(|e| holders.contains(&e.id))
+            .filter(|e| head_digest.is_some() || holders.contains(&e.id))
             .collect();
         let candidates: Vec<Candidate> = usable
             .iter()
@@ -314,7 +351,7 @@ impl Api {
                 id: e.id.clone(),
                 free: (e.max_sandboxes - counts.get(e.id.as_str()).copied().unwrap_or(0)).max(0)
                     as u32,
-                has_snapshot: true,
+                has_snapshot: holders.contains(&e.id),
             })
             .collect();
         let plan = scheduler::place(r.count, &candidates, policy);
@@ -331,7 +368,10 @@ impl Api {
         for (index, (p, id)) in plan.iter().zip(&ids).enumerate() {
             if p.is_none() {
                 let why = if candidates.is_empty() {
-                    format!("no up, non-draining executor holds snapshot {}", r.tag)
+                    match head_digest {
+                        Some(_) => "no executor is up and not draining".to_string(),
+                        None => format!("no up, non-draining executor holds snapshot {}", r.tag),
+                    }
                 } else {
                     format!("no free slot: {} of {} children placed", placed, r.count)
                 };
@@ -370,6 +410,7 @@ impl Api {
                 ids: children.iter().map(|(_, id)| id.clone()).collect(),
                 resources: r.resources,
                 ready_timeout_ms: timeout,
+                head_digest: head_digest.clone().unwrap_or_default(),
             };
             // The executor call continues this request's trace.
             let span = tracing::Span::current();

@@ -79,12 +79,42 @@ pub struct SnapshotRow {
     pub mem_mib: i64,
     pub source_sandbox: Option<String>,
     pub created_ms: i64,
+    #[sqlx(default)]
+    pub head_digest: Option<String>,
+    #[sqlx(default)]
+    pub parent_digest: Option<String>,
+    #[sqlx(default)]
+    pub chain: Option<String>,
+    #[sqlx(default)]
+    pub memory_bytes: Option<i64>,
+    #[sqlx(default)]
+    pub stored_bytes: Option<i64>,
+    #[sqlx(default)]
+    pub compressed_bytes: Option<i64>,
     /// Executors holding it (comma-joined by the query, split here).
     #[sqlx(default)]
     pub executors: Option<String>,
 }
 
 impl SnapshotRow {
+    /// Its layer chain in the store, when it has one.
+    pub fn layers(&self) -> Option<SnapshotLayers> {
+        let head = self.head_digest.clone()?;
+        Some(SnapshotLayers {
+            head_digest: head,
+            parent_digest: self.parent_digest.clone(),
+            chain: self
+                .chain
+                .as_deref()
+                .filter(|c| !c.is_empty())
+                .map(|c| c.split(',').map(str::to_owned).collect())
+                .unwrap_or_default(),
+            memory_bytes: self.memory_bytes.unwrap_or(0) as u64,
+            stored_bytes: self.stored_bytes.unwrap_or(0) as u64,
+            compressed_bytes: self.compressed_bytes.unwrap_or(0) as u64,
+        })
+    }
+
     pub fn executor_list(&self) -> Vec<String> {
         self.executors
             .as_deref()
@@ -164,6 +194,20 @@ pub struct NewSnapshot {
     pub mem_mib: u64,
     pub source_sandbox: Option<String>,
     pub executor_id: String,
+    /// Its layers in the cluster's store, when the executor that made it has one.
+    pub layers: Option<SnapshotLayers>,
+}
+
+/// A snapshot's layer chain in the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotLayers {
+    pub head_digest: String,
+    pub parent_digest: Option<String>,
+    /// Head first.
+    pub chain: Vec<String>,
+    pub memory_bytes: u64,
+    pub stored_bytes: u64,
+    pub compressed_bytes: u64,
 }
 
 /// Ready sandboxes an executor no longer reports are only declared lost after this long, so a
@@ -171,6 +215,7 @@ pub struct NewSnapshot {
 pub const LOST_GRACE_MS: i64 = 30_000;
 
 const SNAPSHOT_COLUMNS: &str = "s.tag, s.parent_tag, s.image, s.vcpus, s.mem_mib, s.source_sandbox, s.created_ms, \
+     s.head_digest, s.parent_digest, s.chain, s.memory_bytes, s.stored_bytes, s.compressed_bytes, \
      (SELECT group_concat(executor_id, ',') FROM snapshot_copies c WHERE c.tag = s.tag) AS executors";
 
 #[derive(Clone)]
@@ -337,8 +382,9 @@ impl Db {
     pub async fn insert_snapshot(&self, s: &NewSnapshot) -> Result<()> {
         let mut tx = self.pool.begin().await?;
         let r = sqlx::query(
-            "INSERT INTO snapshots (tag, parent_tag, image, vcpus, mem_mib, source_sandbox, created_ms) \
-             VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(tag) DO NOTHING",
+            "INSERT INTO snapshots (tag, parent_tag, image, vcpus, mem_mib, source_sandbox, created_ms, \
+               head_digest, parent_digest, chain, memory_bytes, stored_bytes, compressed_bytes) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(tag) DO NOTHING",
         )
         .bind(&s.tag)
         .bind(&s.parent_tag)
@@ -347,6 +393,12 @@ impl Db {
         .bind(s.mem_mib as i64)
         .bind(&s.source_sandbox)
         .bind(now_ms())
+        .bind(s.layers.as_ref().map(|l| l.head_digest.clone()))
+        .bind(s.layers.as_ref().and_then(|l| l.parent_digest.clone()))
+        .bind(s.layers.as_ref().map(|l| l.chain.join(",")))
+        .bind(s.layers.as_ref().map(|l| l.memory_bytes as i64))
+        .bind(s.layers.as_ref().map(|l| l.stored_bytes as i64))
+        .bind(s.layers.as_ref().map(|l| l.compressed_bytes as i64))
         .execute(&mut *tx)
         .await?;
         if r.rows_affected() == 0 {

@@ -20,9 +20,16 @@ pub enum Policy {
     Pack,
 }
 
+/// What fetching a snapshot costs an executor that lacks it, in free slots: under `Spread`, a
+/// non-holder gets a child once it has this many more free slots than the best holder.
+/// Locality is a cost, not a filter (the caller only offers non-holders when the snapshot is
+/// in the store).
+pub const FETCH_COST_SLOTS: u32 = 2;
+
 /// For each of `n` children, the index of the candidate it goes to, or None when no capacity
 /// is left (the caller reports those children as failed; none is dropped silently).
-/// Executors holding the snapshot are always preferred.
+/// `Pack` fills holders first; `Spread` balances free slots, counting a non-holder's slots
+/// less by [`FETCH_COST_SLOTS`].
 pub fn place(n: u32, candidates: &[Candidate], policy: Policy) -> Vec<Option<usize>> {
     let mut free: Vec<u32> = candidates.iter().map(|c| c.free).collect();
     let mut out = Vec::with_capacity(n as usize);
@@ -41,15 +48,25 @@ pub fn place(n: u32, candidates: &[Candidate], policy: Policy) -> Vec<Option<usi
     for _ in 0..n {
         let pick = match policy {
             Policy::Pack => pack_order.iter().copied().find(|&i| free[i] > 0),
-            Policy::Spread => (0..candidates.len())
-                .filter(|&i| free[i] > 0)
-                .max_by(|&a, &b| {
-                    let (ca, cb) = (&candidates[a], &candidates[b]);
-                    ca.has_snapshot
-                        .cmp(&cb.has_snapshot)
-                        .then(free[a].cmp(&free[b]))
-                        .then(cb.id.cmp(&ca.id))
-                }),
+            Policy::Spread => {
+                let score = |i: usize| {
+                    let cost = if candidates[i].has_snapshot {
+                        0
+                    } else {
+                        FETCH_COST_SLOTS
+                    };
+                    i64::from(free[i]) - i64::from(cost)
+                };
+                (0..candidates.len())
+                    .filter(|&i| free[i] > 0)
+                    .max_by(|&a, &b| {
+                        let (ca, cb) = (&candidates[a], &candidates[b]);
+                        score(a)
+                            .cmp(&score(b))
+                            .then(ca.has_snapshot.cmp(&cb.has_snapshot))
+                            .then(cb.id.cmp(&ca.id))
+                    })
+            }
         };
         if let Some(i) = pick {
             free[i] -= 1;
@@ -78,13 +95,16 @@ mod tests {
     }
 
     #[test]
-    fn spread_balances_and_prefers_holders() {
+    fn spread_balances_with_locality_as_a_cost() {
         let cands = [c("a", 10, true), c("b", 10, true), c("c", 10, false)];
+        // The non-holder joins once the holders are FETCH_COST_SLOTS fuller than it.
         let p = place(8, &cands, Policy::Spread);
-        assert_eq!(counts(&p, 3), vec![4, 4, 0]);
-        // Holders full: the rest go to the non-holder rather than failing.
+        assert_eq!(counts(&p, 3), vec![4, 3, 1]);
         let p = place(25, &cands, Policy::Spread);
-        assert_eq!(counts(&p, 3), vec![10, 10, 5]);
+        assert_eq!(counts(&p, 3), vec![9, 9, 7]);
+        // Holders full: the rest go to the non-holder rather than failing.
+        let cands = [c("a", 2, true), c("c", 10, false)];
+        assert_eq!(counts(&place(9, &cands, Policy::Spread), 2), vec![2, 7]);
     }
 
     #[test]

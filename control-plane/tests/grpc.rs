@@ -359,6 +359,7 @@ async fn add_snapshot(cp: &RunningServer, tag: &str, parent: Option<&str>, execu
             mem_mib: 512,
             source_sandbox: None,
             executor_id: executor.into(),
+            layers: None,
         })
         .await
         .unwrap();

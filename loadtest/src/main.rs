@@ -120,6 +120,7 @@ async fn main() -> Result<()> {
                             mem_mib: 0,
                             source_sandbox: None,
                             executor_id: "null-0".into(),
+                            layers: None,
                         })
                         .await?;
                 }

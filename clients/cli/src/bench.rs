@@ -330,6 +330,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         ready_timeout: Some(Duration::from_secs(300)),
         parallel: b.parallel,
         readiness: None,
+        layer: None,
     };
     for &n in &b.counts {
         let t0 = Instant::now();

@@ -129,6 +129,7 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
         ready_timeout: a.ready_timeout_secs.map(Duration::from_secs),
         parallel: a.parallel,
         readiness: None,
+        layer: None,
     };
     let t0 = Instant::now();
     let results = std::sync::Mutex::new((Vec::new(), 0usize));

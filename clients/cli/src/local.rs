@@ -30,6 +30,7 @@ pub fn host_config(owner: Owner, limits: Limits, readiness: Readiness) -> Result
         owner,
         readiness,
         limits,
+        store: None,
     })
 }
 
@@ -39,8 +40,14 @@ pub fn executor_host(
     data_dir: PathBuf,
     max_vms: u32,
     pool_size: usize,
+    store: Option<String>,
 ) -> Result<HostConfig> {
+    let store = store.map(|url| tine_host::StoreConfig {
+        url,
+        layer_cache: data_dir.join("layers"),
+    });
     Ok(HostConfig {
+        store,
         data_dir,
         image_cache: image_cache(),
         worker_exe: std::env::current_exe()?,

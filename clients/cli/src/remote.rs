@@ -416,6 +416,31 @@ fn print_snapshot(s: &pb::Snapshot, indent: &str) {
     );
 }
 
+/// Where a snapshot is in the cluster's store, and what it costs there.
+fn print_layers(s: &pb::Snapshot) {
+    let Some(l) = &s.layers else {
+        println!("  layers     none (made without a store: only its executors can spawn it)");
+        return;
+    };
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    println!("  head       {}", l.head_digest);
+    if !l.parent_digest.is_empty() {
+        println!("  parent     {}", l.parent_digest);
+    }
+    println!(
+        "  chain      {} layer(s): {}",
+        l.chain.len(),
+        l.chain.join(" <- ")
+    );
+    println!(
+        "  size       memory {:.1} MiB, stored pages {:.1} MiB, compressed {:.1} MiB ({:.1}x smaller than memory)",
+        mib(l.memory_bytes),
+        mib(l.stored_bytes),
+        mib(l.compressed_bytes),
+        l.memory_bytes as f64 / l.compressed_bytes.max(1) as f64
+    );
+}
+
 pub fn snapshots(c: SnapshotsCommand) -> Result<i32> {
     let conn = Conn::open()?;
     let mut sn = conn.snapshots();
@@ -464,6 +489,7 @@ pub fn snapshots(c: SnapshotsCommand) -> Result<i32> {
                     .into_inner();
                 if let Some(s) = &r.snapshot {
                     print_snapshot(s, "");
+                    print_layers(s);
                 }
                 for a in &r.ancestors {
                     print_snapshot(a, "  ancestor   ");

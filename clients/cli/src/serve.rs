@@ -131,7 +131,14 @@ pub fn up(a: UpArgs) -> Result<i32> {
             control_plane: Some(format!("http://{}", cp.addr)),
             control_plane_ca: None,
             tls: None,
-            host: local::executor_host(&id, data.clone(), a.max_sandboxes, a.pool)?,
+            // The embedded default keeps its store beside everything else.
+            host: local::executor_host(
+                &id,
+                data.clone(),
+                a.max_sandboxes,
+                a.pool,
+                Some(data.join("store").display().to_string()),
+            )?,
             metrics_listen: Some(a.executor_metrics_listen),
             allow_plaintext_remote: false,
             vm_refusal: pvm_refusal(a.allow_pvm),
@@ -268,6 +275,11 @@ pub struct ExecutorArgs {
     /// Prometheus metrics endpoint (spawn phases, pool, VMs).
     #[arg(long, default_value = EXECUTOR_METRICS)]
     metrics_listen: SocketAddr,
+    /// The cluster's snapshot store, shared by every executor: a directory, file:///dir or
+    /// s3://bucket[/prefix] (AWS_* variables). Snapshots made here are pushed to it as layers,
+    /// and snapshots this host lacks are fetched from it. Without it snapshots stay here.
+    #[arg(long, env = "TINE_STORE")]
+    store: Option<String>,
     #[arg(long, default_value = "127.0.0.1:7071")]
     listen: SocketAddr,
     /// Address the control plane uses to reach this executor (default http(s)://<listen>).
@@ -326,7 +338,7 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
             control_plane: a.control_plane.clone(),
             control_plane_ca: a.control_plane_ca.clone(),
             tls: TlsFiles::from_args(a.tls_cert.clone(), a.tls_key.clone())?,
-            host: local::executor_host(&id, data, a.max_sandboxes, a.pool)?,
+            host: local::executor_host(&id, data, a.max_sandboxes, a.pool, a.store.clone())?,
             metrics_listen: Some(a.metrics_listen),
             allow_plaintext_remote: a.allow_plaintext_remote,
             vm_refusal: pvm_refusal(a.allow_pvm),

@@ -7,14 +7,16 @@
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use std::path::Path;
 use tine_control_plane::calls::Auth;
-use tine_control_plane::db::NewSnapshot;
+
+use tine_control_plane::db::{NewSnapshot, SnapshotLayers};
 use tine_control_plane::server::{self, ServerConfig};
-use tine_executor::daemon::{self, ExecutorConfig};
+use tine_executor::daemon::{self, ExecutorConfig, RunningExecutor};
 use tine_host::testing::{kvm_available, write_idle_guest_snapshot};
-use tine_host::{HostConfig, Limits, Owner, Readiness};
+use tine_host::{HostConfig, Limits, Owner, Readiness, StoreConfig};
 use tine_rpc::auth::{generate_token, Role, TokenEntry, TokenSet};
-use tine_rpc::ExecutorId;
+use tine_rpc::{ExecutorId, Tag};
 
 const TINE: &str = env!("CARGO_BIN_EXE_tine");
 
@@ -35,22 +37,27 @@ fn tine(addr: &str, token: &str, args: &[&str]) -> (Output, String) {
     (out, text)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn errors_keep_their_codes_through_the_control_plane() {
-    if !kvm_available() {
-        eprintln!("SKIPPED: /dev/kvm is absent or not usable");
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("executor");
-    let snap = data.join("snapshots").join("idle");
-    std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
-    write_idle_guest_snapshot(&snap, 32).unwrap();
+/// Kills an executor's VMs when a test ends, passing or not (its VMM workers outlive it).
+struct KillOnDrop(std::sync::Arc<tine_executor::service::State>);
 
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        self.0.host.kill_all();
+    }
+}
+
+struct Cluster {
+    cp: server::RunningServer,
+    addr: String,
+    admin: String,
+    executor_token: String,
+}
+
+async fn control_plane(dir: &Path) -> Cluster {
     let (admin, executor_token) = (generate_token(), generate_token());
     let cp = server::start(ServerConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
-        db_path: tmp.path().join("tine.db"),
+        db_path: dir.join("tine.db"),
         auth: Auth::Tokens(
             TokenSet::new(&[
                 TokenEntry {
@@ -66,7 +73,7 @@ async fn errors_keep_their_codes_through_the_control_plane() {
             ])
             .unwrap(),
         ),
-        audit_path: tmp.path().join("audit.log"),
+        audit_path: dir.join("audit.log"),
         metrics_listen: None,
         tls: None,
         executor_token: Some(executor_token.clone()),
@@ -78,26 +85,47 @@ async fn errors_keep_their_codes_through_the_control_plane() {
     .await
     .unwrap();
     let addr = format!("http://{}", cp.addr);
-    let id = ExecutorId::parse("kvm-1").unwrap();
+    Cluster {
+        cp,
+        addr,
+        admin,
+        executor_token,
+    }
+}
+
+/// An executor daemon on this host's /dev/kvm with its own data directory, registered with
+/// the cluster's control plane.
+async fn executor(
+    c: &Cluster,
+    id: &str,
+    data: &Path,
+    max_vms: u32,
+    store: Option<&Path>,
+) -> RunningExecutor {
+    let id = ExecutorId::parse(id).unwrap();
     let ex = daemon::start(ExecutorConfig {
         id: id.clone(),
         listen: "127.0.0.1:0".parse().unwrap(),
         advertise: None,
-        token: Some(executor_token),
-        control_plane: Some(addr.clone()),
+        token: Some(c.executor_token.clone()),
+        control_plane: Some(c.addr.clone()),
         control_plane_ca: None,
         tls: None,
         host: HostConfig {
-            data_dir: data.clone(),
-            image_cache: tmp.path().join("images"),
+            data_dir: data.to_path_buf(),
+            image_cache: data.join("images"),
             worker_exe: TINE.into(),
             owner: Owner::executor(&id),
             readiness: Readiness::Running,
             limits: Limits {
-                max_vms: 2,
+                max_vms,
                 pool_size: 1,
                 ..Limits::default()
             },
+            store: store.map(|s| StoreConfig {
+                url: s.display().to_string(),
+                layer_cache: data.join("layers"),
+            }),
         },
         metrics_listen: None,
         allow_plaintext_remote: false,
@@ -105,12 +133,53 @@ async fn errors_keep_their_codes_through_the_control_plane() {
     })
     .await
     .unwrap();
-    // Wait for the executor to register.
     let t0 = Instant::now();
-    while cp.ctx.db.executors().await.unwrap().is_empty() {
-        assert!(t0.elapsed() < Duration::from_secs(20), "never registered");
+    while !c
+        .cp
+        .ctx
+        .db
+        .executors()
+        .await
+        .unwrap()
+        .iter()
+        .any(|e| e.id == id.as_str())
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{id} never registered"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    ex
+}
+
+fn kvm() -> bool {
+    let ok = kvm_available();
+    if !ok {
+        eprintln!("SKIPPED: /dev/kvm is absent or not usable");
+    }
+    ok
+}
+
+/// A data directory holding the idle guest's snapshot under tag `idle`.
+fn data_with_snapshot(data: &Path) {
+    let snap = data.join("snapshots").join("idle");
+    std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
+    write_idle_guest_snapshot(&snap, 32).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_keep_their_codes_through_the_control_plane() {
+    if !kvm() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("executor");
+    data_with_snapshot(&data);
+    let c = control_plane(tmp.path()).await;
+    let ex = executor(&c, "kvm-1", &data, 2, None).await;
+    let _cleanup = KillOnDrop(ex.state.clone());
+    let (cp, addr, admin) = (&c.cp, c.addr.clone(), c.admin.clone());
 
     let run = |args: &'static [&'static str]| {
         let (addr, admin) = (addr.clone(), admin.clone());
@@ -145,6 +214,7 @@ async fn errors_keep_their_codes_through_the_control_plane() {
             mem_mib: 32,
             source_sandbox: None,
             executor_id: "kvm-1".into(),
+            layers: None,
         })
         .await
         .unwrap();
@@ -174,5 +244,78 @@ async fn errors_keep_their_codes_through_the_control_plane() {
     assert_eq!(ex.state.host.live_ids().len(), 1);
 
     ex.shutdown(true).await.unwrap();
-    cp.shutdown().await.unwrap();
+    c.cp.shutdown().await.unwrap();
+}
+
+/// Two executors standing for two hosts that share only the store: a snapshot made on A is
+/// spawned on both; B fetches it (its layers verified) and runs real children; the control
+/// plane reports the snapshot's digests and sizes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_without_the_snapshot_fetches_it_from_the_store() {
+    if !kvm() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let (a_data, b_data) = (tmp.path().join("a"), tmp.path().join("b"));
+    data_with_snapshot(&a_data);
+    let c = control_plane(tmp.path()).await;
+    let a = executor(&c, "host-a", &a_data, 4, Some(&store)).await;
+    let b = executor(&c, "host-b", &b_data, 4, Some(&store)).await;
+    let _cleanup = (KillOnDrop(a.state.clone()), KillOnDrop(b.state.clone()));
+    // What CreateSnapshot on A records (the snapshot itself is a hand-made guest's).
+    let st = a.state.clone();
+    let info = tokio::task::spawn_blocking(move || st.host.publish(&Tag::parse("idle").unwrap()))
+        .await
+        .unwrap()
+        .unwrap();
+    c.cp.ctx
+        .db
+        .insert_snapshot(&NewSnapshot {
+            tag: "idle".into(),
+            parent_tag: None,
+            image: "hand-made".into(),
+            vcpus: 1,
+            mem_mib: 32,
+            source_sandbox: None,
+            executor_id: "host-a".into(),
+            layers: Some(SnapshotLayers {
+                head_digest: info.head.to_string(),
+                parent_digest: None,
+                chain: info.chain.iter().map(|d| d.to_string()).collect(),
+                memory_bytes: info.memory_bytes,
+                stored_bytes: info.raw_bytes,
+                compressed_bytes: info.stored_bytes,
+            }),
+        })
+        .await
+        .unwrap();
+    let (addr, admin) = (c.addr.clone(), c.admin.clone());
+    let (out, text) = tokio::task::spawn_blocking(move || {
+        tine(
+            &addr,
+            &admin,
+            &["sandbox", "spawn", "--tag", "idle", "-n", "4"],
+        )
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success(), "{text}");
+    // Equal free slots: B gets a child once A is FETCH_COST_SLOTS fuller (3 + 1 of 4).
+    assert_eq!(text.matches("on host-a").count(), 3, "{text}");
+    assert_eq!(text.matches("on host-b").count(), 1, "{text}");
+    assert_eq!(b.state.host.live_ids().len(), 1);
+    assert!(b_data.join("snapshots/idle/snapshot.json").is_file());
+
+    let (addr, admin) = (c.addr.clone(), c.admin.clone());
+    let (out, text) =
+        tokio::task::spawn_blocking(move || tine(&addr, &admin, &["snapshots", "get", "idle"]))
+            .await
+            .unwrap();
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains(&info.head.to_string()), "{text}");
+    assert!(text.contains("memory 32.0 MiB"), "{text}");
+    a.shutdown(true).await.unwrap();
+    b.shutdown(true).await.unwrap();
+    c.cp.shutdown().await.unwrap();
 }

@@ -10,13 +10,14 @@ use std::time::Duration;
 use futures::Stream;
 use tine_agent::client::{AgentErrorCode, ClientError, ExecOptions};
 use tine_host::ready::agent;
-use tine_host::{ErrorKind, Host, HostError, ParentSpec, SpawnOptions};
+use tine_host::{ErrorKind, Host, HostError, LayerInfo, ParentSpec, SpawnOptions};
 use tine_proto::executor::v1 as xpb;
 use tine_proto::executor::v1::executor_server::Executor;
 use tine_proto::v1 as pb;
 use tine_rpc::limits::MAX_SPAWN;
 use tine_rpc::status::child_error;
 use tine_rpc::{validate, ExecutorId, SandboxId};
+use tine_snapshot_store::Digest;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -49,10 +50,23 @@ pub fn host_status(e: &HostError) -> Status {
         ErrorKind::Precondition => Status::failed_precondition(m),
         ErrorKind::Deadline => Status::deadline_exceeded(m),
         ErrorKind::Denied => Status::permission_denied(m),
+        ErrorKind::Unavailable => Status::unavailable(m),
         ErrorKind::Internal => {
             tracing::error!("{m}");
             Status::internal(m)
         }
+    }
+}
+
+/// A snapshot's layers as the API reports them.
+pub fn layers_msg(l: &LayerInfo) -> pb::SnapshotLayers {
+    pb::SnapshotLayers {
+        head_digest: l.head.to_string(),
+        parent_digest: l.parent.map(|d| d.to_string()).unwrap_or_default(),
+        chain: l.chain.iter().map(|d| d.to_string()).collect(),
+        memory_bytes: l.memory_bytes,
+        stored_bytes: l.raw_bytes,
+        compressed_bytes: l.stored_bytes,
     }
 }
 
@@ -261,6 +275,7 @@ impl Executor for ExecutorService {
             created_unix_ms: tine_host::records::now_ms() as i64,
             executors: vec![self.state.id.to_string()],
             source_sandbox: String::new(),
+            layers: made.layer.as_ref().map(layers_msg),
         }))
     }
 
@@ -295,17 +310,32 @@ impl Executor for ExecutorService {
             .map(|id| validate::sandbox_id("ids", id))
             .collect::<Result<Vec<SandboxId>, Status>>()?;
         validate::ready_timeout_ms(r.ready_timeout_ms)?;
+        let layer = if r.head_digest.is_empty() {
+            None
+        } else {
+            Some(
+                Digest::parse(&r.head_digest)
+                    .map_err(|e| Status::invalid_argument(format!("head_digest: {e}")))?,
+            )
+        };
         let opts = SpawnOptions {
             ready_timeout: (r.ready_timeout_ms != 0)
                 .then(|| Duration::from_millis(r.ready_timeout_ms as u64)),
+            layer,
             ..SpawnOptions::default()
         };
-        // A missing or broken snapshot fails the call, not each child.
+        // A missing, unfetchable or broken snapshot fails the call, not each child; a host
+        // without it fetches it here, once.
         let (st, t) = (self.state.clone(), tag.clone());
-        tokio::task::spawn_blocking(move || st.host.snapshot_header(&t))
-            .await
-            .map_err(internal)?
-            .map_err(|e| host_status(&e))?;
+        tokio::task::spawn_blocking(move || {
+            if let Some(head) = &layer {
+                st.host.ensure_local(&t, head)?;
+            }
+            st.host.snapshot_header(&t)
+        })
+        .await
+        .map_err(internal)?
+        .map_err(|e| host_status(&e))?;
         let (tx, rx) = mpsc::channel(ids.len() + 1);
         let st = self.state.clone();
         let span = tracing::Span::current();

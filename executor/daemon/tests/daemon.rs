@@ -46,6 +46,7 @@ async fn start(data: &Path, token: &str, max_vms: u32) -> RunningExecutor {
                 ready_timeout: Duration::from_secs(60),
                 ..Limits::default()
             },
+            store: None,
         },
         metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
         allow_plaintext_remote: false,
@@ -70,6 +71,7 @@ fn spawn_request(tag: &str, ids: &[&str]) -> xpb::SpawnRequest {
         ids: ids.iter().map(|s| s.to_string()).collect(),
         resources: None,
         ready_timeout_ms: 0,
+        head_digest: String::new(),
     }
 }
 

@@ -97,6 +97,8 @@ pub struct HostConfig {
     pub owner: Owner,
     pub readiness: Readiness,
     pub limits: Limits,
+    /// The cluster's store and this host's layer cache (None: snapshots stay on this host).
+    pub store: Option<crate::layers::StoreConfig>,
 }
 
 impl HostConfig {

@@ -23,6 +23,8 @@ pub enum ErrorKind {
     Denied,
     /// Our own fault (I/O, a worker that could not start).
     Internal,
+    /// Something this host depends on (the cluster's store) did not answer or answered wrong.
+    Unavailable,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +73,14 @@ pub enum HostError {
     WarmupFailed { code: String, error: String },
     #[error("warm-up code {code:?}: {reason}")]
     WarmupCall { code: String, reason: String },
+    #[error("{what}: {reason}")]
+    Store { what: String, reason: String },
+    #[error("fetching snapshot {tag} from {store}: {reason}")]
+    Fetch {
+        tag: Tag,
+        store: String,
+        reason: String,
+    },
     #[error("another process owns {dir}: {why}")]
     Locked { dir: PathBuf, why: String },
     #[error("{context}: {source}")]
@@ -106,7 +116,8 @@ impl HostError {
             | ParentNotReady { .. }
             | WarmupFailed { .. }
             | WarmupCall { .. } => ErrorKind::Precondition,
-            Worker { .. } | Io { .. } | Vmm(_) => ErrorKind::Internal,
+            Worker { .. } | Io { .. } | Vmm(_) | Store { .. } => ErrorKind::Internal,
+            Fetch { .. } => ErrorKind::Unavailable,
         }
     }
 
@@ -132,6 +143,8 @@ impl HostError {
             ParentNotReady { .. } => "parent_not_ready",
             WarmupFailed { .. } | WarmupCall { .. } => "warmup",
             Locked { .. } => "locked",
+            Store { .. } => "store",
+            Fetch { .. } => "fetch",
             Io { .. } => "io",
             Vmm(_) => "vmm",
         }

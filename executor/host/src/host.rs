@@ -14,6 +14,7 @@ use tine_vmm::snapshot::file::SnapshotHeader;
 
 use crate::config::{HostConfig, Readiness};
 use crate::error::{HostError, Result};
+use crate::layers::{Fetched, Layers};
 use crate::parent::{boot_and_snapshot, MadeSnapshot, ParentSpec};
 use crate::process::{Liveness, ProcessIdentity};
 use crate::ready::{make_ready, SpawnPhases};
@@ -40,6 +41,9 @@ pub struct SpawnOptions {
     pub parallel: usize,
     /// None: the host's readiness.
     pub readiness: Option<Readiness>,
+    /// The snapshot's head layer, recorded by the control plane: a host without the snapshot
+    /// fetches this chain from the store (verified against these digests) before restoring.
+    pub layer: Option<tine_snapshot_store::Digest>,
 }
 
 /// How one child of a spawn ended.
@@ -64,6 +68,10 @@ pub struct Host {
     live: Mutex<HashMap<SandboxId, Live>>,
     /// Children being set up (counted against `max_vms` before they are live).
     starting: AtomicUsize,
+    /// The cluster's store and this host's layer cache.
+    layers: Option<Layers>,
+    /// One fetch per snapshot at a time: concurrent spawns of a missing snapshot fetch it once.
+    fetching: Mutex<HashMap<Tag, Arc<Mutex<()>>>>,
     /// Held while an executor daemon owns this data directory.
     _lock: Option<OwnedFd>,
 }
@@ -97,11 +105,14 @@ impl Host {
             cfg.limits.pool_size,
             cfg.limits.auto_refill,
         );
+        let layers = cfg.store.as_ref().map(Layers::open).transpose()?;
         Ok(Host {
             cfg,
             pool,
             live: Mutex::new(HashMap::new()),
             starting: AtomicUsize::new(0),
+            layers,
+            fetching: Mutex::new(HashMap::new()),
             _lock: lock,
         })
     }
@@ -188,8 +199,31 @@ impl Host {
             "moving the snapshot to {}",
             dir.display()
         )))?;
-        made.dir = dir;
+        made.dir = dir.clone();
+        if let Some(layers) = &self.layers {
+            // A snapshot the other hosts cannot fetch is not made at all.
+            match layers.publish(&spec.tag, &dir) {
+                Ok(info) => made.layer = Some(info),
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&dir);
+                    return Err(e);
+                }
+            }
+        }
         Ok(made)
+    }
+
+    /// Push a snapshot held here to the cluster's store as a layer (snapshots made here with a
+    /// store configured are pushed as they are made).
+    pub fn publish(&self, tag: &Tag) -> Result<crate::layers::LayerInfo> {
+        let Some(layers) = &self.layers else {
+            return Err(HostError::Store {
+                what: format!("publishing {tag}"),
+                reason: "this host has no store configured".into(),
+            });
+        };
+        self.snapshot_header(tag)?;
+        layers.publish(tag, &self.snapshot_dir(tag))
     }
 
     /// Forget a snapshot here. Running children keep their mapping of its memory image.
@@ -231,6 +265,9 @@ impl Host {
         opts: &SpawnOptions,
         report: impl Fn(SpawnOutcome) + Sync,
     ) -> Result<()> {
+        if let Some(head) = &opts.layer {
+            self.ensure_local(tag, head)?;
+        }
         self.snapshot_header(tag)?;
         let snapshot = self.snapshot_dir(tag);
         let timeout = opts.ready_timeout.unwrap_or(self.cfg.limits.ready_timeout);
@@ -256,6 +293,62 @@ impl Host {
             }
         });
         Ok(())
+    }
+
+    /// Make sure snapshot `tag` is on this host: if not, fetch the layers of `head` it lacks
+    /// from the store and set the snapshot up from them. Returns what was fetched (None: the
+    /// snapshot was here already).
+    pub fn ensure_local(
+        &self,
+        tag: &Tag,
+        head: &tine_snapshot_store::Digest,
+    ) -> Result<Option<Fetched>> {
+        let dir = self.snapshot_dir(tag);
+        if dir.join("snapshot.json").is_file() {
+            return Ok(None);
+        }
+        let Some(layers) = &self.layers else {
+            return Err(HostError::NoSnapshot(tag.clone()));
+        };
+        let gate = self
+            .fetching
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(tag.clone())
+            .or_default()
+            .clone();
+        let _one_fetch = gate.lock().unwrap_or_else(|p| p.into_inner());
+        if dir.join("snapshot.json").is_file() {
+            return Ok(None); // another spawn fetched it while we waited
+        }
+        let _s = tracing::info_span!("spawn.fetch", %tag, %head).entered();
+        let t0 = Instant::now();
+        let staging = self.cfg.snapshots_dir().join(format!(
+            ".fetch-{}",
+            SandboxId::random(tag.as_str()).as_str()
+        ));
+        let fetched = layers.materialize(tag, head, &staging).and_then(|f| {
+            std::fs::rename(&staging, &dir)
+                .map(|()| f)
+                .map_err(HostError::io(format!(
+                    "moving the snapshot to {}",
+                    dir.display()
+                )))
+        });
+        if fetched.is_err() {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+        let fetched = fetched?;
+        tracing::info!(
+            %tag,
+            %head,
+            layers = fetched.layers,
+            objects = fetched.objects,
+            bytes = fetched.bytes,
+            took_ms = t0.elapsed().as_millis() as u64,
+            "fetched snapshot from the store"
+        );
+        Ok(Some(fetched))
     }
 
     /// Reserve a slot under `max_vms`, counting children still being set up.

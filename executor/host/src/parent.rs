@@ -37,6 +37,8 @@ pub struct MadeSnapshot {
     pub ready_after: Duration,
     /// Pause and write.
     pub written_in: Duration,
+    /// Its layer in the cluster's store (None when the host has no store).
+    pub layer: Option<crate::layers::LayerInfo>,
 }
 
 /// Boot `spec.image` in `work` (a fresh directory) and snapshot it into `dir`.
@@ -104,6 +106,7 @@ pub(crate) fn boot_and_snapshot(
             header,
             ready_after,
             written_in: t1.elapsed(),
+            layer: None,
         })
     })();
     running.stop();

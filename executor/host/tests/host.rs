@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use tine_host::testing::{kvm_available, write_idle_guest_snapshot};
 use tine_host::{
     ErrorKind, Host, HostConfig, HostError, Limits, Liveness, Owner, ProcessIdentity, Readiness,
-    SpawnOptions, SpawnOutcome, VmRecord, WORKER_SUBCOMMAND,
+    SpawnOptions, SpawnOutcome, StoreConfig, VmRecord, WORKER_SUBCOMMAND,
 };
 use tine_proto::names::{SandboxId, Tag};
 
@@ -29,6 +29,7 @@ fn config(data: &Path, max_vms: u32, pool_size: usize) -> HostConfig {
             ready_timeout: Duration::from_secs(60),
             ..Limits::default()
         },
+        store: None,
     }
 }
 
@@ -209,6 +210,93 @@ fn a_burst_leaves_at_most_the_pool_idle() {
     host.kill_all();
 }
 
+fn with_store(mut cfg: HostConfig, store: &Path) -> HostConfig {
+    cfg.store = Some(StoreConfig {
+        url: store.display().to_string(),
+        layer_cache: cfg.data_dir.join("layers"),
+    });
+    cfg
+}
+
+/// A snapshot made on one host is restored on another that only shares the store: the second
+/// fetches the layers it lacks (once, however many spawns want them) and spawns real children;
+/// a corrupted chunk in the store fails the fetch, naming the snapshot, and leaves nothing
+/// that looks like a snapshot behind.
+fn a_host_without_the_snapshot_fetches_it_from_the_store() {
+    let store = tempfile::tempdir().unwrap();
+    let a_dir = data_dir_with_snapshot();
+    let a = Host::open(with_store(config(a_dir.path(), 4, 0), store.path())).unwrap();
+    let info = a.publish(&tag()).unwrap();
+    assert_eq!(info.chain, vec![info.head]);
+    assert_eq!(info.memory_bytes, 32 << 20);
+    assert!(info.stored_bytes > 0 && info.stored_bytes <= info.raw_bytes);
+
+    let b_dir = tempfile::tempdir().unwrap();
+    let b = Host::open(with_store(config(b_dir.path(), 4, 0), store.path())).unwrap();
+    // Three spawns that all need the snapshot at once: one fetch.
+    let fetched: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|_| s.spawn(|| b.ensure_local(&tag(), &info.head).unwrap()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let did: Vec<_> = fetched.iter().flatten().collect();
+    assert_eq!(did.len(), 1, "{fetched:?}");
+    assert!(did[0].bytes > 0 && did[0].layers == 1, "{did:?}");
+    let out = Mutex::new(Vec::new());
+    b.spawn(
+        &tag(),
+        ids(2),
+        &SpawnOptions {
+            layer: Some(info.head),
+            ..SpawnOptions::default()
+        },
+        |o| out.lock().unwrap().push(o),
+    )
+    .unwrap();
+    let out = out.into_inner().unwrap();
+    assert!(out.iter().all(|o| o.result.is_ok()), "{out:?}");
+    b.kill_all();
+
+    // Corrupt one chunk in the store: a third host refuses it.
+    let chunks = store.path().join("chunks");
+    let shard = std::fs::read_dir(&chunks)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let chunk = std::fs::read_dir(&shard)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let mut bytes = std::fs::read(&chunk).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&chunk, &bytes).unwrap();
+    let c_dir = tempfile::tempdir().unwrap();
+    let c = Host::open(with_store(config(c_dir.path(), 4, 0), store.path())).unwrap();
+    let err = c.ensure_local(&tag(), &info.head).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("snapshot idle") && msg.contains(&store.path().display().to_string()),
+        "{msg}"
+    );
+    let left: Vec<_> = std::fs::read_dir(c_dir.path().join("snapshots"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(
+        left.is_empty(),
+        "nothing may look like a snapshot: {left:?}"
+    );
+    assert!(c.snapshot_header(&tag()).is_err());
+}
+
 /// (span name, parent span name) as each span was created.
 type SpanEdges = Vec<(String, Option<String>)>;
 
@@ -277,7 +365,7 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 5] = [
+    let tests: [(&str, fn()); 6] = [
         ("spawn_list_kill_readopt", spawn_list_kill_readopt),
         (
             "stale_record_is_neither_adopted_nor_killed",
@@ -290,6 +378,10 @@ fn main() {
         (
             "a_burst_leaves_at_most_the_pool_idle",
             a_burst_leaves_at_most_the_pool_idle,
+        ),
+        (
+            "a_host_without_the_snapshot_fetches_it_from_the_store",
+            a_host_without_the_snapshot_fetches_it_from_the_store,
         ),
         (
             "spawn_phases_are_spans_of_the_callers_trace",

@@ -1,0 +1,218 @@
+//! Snapshots as layers in the cluster's store. A snapshot made on this host becomes a base
+//! layer (its memory image as zstd chunks, its VM state as the layer's state blob) in the
+//! host's layer cache and is pushed to the store; a host that lacks a snapshot pulls exactly the
+//! layers it is missing (every object verified against its digest as it enters the cache),
+//! assembles the flat image once, and restores from it like from its own snapshot.
+
+use std::path::{Path, PathBuf};
+
+use tine_proto::names::Tag;
+use tine_snapshot_store::builder::{build_base, BuildOptions, LayerInput, DEFAULT_PAGE_SIZE};
+use tine_snapshot_store::cache::LocalCache;
+use tine_snapshot_store::progress::NoProgress;
+use tine_snapshot_store::remote::RemoteStore;
+use tine_snapshot_store::{Digest, StoreError};
+use tine_vmm::snapshot::file::{HEADER_FILE, MEMORY_FILE, STATE_FILE};
+
+use crate::error::{HostError, Result};
+
+/// Where a host's layers live.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// The cluster's store: a directory, `file:///dir`, or `s3://bucket[/prefix]` (S3 settings
+    /// from the AWS_* variables, read by the store when it is opened).
+    pub url: String,
+    /// This host's cache of verified layers and assembled images.
+    pub layer_cache: PathBuf,
+}
+
+/// What the store holds for one snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerInfo {
+    /// The snapshot's own layer.
+    pub head: Digest,
+    /// Its parent layer (None for a base layer).
+    pub parent: Option<Digest>,
+    /// Head first, down to the base.
+    pub chain: Vec<Digest>,
+    /// Guest memory size.
+    pub memory_bytes: u64,
+    /// Bytes of the pages the chain stores (zero pages are not stored).
+    pub raw_bytes: u64,
+    /// Compressed bytes of those pages in the store.
+    pub stored_bytes: u64,
+}
+
+/// What fetching a snapshot cost this host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Fetched {
+    pub layers: u64,
+    pub objects: u64,
+    pub bytes: u64,
+}
+
+/// The VM's own snapshot files travel as the layer's state blob: `snapshot.json` (the header,
+/// with the state's checksum) and `state.bin`, framed as `len(header) u32 LE, header, state`.
+fn encode_vm_files(header: &[u8], state: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + header.len() + state.len());
+    out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    out.extend_from_slice(header);
+    out.extend_from_slice(state);
+    out
+}
+
+fn decode_vm_files(blob: &[u8]) -> Option<(&[u8], &[u8])> {
+    let len = u32::from_le_bytes(blob.get(..4)?.try_into().ok()?) as usize;
+    let header = blob.get(4..4usize.checked_add(len)?)?;
+    let state = blob.get(4 + len..)?;
+    Some((header, state))
+}
+
+fn store_err(what: &str) -> impl FnOnce(StoreError) -> HostError + '_ {
+    move |e| HostError::Store {
+        what: what.to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// The layer cache and the store of one host.
+pub(crate) struct Layers {
+    cfg: StoreConfig,
+    cache: LocalCache,
+}
+
+impl Layers {
+    pub(crate) fn open(cfg: &StoreConfig) -> Result<Layers> {
+        let cache = LocalCache::open(&cfg.layer_cache).map_err(store_err("the layer cache"))?;
+        Ok(Layers {
+            cfg: cfg.clone(),
+            cache,
+        })
+    }
+
+    fn remote(&self) -> Result<RemoteStore> {
+        RemoteStore::open_url(&self.cfg.url).map_err(|e| HostError::Store {
+            what: format!("store {}", self.cfg.url),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Run one store operation to completion from this (blocking) thread.
+    fn block_on<T>(&self, f: impl std::future::Future<Output = T>) -> Result<T> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(HostError::io("starting the store client"))?;
+        Ok(rt.block_on(f))
+    }
+
+    /// Make the snapshot in `dir` a base layer and push it to the store under `tag`.
+    pub(crate) fn publish(&self, tag: &Tag, dir: &Path) -> Result<LayerInfo> {
+        let read = |name: &str| {
+            let p = dir.join(name);
+            std::fs::read(&p).map_err(HostError::io(format!("reading {}", p.display())))
+        };
+        let blob = encode_vm_files(&read(HEADER_FILE)?, &read(STATE_FILE)?);
+        let memory = dir.join(MEMORY_FILE);
+        let layer = build_base(
+            &self.cache,
+            &LayerInput {
+                memory: &memory,
+                page_size: DEFAULT_PAGE_SIZE,
+                state: &blob,
+            },
+            &BuildOptions::default(),
+        )
+        .map_err(store_err("building the snapshot's layer"))?;
+        self.cache
+            .set_tag(tag.as_str(), &layer.digest)
+            .map_err(store_err("tagging the layer in the cache"))?;
+        let remote = self.remote()?;
+        self.block_on(remote.push(&self.cache, &layer.digest, Some(tag.as_str()), &NoProgress))?
+            .map_err(|e| HostError::Store {
+                what: format!("pushing {tag} to {}", self.cfg.url),
+                reason: e.to_string(),
+            })?;
+        self.info(&layer.digest)
+    }
+
+    /// Digests and sizes of the chain of `head` (in the cache).
+    pub(crate) fn info(&self, head: &Digest) -> Result<LayerInfo> {
+        let chain = self
+            .cache
+            .chain(head)
+            .map_err(store_err("reading the layer chain"))?;
+        let mut info = LayerInfo {
+            head: *head,
+            parent: chain.first().and_then(|l| l.parent()),
+            chain: chain.iter().map(|l| l.digest).collect(),
+            memory_bytes: chain.first().map_or(0, |l| l.manifest.memory_size),
+            raw_bytes: 0,
+            stored_bytes: 0,
+        };
+        for l in &chain {
+            let t = l.totals();
+            info.raw_bytes += t.raw_bytes;
+            info.stored_bytes += t.stored_bytes;
+        }
+        Ok(info)
+    }
+
+    /// Pull what this host lacks of `head`'s chain, assemble the flat image, and write a
+    /// snapshot directory into `staging` whose memory image is that (shared, read-only) file.
+    pub(crate) fn materialize(&self, tag: &Tag, head: &Digest, staging: &Path) -> Result<Fetched> {
+        let remote = self.remote()?;
+        let summary = self
+            .block_on(remote.pull_head(&self.cache, head, &NoProgress))?
+            .map_err(|e| HostError::Fetch {
+                tag: tag.clone(),
+                store: self.cfg.url.clone(),
+                reason: e.to_string(),
+            })?;
+        let image = tine_snapshot_store::assemble::assemble(&self.cache, head)
+            .map_err(store_err("assembling the memory image"))?;
+        let layer = self
+            .cache
+            .read_layer(head)
+            .map_err(store_err("reading the head layer"))?;
+        let blob = self
+            .cache
+            .read_object_raw(layer.state_ref())
+            .map_err(store_err("reading the VM state"))?;
+        let (header, state) = decode_vm_files(&blob).ok_or_else(|| HostError::Fetch {
+            tag: tag.clone(),
+            store: self.cfg.url.clone(),
+            reason: "the layer's VM state is malformed".into(),
+        })?;
+        std::fs::create_dir_all(staging)
+            .map_err(HostError::io(format!("creating {}", staging.display())))?;
+        for (name, bytes) in [(HEADER_FILE, header), (STATE_FILE, state)] {
+            let p = staging.join(name);
+            std::fs::write(&p, bytes).map_err(HostError::io(format!("writing {}", p.display())))?;
+        }
+        // Children map it MAP_PRIVATE: the assembled image is shared, never written.
+        std::os::unix::fs::symlink(&image, staging.join(MEMORY_FILE))
+            .map_err(HostError::io(format!("linking {}", image.display())))?;
+        Ok(Fetched {
+            layers: summary.layers_transferred,
+            objects: summary.objects_transferred,
+            bytes: summary.bytes_transferred,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vm_files_frame_round_trips_and_rejects_garbage() {
+        let blob = encode_vm_files(b"{\"h\":1}", b"state bytes");
+        assert_eq!(
+            decode_vm_files(&blob),
+            Some((&b"{\"h\":1}"[..], &b"state bytes"[..]))
+        );
+        assert_eq!(decode_vm_files(&[1, 2]), None);
+        assert_eq!(decode_vm_files(&[255, 255, 255, 255, 0]), None);
+    }
+}
