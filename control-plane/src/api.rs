@@ -441,26 +441,28 @@ impl Api {
                     tracing::warn!(executor = %executor.id, id = %ev.id, "executor reported a child it was not asked for");
                     continue;
                 };
-                let msg = match ev.result {
+                // The executor's code and message reach the client unchanged.
+                let failed = match ev.result {
                     Some(xpb::spawn_event::Result::ReadyUs(us)) => {
                         let row = self.ctx.db.set_sandbox_ready(&ev.id, us).await?;
                         self.ctx.metrics.spawn_to_ready.observe(us as f64 / 1e6);
-                        pb::SpawnEvent {
+                        let msg = pb::SpawnEvent {
                             index,
                             result: row.map(|r| pb::spawn_event::Result::Ready(sandbox_msg(&r))),
-                        }
+                        };
+                        let _ = tx.send(Ok(msg)).await;
+                        continue;
                     }
-                    Some(xpb::spawn_event::Result::Error(e)) => {
-                        // The executor's code and message reach the client unchanged.
-                        let status = from_child_error(&e);
-                        self.ctx
-                            .db
-                            .end_sandbox(&ev.id, SandboxState::Failed, Some(status.message()))
-                            .await?;
-                        failure_event(index, &ev.id, &executor.id, status.code(), status.message())
-                    }
+                    Some(xpb::spawn_event::Result::Failure(e)) => from_child_error(&e),
+                    // An executor from before typed errors: a message only.
+                    Some(xpb::spawn_event::Result::Error(m)) => Status::internal(m),
                     None => continue,
                 };
+                self.ctx
+                    .db
+                    .end_sandbox(&ev.id, SandboxState::Failed, Some(failed.message()))
+                    .await?;
+                let msg = failure_event(index, &ev.id, &executor.id, failed.code(), failed.message());
                 let _ = tx.send(Ok(msg)).await;
             }
             Ok(())

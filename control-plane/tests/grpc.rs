@@ -97,7 +97,7 @@ impl Executor for FakeExecutor {
                 let full = Status::resource_exhausted("executor fake is full (1 of 1 VMs running)");
                 let _ = tx.try_send(Ok(xpb::SpawnEvent {
                     id,
-                    result: Some(xpb::spawn_event::Result::Error(
+                    result: Some(xpb::spawn_event::Result::Failure(
                         tine_rpc::status::child_error(&full),
                     )),
                 }));

@@ -125,12 +125,21 @@ name_type!(
 );
 
 impl SandboxId {
-    /// A fresh random id, `<prefix>-<16 hex digits>`; `prefix` must itself be a valid name.
+    /// A fresh random id, `<prefix>-<16 hex digits>`, the prefix cut to fit the length
+    /// limit; a prefix that is not a valid name becomes `vm`.
     pub fn random(prefix: &str) -> SandboxId {
         let mut b = [0u8; 8];
         getrandom::fill(&mut b).expect("getrandom");
         let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-        SandboxId::parse(format!("{prefix}-{hex}")).expect("prefix is a valid name")
+        let room = MAX_NAME_LEN - 1 - hex.len();
+        let prefix = match check_name("prefix", prefix) {
+            // Valid names are ASCII, so any cut is a char boundary.
+            Ok(()) => prefix[..prefix.len().min(room)].trim_end_matches(['.', '-', '_', '+']),
+            Err(_) => "vm",
+        };
+        let prefix = if prefix.is_empty() { "vm" } else { prefix };
+        SandboxId::parse(format!("{prefix}-{hex}"))
+            .unwrap_or_else(|_| SandboxId::parse(format!("vm-{hex}")).expect("a fixed valid name"))
     }
 }
 
@@ -154,5 +163,9 @@ mod tests {
         let id = SandboxId::random("sbx");
         assert!(id.as_str().starts_with("sbx-") && id.as_str().len() == 20);
         assert!(SandboxId::parse("../x").is_err());
+        // Long tags still give valid ids (the prefix is cut), hostile ones a neutral prefix.
+        let long = SandboxId::random(&"t".repeat(128));
+        assert_eq!(long.as_str().len(), MAX_NAME_LEN);
+        assert!(SandboxId::random("../etc").as_str().starts_with("vm-"));
     }
 }

@@ -42,9 +42,14 @@ pub fn child_error(status: &Status) -> xpb::ChildError {
     }
 }
 
-/// The status an executor's per-child error stands for.
+/// The status an executor's per-child error stands for (a code that is not an error, or not
+/// a code at all, reads as UNKNOWN).
 pub fn from_child_error(e: &xpb::ChildError) -> Status {
-    Status::new(Code::from_i32(e.code), e.message.clone())
+    let code = match Code::from_i32(e.code) {
+        Code::Ok => Code::Unknown,
+        c => c,
+    };
+    Status::new(code, e.message.clone())
 }
 
 #[cfg(test)]
@@ -62,5 +67,10 @@ mod tests {
         let back = from_child_error(&child_error(&s));
         assert_eq!(back.code(), Code::ResourceExhausted);
         assert_eq!(back.message(), s.message());
+        let ok = xpb::ChildError {
+            code: 0,
+            message: "?".into(),
+        };
+        assert_eq!(from_child_error(&ok).code(), Code::Unknown);
     }
 }

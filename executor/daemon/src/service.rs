@@ -51,6 +51,7 @@ pub fn host_status(e: &HostError) -> Status {
         ErrorKind::Deadline => Status::deadline_exceeded(m),
         ErrorKind::Denied => Status::permission_denied(m),
         ErrorKind::Unavailable => Status::unavailable(m),
+        ErrorKind::Cancelled => Status::cancelled(m),
         ErrorKind::Internal => {
             tracing::error!("{m}");
             Status::internal(m)
@@ -352,7 +353,7 @@ impl Executor for ExecutorService {
                             .spawn_failures
                             .with_label_values(&[e.reason()])
                             .inc();
-                        xpb::spawn_event::Result::Error(child_error(&host_status(e)))
+                        xpb::spawn_event::Result::Failure(child_error(&host_status(e)))
                     }
                 };
                 let _ = tx.blocking_send(Ok(xpb::SpawnEvent {

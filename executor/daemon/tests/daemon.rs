@@ -120,7 +120,8 @@ async fn executor_api_end_to_end() {
                 assert!(*us > 0);
                 ready += 1;
             }
-            xpb::spawn_event::Result::Error(e) => full.push(e.clone()),
+            xpb::spawn_event::Result::Failure(e) => full.push(e.clone()),
+            xpb::spawn_event::Result::Error(m) => panic!("an untyped error: {m}"),
         }
     }
     assert_eq!(ready, 2);

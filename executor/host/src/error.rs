@@ -23,6 +23,8 @@ pub enum ErrorKind {
     Denied,
     /// Our own fault (I/O, a worker that could not start).
     Internal,
+    /// Stopped on request before it was done.
+    Cancelled,
     /// Something this host depends on (the cluster's store) did not answer or answered wrong.
     Unavailable,
 }
@@ -41,6 +43,8 @@ pub enum HostError {
     },
     #[error("no VM {0} on this host (see `tine ls`)")]
     NoVm(SandboxId),
+    #[error("VM {0} was killed before it was ready")]
+    Cancelled(SandboxId),
     #[error("VM {0} exists already")]
     VmExists(SandboxId),
     #[error("VM {id} belongs to {owner}: stop it there (e.g. `tine sandbox kill {id}`)")]
@@ -118,6 +122,7 @@ impl HostError {
             | WarmupCall { .. } => ErrorKind::Precondition,
             Worker { .. } | Io { .. } | Vmm(_) | Store { .. } => ErrorKind::Internal,
             Fetch { .. } => ErrorKind::Unavailable,
+            Cancelled(_) => ErrorKind::Cancelled,
         }
     }
 
@@ -144,6 +149,7 @@ impl HostError {
             WarmupFailed { .. } | WarmupCall { .. } => "warmup",
             Locked { .. } => "locked",
             Store { .. } => "store",
+            Cancelled(_) => "cancelled",
             Fetch { .. } => "fetch",
             Io { .. } => "io",
             Vmm(_) => "vmm",

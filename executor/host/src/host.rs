@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::Child;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,7 +18,7 @@ use crate::parent::{boot_and_snapshot, MadeSnapshot, ParentSpec};
 use crate::process::{Liveness, ProcessIdentity};
 use crate::ready::{make_ready, SpawnPhases};
 use crate::records::{self, now_ms, VmRecord};
-use crate::worker::{WorkerJob, WorkerPool};
+use crate::worker::{WorkerJob, WorkerPool, WORKER_SUBCOMMAND};
 
 /// Children set up at once by one spawn call: each is a thread that mostly waits (for its
 /// worker, then its agent); past a few hundred they only cost memory and scheduler time.
@@ -30,6 +29,18 @@ struct Live {
     record: VmRecord,
     /// Our own child process (None for one adopted after a restart).
     child: Option<Child>,
+    /// Made ready; until then its spawn thread owns it (the reaper leaves it alone).
+    ready: bool,
+}
+
+/// Everything about this host's VMs that must change together, under one lock.
+#[derive(Default)]
+struct Vms {
+    live: HashMap<SandboxId, Live>,
+    /// Children a spawn accepted that are not live yet; `true` once a kill cancelled them.
+    pending: HashMap<SandboxId, bool>,
+    /// Slots reserved by children being handed to a worker (counted against `max_vms`).
+    starting: usize,
 }
 
 /// Per-spawn choices; the host's limits bound them.
@@ -65,9 +76,7 @@ pub struct VmInfo {
 pub struct Host {
     cfg: HostConfig,
     pool: Arc<WorkerPool>,
-    live: Mutex<HashMap<SandboxId, Live>>,
-    /// Children being set up (counted against `max_vms` before they are live).
-    starting: AtomicUsize,
+    vms: Mutex<Vms>,
     /// The cluster's store and this host's layer cache.
     layers: Option<Layers>,
     /// One fetch per snapshot at a time: concurrent spawns of a missing snapshot fetch it once.
@@ -109,8 +118,7 @@ impl Host {
         Ok(Host {
             cfg,
             pool,
-            live: Mutex::new(HashMap::new()),
-            starting: AtomicUsize::new(0),
+            vms: Mutex::new(Vms::default()),
             layers,
             fetching: Mutex::new(HashMap::new()),
             _lock: lock,
@@ -135,8 +143,8 @@ impl Host {
         self.pool.idle()
     }
 
-    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, Live>> {
-        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    fn vms(&self) -> std::sync::MutexGuard<'_, Vms> {
+        self.vms.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     // ---- snapshots ----
@@ -187,30 +195,58 @@ impl Host {
                 return Err(e);
             }
         };
-        if dir.exists() {
-            if !spec.replace {
-                let _ = std::fs::remove_dir_all(&staging);
-                return Err(HostError::SnapshotExists(spec.tag.clone()));
+        let installed = (|| {
+            if let Some(layers) = &self.layers {
+                // A snapshot the other hosts cannot fetch is not made at all.
+                made.layer = Some(layers.publish(&spec.tag, &staging)?);
             }
-            std::fs::remove_dir_all(&dir)
-                .map_err(HostError::io(format!("removing {}", dir.display())))?;
+            self.install_snapshot(&staging, &dir, spec.replace, &spec.tag)
+        })();
+        if let Err(e) = installed {
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e);
         }
-        std::fs::rename(&staging, &dir).map_err(HostError::io(format!(
-            "moving the snapshot to {}",
-            dir.display()
-        )))?;
-        made.dir = dir.clone();
-        if let Some(layers) = &self.layers {
-            // A snapshot the other hosts cannot fetch is not made at all.
-            match layers.publish(&spec.tag, &dir) {
-                Ok(info) => made.layer = Some(info),
-                Err(e) => {
-                    let _ = std::fs::remove_dir_all(&dir);
-                    return Err(e);
-                }
-            }
-        }
+        made.dir = dir;
         Ok(made)
+    }
+
+    /// Move a complete snapshot from `staging` to `dir`. Replacing moves the old one aside
+    /// first, so spawns see the old or the new snapshot, never none.
+    fn install_snapshot(
+        &self,
+        staging: &std::path::Path,
+        dir: &std::path::Path,
+        replace: bool,
+        tag: &Tag,
+    ) -> Result<()> {
+        let aside = self
+            .cfg
+            .snapshots_dir()
+            .join(format!(".replaced-{}", SandboxId::random("old").as_str()));
+        let replacing = dir.exists();
+        if replacing {
+            if !replace {
+                return Err(HostError::SnapshotExists(tag.clone()));
+            }
+            std::fs::rename(dir, &aside)
+                .map_err(HostError::io(format!("moving {} aside", dir.display())))?;
+        }
+        if let Err(e) = std::fs::rename(staging, dir) {
+            if replacing {
+                let _ = std::fs::rename(&aside, dir);
+            }
+            return Err(match e.kind() {
+                // Another create of the same tag won the race.
+                std::io::ErrorKind::AlreadyExists | std::io::ErrorKind::DirectoryNotEmpty => {
+                    HostError::SnapshotExists(tag.clone())
+                }
+                _ => HostError::io(format!("moving the snapshot to {}", dir.display()))(e),
+            });
+        }
+        if replacing {
+            let _ = std::fs::remove_dir_all(&aside);
+        }
+        Ok(())
     }
 
     /// Push a snapshot held here to the cluster's store as a layer (snapshots made here with a
@@ -272,6 +308,19 @@ impl Host {
         let snapshot = self.snapshot_dir(tag);
         let timeout = opts.ready_timeout.unwrap_or(self.cfg.limits.ready_timeout);
         let readiness = opts.readiness.unwrap_or(self.cfg.readiness);
+        // Accepted now, so a kill that arrives while a child waits its turn cancels it.
+        let mut accepted = Vec::with_capacity(ids.len());
+        {
+            let mut vms = self.vms();
+            for id in ids {
+                let taken = vms.live.contains_key(&id) || vms.pending.contains_key(&id);
+                if !taken {
+                    vms.pending.insert(id.clone(), false);
+                }
+                accepted.push((id, taken));
+            }
+        }
+        let ids = accepted;
         let n = ids.len();
         let width = match opts.parallel {
             0 => n,
@@ -288,7 +337,16 @@ impl Host {
                     let Some(id) = queue.lock().unwrap_or_else(|p| p.into_inner()).next() else {
                         return;
                     };
-                    report(self.spawn_one(tag, &snapshot, id, readiness, timeout));
+                    let (id, taken) = id;
+                    report(if taken {
+                        SpawnOutcome {
+                            pid: None,
+                            result: Err(HostError::VmExists(id.clone())),
+                            id,
+                        }
+                    } else {
+                        self.spawn_one(tag, &snapshot, id, readiness, timeout)
+                    });
                 });
             }
         });
@@ -351,18 +409,24 @@ impl Host {
         Ok(Some(fetched))
     }
 
-    /// Reserve a slot under `max_vms`, counting children still being set up.
-    fn reserve(&self) -> Result<()> {
+    /// Reserve a slot under `max_vms` for a pending child, counting children still being
+    /// handed to a worker; fails if the child was cancelled meanwhile.
+    fn reserve(&self, id: &SandboxId) -> Result<()> {
         let max = self.cfg.limits.max_vms as usize;
-        let live = self.live().len();
-        let prev = self.starting.fetch_add(1, Ordering::AcqRel);
-        if live + prev >= max {
-            self.starting.fetch_sub(1, Ordering::AcqRel);
+        let mut vms = self.vms();
+        if vms.pending.get(id) == Some(&true) {
+            vms.pending.remove(id);
+            return Err(HostError::Cancelled(id.clone()));
+        }
+        let used = vms.live.len() + vms.starting;
+        if used >= max {
+            vms.pending.remove(id);
             return Err(HostError::Full {
-                running: (live + prev).min(max) as u32,
+                running: used.min(max) as u32,
                 max: max as u32,
             });
         }
+        vms.starting += 1;
         Ok(())
     }
 
@@ -377,71 +441,104 @@ impl Host {
         let t = Instant::now();
         let span = tracing::info_span!("spawn.child", id = %id, tag = %tag);
         let _in = span.enter();
-        if let Err(e) = self.reserve() {
-            return SpawnOutcome {
-                id,
-                pid: None,
-                result: Err(e),
-            };
+        let fail = |id, pid, e| SpawnOutcome {
+            id,
+            pid,
+            result: Err(e),
+        };
+        if let Err(e) = self.reserve(&id) {
+            return fail(id, None, e);
         }
         let handed = self.hand_off(tag, snapshot, &id);
-        self.starting.fetch_sub(1, Ordering::AcqRel);
-        let (pid, restored_pipe) = match handed {
+        let (pid, restored_pipe, process) = match handed {
             Ok(x) => x,
-            Err(e) => {
-                return SpawnOutcome {
-                    id,
-                    pid: None,
-                    result: Err(e),
-                }
-            }
+            Err(e) => return fail(id, None, e),
         };
         let mut phases = SpawnPhases {
             handoff: t.elapsed(),
             ..SpawnPhases::default()
         };
-        let process = self.live().get(&id).map(|l| l.record.process.clone());
-        let result = match process {
-            Some(p) => make_ready(
-                &self.cfg.vms_dir().join(id.as_str()),
-                &p,
-                restored_pipe,
-                readiness,
-                timeout,
-                &mut phases,
-            ),
-            // Killed while starting.
-            None => Err(HostError::NoVm(id.clone())),
+        let result = make_ready(
+            &self.cfg.vms_dir().join(id.as_str()),
+            &process,
+            restored_pipe,
+            readiness,
+            timeout,
+            &mut phases,
+        );
+        let mut vms = self.vms();
+        let Some(live) = vms.live.get_mut(&id) else {
+            // Killed while it was being made ready.
+            return fail(id.clone(), Some(pid), HostError::Cancelled(id));
         };
-        let result = match result {
+        match result {
             Ok(()) => {
+                live.ready = true;
+                live.record.ready = true;
+                // Not fsynced: after a crash a record that still says "not ready" only makes
+                // the next daemon kill the child instead of adopting it.
+                if let Err(e) = live.record.write_unsynced() {
+                    tracing::warn!(%id, "recording readiness: {e}");
+                }
+                drop(vms);
                 phases.total = t.elapsed();
-                Ok(phases)
+                SpawnOutcome {
+                    id,
+                    pid: Some(pid),
+                    result: Ok(phases),
+                }
             }
             Err(e) => {
+                drop(vms);
                 let _ = self.kill(&id);
-                Err(e)
+                fail(id, Some(pid), e)
             }
-        };
-        SpawnOutcome {
-            id,
-            pid: Some(pid),
-            result,
         }
     }
 
-    /// Create the child's directory and record, and hand a worker the snapshot.
+    /// Create the child's directory and record, hand a worker the snapshot, and make the
+    /// child live (or kill it at once if it was cancelled meanwhile). Releases the slot
+    /// `reserve` took.
     fn hand_off(
         &self,
         tag: &Tag,
         snapshot: &std::path::Path,
         id: &SandboxId,
-    ) -> Result<(u32, std::fs::File)> {
+    ) -> Result<(u32, std::fs::File, ProcessIdentity)> {
         let _s = tracing::info_span!("spawn.handoff").entered();
-        let dir = self.cfg.vms_dir().join(id.as_str());
-        if self.live().contains_key(id) {
-            return Err(HostError::VmExists(id.clone()));
+        let started = self.start_worker(tag, snapshot, id);
+        let mut vms = self.vms();
+        vms.starting -= 1;
+        let cancelled = vms.pending.remove(id) == Some(true);
+        let (record, mut child, restored) = started?;
+        if cancelled {
+            drop(vms);
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = std::fs::remove_dir_all(&record.dir);
+            return Err(HostError::Cancelled(id.clone()));
         }
+        let (pid, process) = (record.process.pid, record.process.clone());
+        vms.live.insert(
+            id.clone(),
+            Live {
+                record,
+                child: Some(child),
+                ready: false,
+            },
+        );
+        Ok((pid, restored, process))
+    }
+
+    /// The child's directory and record, and a worker running the job; nothing is left
+    /// behind on failure.
+    fn start_worker(
+        &self,
+        tag: &Tag,
+        snapshot: &std::path::Path,
+        id: &SandboxId,
+    ) -> Result<(VmRecord, Child, std::fs::File)> {
+        let dir = self.cfg.vms_dir().join(id.as_str());
         match std::fs::create_dir(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
@@ -449,61 +546,47 @@ impl Host {
             }
             Err(e) => return Err(HostError::io(format!("creating {}", dir.display()))(e)),
         }
-        let worker = match self.pool.take() {
-            Ok(w) => w,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&dir);
-                return Err(e);
-            }
-        };
-        let pid = worker.pid();
-        let record = VmRecord {
-            id: id.clone(),
-            tag: Some(tag.clone()),
-            owner: self.cfg.owner.clone(),
-            process: ProcessIdentity::of(pid)
-                .map_err(HostError::io(format!("identifying VMM worker {pid}")))?,
-            created_unix_ms: now_ms(),
-            dir: dir.clone(),
-        };
-        // Recorded before the job is handed over: a daemon that dies now still knows it.
-        if let Err(e) = record.write() {
-            drop(worker);
+        let started = (|| {
+            // Dropping the worker on any error below kills and reaps it.
+            let worker = self.pool.take()?;
+            let pid = worker.pid();
+            let record = VmRecord {
+                id: id.clone(),
+                tag: Some(tag.clone()),
+                owner: self.cfg.owner.clone(),
+                process: ProcessIdentity::of(pid)
+                    .map_err(HostError::io(format!("identifying VMM worker {pid}")))?,
+                created_unix_ms: now_ms(),
+                ready: false,
+                dir: dir.clone(),
+            };
+            // Recorded before the job is handed over: a daemon that dies now still knows it.
+            record.write()?;
+            let (child, restored) = worker.run(&WorkerJob {
+                snapshot: snapshot.to_path_buf(),
+                dir: dir.clone(),
+            })?;
+            Ok((record, child, restored))
+        })();
+        if started.is_err() {
             let _ = std::fs::remove_dir_all(&dir);
-            return Err(e);
         }
-        let (child, restored) = match worker.run(&WorkerJob {
-            snapshot: snapshot.to_path_buf(),
-            dir: dir.clone(),
-        }) {
-            Ok(x) => x,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&dir);
-                return Err(e);
-            }
-        };
-        self.live().insert(
-            id.clone(),
-            Live {
-                record,
-                child: Some(child),
-            },
-        );
-        Ok((pid, restored))
+        started
     }
 
     // ---- the VMs ----
 
     /// Ids of the VMs this host runs (its own and adopted ones).
     pub fn live_ids(&self) -> Vec<SandboxId> {
-        let mut ids: Vec<SandboxId> = self.live().keys().cloned().collect();
+        let mut ids: Vec<SandboxId> = self.vms().live.keys().cloned().collect();
         ids.sort();
         ids
     }
 
     /// The directory of a VM this host runs.
     pub fn vm_dir(&self, id: &SandboxId) -> Result<PathBuf> {
-        self.live()
+        self.vms()
+            .live
             .get(id)
             .map(|l| l.record.dir.clone())
             .ok_or_else(|| HostError::NoVm(id.clone()))
@@ -520,21 +603,31 @@ impl Host {
             .collect()
     }
 
-    /// Kill a VM this host runs and remove its directory. Returns false if it is not ours.
+    /// Kill a VM this host runs and remove its directory, or cancel a child a spawn accepted
+    /// but has not started yet. Returns false if the id is neither.
     pub fn kill(&self, id: &SandboxId) -> Result<bool> {
-        let Some(mut l) = self.live().remove(id) else {
-            return Ok(false);
+        let mut vms = self.vms();
+        let Some(mut l) = vms.live.remove(id) else {
+            return Ok(match vms.pending.get_mut(id) {
+                Some(cancelled) => {
+                    *cancelled = true;
+                    true
+                }
+                None => false,
+            });
         };
+        drop(vms);
         match l.child.as_mut() {
             Some(c) => {
                 let _ = c.kill();
                 let _ = c.wait();
             }
             None => {
-                l.record
-                    .process
-                    .kill()
-                    .map_err(HostError::io(format!("killing VM {id}")))?;
+                if let Err(e) = l.record.process.kill() {
+                    // Still running as far as we know: keep tracking it.
+                    self.vms().live.insert(id.clone(), l);
+                    return Err(HostError::io(format!("killing VM {id}"))(e));
+                }
             }
         }
         let _ = std::fs::remove_dir_all(&l.record.dir);
@@ -550,31 +643,42 @@ impl Host {
         }
         let dir = self.cfg.vms_dir().join(id.as_str());
         let record = VmRecord::read(&dir).ok_or_else(|| HostError::NoVm(id.clone()))?;
-        if record.owner != self.cfg.owner && record.liveness() == Liveness::Running {
+        let running = record.liveness() == Liveness::Running;
+        if record.owner != self.cfg.owner && running {
             return Err(HostError::NotOwner {
                 id: id.clone(),
                 owner: record.owner,
             });
         }
-        record
-            .process
-            .kill()
-            .map_err(HostError::io(format!("killing VM {id}")))?;
+        // A record names the process; only a VMM worker is signalled.
+        if running && record.process.runs(WORKER_SUBCOMMAND) {
+            record
+                .process
+                .kill()
+                .map_err(HostError::io(format!("killing VM {id}")))?;
+        }
         std::fs::remove_dir_all(&dir).map_err(HostError::io(format!("removing {}", dir.display())))
     }
 
-    /// Kill every VM this host runs.
+    /// Kill every VM this host runs (and cancel children not started yet).
     pub fn kill_all(&self) {
-        for id in self.live_ids() {
+        let ids: Vec<SandboxId> = {
+            let vms = self.vms();
+            vms.live.keys().chain(vms.pending.keys()).cloned().collect()
+        };
+        for id in ids {
             let _ = self.kill(&id);
         }
     }
 
-    /// Forget VMs whose VMM exited, reaping our own processes; returns each with its reason
-    /// and the tail of its vmm.log.
+    /// Forget ready VMs whose VMM exited, reaping our own processes; returns each with its
+    /// reason and the tail of its vmm.log. Children not ready yet belong to their spawn.
     pub fn reap(&self) -> Vec<(SandboxId, String)> {
         let mut gone = Vec::new();
-        self.live().retain(|id, l| {
+        self.vms().live.retain(|id, l| {
+            if !l.ready {
+                return true;
+            }
             let exited = match l.child.as_mut() {
                 Some(c) => match c.try_wait() {
                     Ok(Some(status)) => Some(format!("{status}")),
@@ -602,32 +706,76 @@ impl Host {
             .collect()
     }
 
-    /// After a restart: take back this owner's VMs that still run; clear records of ones that
-    /// are gone. A record whose pid now belongs to another process is neither adopted nor
-    /// signalled.
+    /// After a restart: take back this owner's ready VMs that still run; kill the ones a
+    /// previous daemon died while making ready (their clock and RNG were never made their
+    /// own); clear records of ones that are gone. A record whose pid now belongs to another
+    /// process, or to anything but a VMM worker, is neither adopted nor signalled.
     fn adopt_survivors(&self) {
-        let mut live = self.live();
+        self.sweep_leftovers();
+        let mut vms = self.vms();
         for record in records::list(&self.cfg.vms_dir()) {
             if record.owner != self.cfg.owner {
                 continue;
             }
-            match record.liveness() {
-                Liveness::Running => {
+            let running =
+                record.liveness() == Liveness::Running && record.process.runs(WORKER_SUBCOMMAND);
+            match (running, record.ready) {
+                (true, true) => {
                     tracing::info!(id = %record.id, pid = record.process.pid, "re-adopting a running VM");
-                    live.insert(
+                    vms.live.insert(
                         record.id.clone(),
                         Live {
                             record,
                             child: None,
+                            ready: true,
                         },
                     );
                 }
-                Liveness::Exited | Liveness::Replaced => {
+                (true, false) => {
+                    tracing::warn!(id = %record.id, "killing a VM that was never made ready");
+                    let _ = record.process.kill();
+                    let _ = std::fs::remove_dir_all(&record.dir);
+                }
+                (false, _) => {
                     tracing::info!(id = %record.id, "clearing the record of a VM that is gone");
                     let _ = std::fs::remove_dir_all(&record.dir);
                 }
             }
         }
+    }
+
+    /// Remove what an earlier process left half-done: snapshots being written, fetched or
+    /// replaced, and parents being booted. Only entries older than an hour, so a CLI's
+    /// snapshot in progress on the same data directory is left alone.
+    fn sweep_leftovers(&self) {
+        let old = |p: &std::path::Path| {
+            std::fs::metadata(p)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age > Duration::from_secs(3600))
+        };
+        let sweep = |dir: PathBuf, prefixes: &[&str]| {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                return;
+            };
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let p = e.path();
+                if prefixes.iter().any(|x| name.starts_with(x))
+                    && !p.join("meta.json").exists()
+                    && old(&p)
+                {
+                    tracing::info!(path = %p.display(), "removing a leftover of an interrupted operation");
+                    let _ = std::fs::remove_dir_all(&p);
+                }
+            }
+        };
+        sweep(
+            self.cfg.snapshots_dir(),
+            &[".partial-", ".fetch-", ".replaced-"],
+        );
+        sweep(self.cfg.vms_dir(), &["parent-"]);
     }
 }
 

@@ -74,6 +74,15 @@ impl ProcessIdentity {
         }
     }
 
+    /// Whether the recorded process runs with `arg` among its arguments (a record on disk
+    /// names a process: only one that is what the record says may be signalled).
+    pub fn runs(&self, arg: &str) -> bool {
+        std::fs::read(format!("/proc/{}/cmdline", self.pid))
+            .map(|c| c.split(|b| *b == 0).any(|a| a == arg.as_bytes()))
+            .unwrap_or(false)
+            && self.liveness() == Liveness::Running
+    }
+
     /// SIGKILL the recorded process if it still runs. Returns whether it was signalled; a
     /// replaced pid is never signalled.
     pub fn kill(&self) -> std::io::Result<bool> {
@@ -111,6 +120,15 @@ impl ProcessIdentity {
                 _ => Err(e),
             };
         }
+        // The pidfd turns readable once the process has exited: wait for that (briefly), so
+        // its files and memory are released when we return.
+        let mut pfd = libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut pfd, 1, 2000) };
         Ok(true)
     }
 }

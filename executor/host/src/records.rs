@@ -23,6 +23,9 @@ struct RecordFile {
     owner: Owner,
     process: ProcessIdentity,
     created_unix_ms: u64,
+    /// Made ready (clock and RNG its own); a daemon adopts only such VMs.
+    #[serde(default)]
+    ready: bool,
 }
 
 /// One VM as recorded on disk.
@@ -34,6 +37,8 @@ pub struct VmRecord {
     pub owner: Owner,
     pub process: ProcessIdentity,
     pub created_unix_ms: u64,
+    /// Made ready: its agent answered and its clock and RNG are its own.
+    pub ready: bool,
     pub dir: PathBuf,
 }
 
@@ -44,6 +49,15 @@ impl VmRecord {
 
     /// Write `dir/meta.json` atomically (temp file, fsync, rename).
     pub fn write(&self) -> Result<()> {
+        self.write_with(true)
+    }
+
+    /// [`write`](Self::write) without the fsync, for updates whose loss in a crash is safe.
+    pub fn write_unsynced(&self) -> Result<()> {
+        self.write_with(false)
+    }
+
+    fn write_with(&self, sync: bool) -> Result<()> {
         use std::io::Write;
         let file = RecordFile {
             version: RECORD_VERSION,
@@ -52,12 +66,13 @@ impl VmRecord {
             owner: self.owner.clone(),
             process: self.process.clone(),
             created_unix_ms: self.created_unix_ms,
+            ready: self.ready,
         };
         let tmp = self.dir.join("meta.json.tmp");
         let ctx = format!("writing {}", tmp.display());
         let mut f = std::fs::File::create(&tmp).map_err(HostError::io(&ctx))?;
         f.write_all(&serde_json::to_vec_pretty(&file).expect("record serializes"))
-            .and_then(|()| f.sync_all())
+            .and_then(|()| if sync { f.sync_all() } else { Ok(()) })
             .map_err(HostError::io(&ctx))?;
         std::fs::rename(&tmp, self.dir.join(META)).map_err(HostError::io(ctx))
     }
@@ -80,6 +95,7 @@ impl VmRecord {
             owner: f.owner,
             process: f.process,
             created_unix_ms: f.created_unix_ms,
+            ready: f.ready,
             dir: dir.to_path_buf(),
         })
     }

@@ -69,9 +69,10 @@ impl Restored {
 
 /// A started worker waiting for its job.
 pub struct Worker {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: OwnedFd,
+    /// Taken when the job is handed over; a worker dropped before that is killed and reaped.
+    child: Option<Child>,
+    stdin: Option<ChildStdin>,
+    stdout: Option<OwnedFd>,
 }
 
 impl Worker {
@@ -89,27 +90,38 @@ impl Worker {
         let stdin = child.stdin.take().expect("piped stdin");
         let stdout = child.stdout.take().expect("piped stdout").into();
         Ok(Worker {
-            child,
-            stdin,
-            stdout,
+            child: Some(child),
+            stdin: Some(stdin),
+            stdout: Some(stdout),
         })
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.child.as_ref().map_or(0, Child::id)
     }
 
     /// Hand over the job. Returns the process (to reap) and the "restored" signal pipe.
     pub fn run(mut self, job: &WorkerJob) -> Result<(Child, std::fs::File)> {
         let mut line = serde_json::to_vec(job).expect("job serializes");
         line.push(b'\n');
-        if let Err(e) = self.stdin.write_all(&line) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-            return Err(HostError::io("handing the job to a VMM worker")(e));
+        let mut stdin = self.stdin.take().expect("a worker runs one job");
+        // On failure `self` is dropped, which kills and reaps the worker.
+        stdin
+            .write_all(&line)
+            .map_err(HostError::io("handing the job to a VMM worker"))?;
+        drop(stdin);
+        let child = self.child.take().expect("a worker runs one job");
+        let stdout = self.stdout.take().expect("a worker runs one job");
+        Ok((child, std::fs::File::from(stdout)))
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
-        drop(self.stdin);
-        Ok((self.child, std::fs::File::from(self.stdout)))
     }
 }
 
@@ -181,15 +193,11 @@ impl WorkerPool {
 
 impl Drop for WorkerPool {
     fn drop(&mut self) {
-        for mut w in self
-            .idle
+        // Each idle worker is killed and reaped as it is dropped.
+        self.idle
             .get_mut()
             .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-        {
-            let _ = w.child.kill();
-            let _ = w.child.wait();
-        }
+            .clear();
     }
 }
 

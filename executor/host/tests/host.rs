@@ -133,6 +133,7 @@ fn stale_record_is_neither_adopted_nor_killed() {
             ..real.clone()
         },
         created_unix_ms: 0,
+        ready: true,
         dir: dir.clone(),
     }
     .write()
@@ -209,6 +210,106 @@ fn a_burst_leaves_at_most_the_pool_idle() {
     );
     host.kill_all();
 }
+
+/// A kill that arrives while a child waits its turn cancels it: it never starts, and nothing
+/// of it is left.
+fn killing_a_queued_child_cancels_it() {
+    let tmp = data_dir_with_snapshot();
+    let host = Host::open_exclusive(config(tmp.path(), 40, 0)).unwrap();
+    let all = ids(12);
+    let last = all.last().unwrap().clone();
+    let out = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            host.spawn(
+                &tag(),
+                all.clone(),
+                &SpawnOptions {
+                    parallel: 1,
+                    ..SpawnOptions::default()
+                },
+                |o| out.lock().unwrap().push(o),
+            )
+            .unwrap()
+        });
+        // The spawn accepts every id at once; the last one waits behind eleven others.
+        let t0 = Instant::now();
+        while !host.kill(&last).unwrap() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "never accepted");
+            std::thread::yield_now();
+        }
+    });
+    let out = out.into_inner().unwrap();
+    let cancelled = out.iter().find(|o| o.id == last).unwrap();
+    let err = cancelled.result.as_ref().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Cancelled, "{err}");
+    assert!(cancelled.pid.is_none(), "a cancelled child never got a VMM");
+    assert_eq!(host.live_ids().len(), 11);
+    assert!(!tmp.path().join("vms").join(last.as_str()).exists());
+    host.kill_all();
+}
+
+/// Records of VMM workers a previous daemon left: a ready one is adopted, one it died while
+/// making ready is killed (its clock and RNG were never its own), and a record naming a
+/// process that is not a VMM worker leaves that process alone.
+fn adoption_takes_only_ready_vmm_workers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let start = |args: &[&str]| {
+        std::process::Command::new(&exe)
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let record = |child: &std::process::Child, ready: bool| {
+        let id = SandboxId::random("old");
+        let dir = tmp.path().join("vms").join(id.as_str());
+        std::fs::create_dir_all(&dir).unwrap();
+        let r = VmRecord {
+            id,
+            tag: Some(tag()),
+            owner: Owner::Executor("test".into()),
+            process: ProcessIdentity::of(child.id()).unwrap(),
+            created_unix_ms: 0,
+            ready,
+            dir,
+        };
+        r.write().unwrap();
+        r
+    };
+    // Idle workers (waiting for a job on stdin) stand for a previous daemon's VMs.
+    let mut ready = start(&[WORKER_SUBCOMMAND]);
+    let mut unready = start(&[WORKER_SUBCOMMAND]);
+    let mut other = start(&[BYSTANDER]);
+    std::thread::sleep(Duration::from_millis(100));
+    let (r1, r2, r3) = (
+        record(&ready, true),
+        record(&unready, false),
+        record(&other, true),
+    );
+    let host = Host::open_exclusive(config(tmp.path(), 8, 0)).unwrap();
+    assert_eq!(host.live_ids(), vec![r1.id.clone()]);
+    assert!(!r2.dir.exists() && !r3.dir.exists());
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(unready.wait().unwrap().signal(), Some(libc_sigkill()));
+    assert_eq!(
+        r3.liveness(),
+        Liveness::Running,
+        "a non-worker is never signalled"
+    );
+    assert!(host.kill(&r1.id).unwrap());
+    assert_eq!(ready.wait().unwrap().signal(), Some(libc_sigkill()));
+    let _ = other.kill();
+    let _ = other.wait();
+}
+
+fn libc_sigkill() -> i32 {
+    9
+}
+
+/// Run as `host __bystander`, this binary is an unrelated process that merely waits.
+const BYSTANDER: &str = "__bystander";
 
 fn with_store(mut cfg: HostConfig, store: &Path) -> HostConfig {
     cfg.store = Some(StoreConfig {
@@ -350,6 +451,11 @@ fn spawn_phases_are_spans_of_the_callers_trace() {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some(BYSTANDER) {
+        // A process that is not a VMM worker: wait until stdin closes.
+        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
+        return;
+    }
     if args.get(1).map(String::as_str) == Some(WORKER_SUBCOMMAND) {
         let code = match tine_host::worker_main() {
             Ok(c) => c,
@@ -365,7 +471,7 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 6] = [
+    let tests: [(&str, fn()); 8] = [
         ("spawn_list_kill_readopt", spawn_list_kill_readopt),
         (
             "stale_record_is_neither_adopted_nor_killed",
@@ -378,6 +484,14 @@ fn main() {
         (
             "a_burst_leaves_at_most_the_pool_idle",
             a_burst_leaves_at_most_the_pool_idle,
+        ),
+        (
+            "killing_a_queued_child_cancels_it",
+            killing_a_queued_child_cancels_it,
+        ),
+        (
+            "adoption_takes_only_ready_vmm_workers",
+            adoption_takes_only_ready_vmm_workers,
         ),
         (
             "a_host_without_the_snapshot_fetches_it_from_the_store",
