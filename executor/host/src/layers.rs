@@ -84,10 +84,14 @@ pub(crate) struct Layers {
 impl Layers {
     pub(crate) fn open(cfg: &StoreConfig) -> Result<Layers> {
         let cache = LocalCache::open(&cfg.layer_cache).map_err(store_err("the layer cache"))?;
-        Ok(Layers {
+        let layers = Layers {
             cfg: cfg.clone(),
             cache,
-        })
+        };
+        // A malformed store URL is refused at start, not at the first snapshot. (The client
+        // itself is made per operation: its connections belong to that operation's runtime.)
+        layers.remote()?;
+        Ok(layers)
     }
 
     fn remote(&self) -> Result<RemoteStore> {

@@ -326,6 +326,10 @@ fn with_store(mut cfg: HostConfig, store: &Path) -> HostConfig {
 fn a_host_without_the_snapshot_fetches_it_from_the_store() {
     let store = tempfile::tempdir().unwrap();
     let a_dir = data_dir_with_snapshot();
+    let mut bad = with_store(config(a_dir.path(), 4, 0), store.path());
+    bad.store.as_mut().unwrap().url = "ftp://nowhere/x".into();
+    let err = Host::open(bad).err().expect("a bad store URL is refused");
+    assert!(err.to_string().contains("unsupported scheme"), "{err}");
     let a = Host::open(with_store(config(a_dir.path(), 4, 0), store.path())).unwrap();
     let info = a.publish(&tag()).unwrap();
     assert_eq!(info.chain, vec![info.head]);
