@@ -403,6 +403,16 @@ fn ready_on(events: &[pb::SpawnEvent]) -> HashMap<String, usize> {
     m
 }
 
+fn failures(events: &[pb::SpawnEvent]) -> Vec<&pb::SpawnFailure> {
+    events
+        .iter()
+        .filter_map(|e| match &e.result {
+            Some(pb::spawn_event::Result::Failed(f)) => Some(f),
+            _ => None,
+        })
+        .collect()
+}
+
 fn audit_lines(dir: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(dir.join("audit.log"))
         .unwrap()
@@ -457,13 +467,7 @@ async fn placement_across_three_executors() {
     // 2 slots left among holders: 5 asked, 2 ready, 3 reported failed (none dropped).
     let ev = spawn_all(&mut sb, "py", 5, pb::PlacementPolicy::Spread).await;
     assert_eq!(ev.len(), 5);
-    let failed: Vec<&pb::SpawnFailure> = ev
-        .iter()
-        .filter_map(|e| match &e.result {
-            Some(pb::spawn_event::Result::Failed(f)) => Some(f),
-            _ => None,
-        })
-        .collect();
+    let failed = failures(&ev);
     assert_eq!(failed.len(), 3);
     assert!(
         failed.iter().all(|f| f.code == "RESOURCE_EXHAUSTED"),
@@ -533,13 +537,7 @@ async fn executor_errors_reach_the_client_with_their_code() {
     let (_, mut sb, _) = clients(cp.addr, Some(&t.user)).await;
     let ev = spawn_all(&mut sb, "py", 3, pb::PlacementPolicy::Spread).await;
     assert_eq!(ready_on(&ev).get("ex-a"), Some(&1));
-    let failed: Vec<&pb::SpawnFailure> = ev
-        .iter()
-        .filter_map(|e| match &e.result {
-            Some(pb::spawn_event::Result::Failed(f)) => Some(f),
-            _ => None,
-        })
-        .collect();
+    let failed = failures(&ev);
     assert_eq!(failed.len(), 2);
     for f in failed {
         assert_eq!(f.code, "RESOURCE_EXHAUSTED", "{f:?}");

@@ -403,28 +403,24 @@ fn print_phase_table(rows: &[(usize, Vec<SpawnPhases>)]) -> Vec<String> {
     println!("\nspawn phases per child (ms, p50 / p90), as the host measured them:");
     println!("  handoff = child record + a pre-started worker handed the snapshot; restore = KVM restore in the worker;");
     println!("  running = vCPUs started + report back; agent = first agent answer; fixup = clock + reseed");
-    println!(
-        "{:>6} {:>17} {:>17} {:>17} {:>17} {:>17} {:>17}",
-        "N", "handoff", "restore", "running", "agent", "fixup", "total"
-    );
+    let names = SpawnPhases::default().named().map(|(name, _)| name);
+    let header: Vec<String> = names.iter().map(|n| format!("{n:>17}")).collect();
+    println!("{:>6} {}", "N", header.join(" "));
     let mut json = Vec::new();
     for (n, phases) in rows {
         if phases.is_empty() {
             continue;
         }
-        let col = |f: &dyn Fn(&SpawnPhases) -> Duration| {
-            let mut v: Vec<f64> = phases.iter().map(|p| f(p).as_secs_f64() * 1e3).collect();
-            v.sort_by(|a, b| a.total_cmp(b));
-            (pct(&v, 0.5), pct(&v, 0.9))
-        };
-        let cols = [
-            ("handoff", col(&|p| p.handoff)),
-            ("restore", col(&|p| p.restore)),
-            ("running", col(&|p| p.running)),
-            ("agent", col(&|p| p.agent)),
-            ("fixup", col(&|p| p.fixup)),
-            ("total", col(&|p| p.total)),
-        ];
+        let cols: Vec<(&str, (f64, f64))> = (0..names.len())
+            .map(|i| {
+                let mut v: Vec<f64> = phases
+                    .iter()
+                    .map(|p| p.named()[i].1.as_secs_f64() * 1e3)
+                    .collect();
+                v.sort_by(|a, b| a.total_cmp(b));
+                (names[i], (pct(&v, 0.5), pct(&v, 0.9)))
+            })
+            .collect();
         let cells: Vec<String> = cols
             .iter()
             .map(|(_, (a, b))| format!("{:>17}", format!("{a:.2} / {b:.2}")))

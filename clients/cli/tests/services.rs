@@ -20,7 +20,7 @@ use tine_rpc::{ExecutorId, Tag};
 
 const TINE: &str = env!("CARGO_BIN_EXE_tine");
 
-fn tine(addr: &str, token: &str, args: &[&str]) -> (Output, String) {
+fn run_tine(addr: &str, token: &str, args: &[String]) -> (Output, String) {
     let out = Command::new(TINE)
         .args(args)
         .env("TINE_ADDR", addr)
@@ -90,6 +90,36 @@ async fn control_plane(dir: &Path) -> Cluster {
         addr,
         admin,
         executor_token,
+    }
+}
+
+impl Cluster {
+    /// Run the `tine` CLI against this cluster as its admin (off the async threads).
+    async fn tine(&self, args: &[&str]) -> (Output, String) {
+        let (addr, admin) = (self.addr.clone(), self.admin.clone());
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        tokio::task::spawn_blocking(move || run_tine(&addr, &admin, &args))
+            .await
+            .unwrap()
+    }
+
+    /// Record snapshot `idle` of a hand-made guest as `executor`'s, as CreateSnapshot would.
+    async fn record_snapshot(&self, executor: &str, layers: Option<SnapshotLayers>) {
+        self.cp
+            .ctx
+            .db
+            .insert_snapshot(&NewSnapshot {
+                tag: "idle".into(),
+                parent_tag: None,
+                image: "hand-made".into(),
+                vcpus: 1,
+                mem_mib: 32,
+                source_sandbox: None,
+                executor_id: executor.into(),
+                layers,
+            })
+            .await
+            .unwrap();
     }
 }
 
@@ -179,67 +209,41 @@ async fn errors_keep_their_codes_through_the_control_plane() {
     let c = control_plane(tmp.path()).await;
     let ex = executor(&c, "kvm-1", &data, 2, None).await;
     let _cleanup = KillOnDrop(ex.state.clone());
-    let (cp, addr, admin) = (&c.cp, c.addr.clone(), c.admin.clone());
-
-    let run = |args: &'static [&'static str]| {
-        let (addr, admin) = (addr.clone(), admin.clone());
-        tokio::task::spawn_blocking(move || tine(&addr, &admin, args))
-    };
 
     // The executor already holds `idle`: its ALREADY_EXISTS reaches the CLI.
-    let (out, text) = run(&[
-        "snapshots",
-        "create",
-        "--tag",
-        "idle",
-        "--image",
-        "busybox",
-        "--executor",
-        "kvm-1",
-    ])
-    .await
-    .unwrap();
+    let (out, text) = c
+        .tine(&[
+            "snapshots",
+            "create",
+            "--tag",
+            "idle",
+            "--image",
+            "busybox",
+            "--executor",
+            "kvm-1",
+        ])
+        .await;
     assert!(!out.status.success());
     assert!(text.contains("ALREADY_EXISTS"), "{text}");
     assert!(text.contains("snapshot idle already exists"), "{text}");
 
-    // Record the snapshot as the executor's, as CreateSnapshot would have.
-    cp.ctx
-        .db
-        .insert_snapshot(&NewSnapshot {
-            tag: "idle".into(),
-            parent_tag: None,
-            image: "hand-made".into(),
-            vcpus: 1,
-            mem_mib: 32,
-            source_sandbox: None,
-            executor_id: "kvm-1".into(),
-            layers: None,
-        })
-        .await
-        .unwrap();
+    c.record_snapshot("kvm-1", None).await;
 
     // Three children on a cluster with two slots: two real VMs, one RESOURCE_EXHAUSTED.
-    let (out, text) = run(&["sandbox", "spawn", "--tag", "idle", "-n", "3"])
-        .await
-        .unwrap();
+    let (out, text) = c
+        .tine(&["sandbox", "spawn", "--tag", "idle", "-n", "3"])
+        .await;
     assert!(!out.status.success(), "a failed child fails the command");
     assert_eq!(text.matches(" ready in ").count(), 2, "{text}");
     assert!(text.contains("FAILED (RESOURCE_EXHAUSTED)"), "{text}");
     assert_eq!(ex.state.host.live_ids().len(), 2);
 
     // An unknown sandbox is NOT_FOUND; killing a real one stops its VM.
-    let (out, text) = run(&["sandbox", "kill", "sbx-0000000000000000"])
-        .await
-        .unwrap();
+    let (out, text) = c.tine(&["sandbox", "kill", "sbx-0000000000000000"]).await;
     assert!(!out.status.success());
     assert!(text.contains("NOT_FOUND"), "{text}");
     let victim = ex.state.host.live_ids()[0].to_string();
-    let (addr2, admin2) = (addr.clone(), admin.clone());
-    let (out, text) =
-        tokio::task::spawn_blocking(move || tine(&addr2, &admin2, &["sandbox", "kill", &victim]))
-            .await
-            .unwrap();
+    let (out, text) = c.tine(&["sandbox", "kill", &victim]).await;
     assert!(out.status.success(), "{text}");
     assert_eq!(ex.state.host.live_ids().len(), 1);
 
@@ -269,37 +273,21 @@ async fn an_executor_without_the_snapshot_fetches_it_from_the_store() {
         .await
         .unwrap()
         .unwrap();
-    c.cp.ctx
-        .db
-        .insert_snapshot(&NewSnapshot {
-            tag: "idle".into(),
-            parent_tag: None,
-            image: "hand-made".into(),
-            vcpus: 1,
-            mem_mib: 32,
-            source_sandbox: None,
-            executor_id: "host-a".into(),
-            layers: Some(SnapshotLayers {
-                head_digest: info.head.to_string(),
-                parent_digest: None,
-                chain: info.chain.iter().map(|d| d.to_string()).collect(),
-                memory_bytes: info.memory_bytes,
-                stored_bytes: info.raw_bytes,
-                compressed_bytes: info.stored_bytes,
-            }),
-        })
-        .await
-        .unwrap();
-    let (addr, admin) = (c.addr.clone(), c.admin.clone());
-    let (out, text) = tokio::task::spawn_blocking(move || {
-        tine(
-            &addr,
-            &admin,
-            &["sandbox", "spawn", "--tag", "idle", "-n", "4"],
-        )
-    })
-    .await
-    .unwrap();
+    c.record_snapshot(
+        "host-a",
+        Some(SnapshotLayers {
+            head_digest: info.head.to_string(),
+            parent_digest: None,
+            chain: info.chain.iter().map(|d| d.to_string()).collect(),
+            memory_bytes: info.memory_bytes,
+            stored_bytes: info.raw_bytes,
+            compressed_bytes: info.stored_bytes,
+        }),
+    )
+    .await;
+    let (out, text) = c
+        .tine(&["sandbox", "spawn", "--tag", "idle", "-n", "4"])
+        .await;
     assert!(out.status.success(), "{text}");
     // Equal free slots: B gets a child once A is FETCH_COST_SLOTS fuller (3 + 1 of 4).
     assert_eq!(text.matches("on host-a").count(), 3, "{text}");
@@ -307,11 +295,7 @@ async fn an_executor_without_the_snapshot_fetches_it_from_the_store() {
     assert_eq!(b.state.host.live_ids().len(), 1);
     assert!(b_data.join("snapshots/idle/snapshot.json").is_file());
 
-    let (addr, admin) = (c.addr.clone(), c.admin.clone());
-    let (out, text) =
-        tokio::task::spawn_blocking(move || tine(&addr, &admin, &["snapshots", "get", "idle"]))
-            .await
-            .unwrap();
+    let (out, text) = c.tine(&["snapshots", "get", "idle"]).await;
     assert!(out.status.success(), "{text}");
     assert!(text.contains(&info.head.to_string()), "{text}");
     assert!(text.contains("memory 32.0 MiB"), "{text}");

@@ -81,9 +81,6 @@ impl ExecutorMetrics {
                 .with_label_values(&[name])
                 .observe(d.as_secs_f64());
         }
-        self.spawn_phase
-            .with_label_values(&["total"])
-            .observe(p.total.as_secs_f64());
     }
 }
 

@@ -16,7 +16,7 @@ use crate::error::{HostError, Result};
 use crate::layers::{Fetched, Layers};
 use crate::parent::{boot_and_snapshot, MadeSnapshot, ParentSpec};
 use crate::process::{Liveness, ProcessIdentity};
-use crate::ready::{make_ready, SpawnPhases};
+use crate::ready::{make_ready, vmm_log, SpawnPhases};
 use crate::records::{self, now_ms, VmRecord};
 use crate::worker::{WorkerJob, WorkerPool, WORKER_SUBCOMMAND};
 
@@ -696,9 +696,7 @@ impl Host {
         });
         gone.into_iter()
             .map(|(id, dir, how)| {
-                let log = std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(5).collect();
-                let tail = tail.into_iter().rev().collect::<Vec<_>>().join(" | ");
+                let tail = vmm_log(&dir);
                 tracing::warn!(%id, %how, vmm_log = %tail, "VMM exited");
                 let _ = std::fs::remove_dir_all(&dir);
                 (id, format!("{how}: {tail}"))

@@ -34,19 +34,22 @@ pub struct SpawnPhases {
 }
 
 impl SpawnPhases {
-    /// (name, duration) of each phase, in order.
-    pub fn named(&self) -> [(&'static str, Duration); 5] {
+    /// (name, duration) of each phase in order, then the total: the one list the metrics
+    /// and the benchmark table both use.
+    pub fn named(&self) -> [(&'static str, Duration); 6] {
         [
             ("handoff", self.handoff),
             ("restore", self.restore),
             ("running", self.running),
             ("agent", self.agent),
             ("fixup", self.fixup),
+            ("total", self.total),
         ]
     }
 }
 
-fn vmm_log(dir: &Path) -> String {
+/// The last lines of a child's vmm.log, on one line.
+pub(crate) fn vmm_log(dir: &Path) -> String {
     let log = std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
     let tail: Vec<&str> = log.lines().rev().take(5).collect();
     tail.into_iter().rev().collect::<Vec<_>>().join(" | ")

@@ -292,20 +292,16 @@ fn adoption_takes_only_ready_vmm_workers() {
     assert_eq!(host.live_ids(), vec![r1.id.clone()]);
     assert!(!r2.dir.exists() && !r3.dir.exists());
     use std::os::unix::process::ExitStatusExt;
-    assert_eq!(unready.wait().unwrap().signal(), Some(libc_sigkill()));
+    assert_eq!(unready.wait().unwrap().signal(), Some(libc::SIGKILL));
     assert_eq!(
         r3.liveness(),
         Liveness::Running,
         "a non-worker is never signalled"
     );
     assert!(host.kill(&r1.id).unwrap());
-    assert_eq!(ready.wait().unwrap().signal(), Some(libc_sigkill()));
+    assert_eq!(ready.wait().unwrap().signal(), Some(libc::SIGKILL));
     let _ = other.kill();
     let _ = other.wait();
-}
-
-fn libc_sigkill() -> i32 {
-    9
 }
 
 /// Run as `host __bystander`, this binary is an unrelated process that merely waits.
