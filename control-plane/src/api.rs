@@ -318,14 +318,18 @@ impl Api {
             .filter(|l| l.holds)
             .map(|l| l.executor.id.clone())
             .collect();
-        let snapshot = self
-            .ctx
-            .db
-            .snapshot(&r.tag)
-            .await?
-            .ok_or_else(|| Status::not_found(format!("snapshot {} does not exist", r.tag)))?;
         // In the store, any executor can fetch it: holding it is a preference, not a filter.
-        let head_digest = snapshot.head_digest.clone();
+        let head_digest = loads.first().and_then(|l| l.head_digest.clone());
+        // Held or in the store means it exists; only otherwise is a second look needed.
+        if holders.is_empty()
+            && head_digest.is_none()
+            && self.ctx.db.snapshot(&r.tag).await?.is_none()
+        {
+            return Err(Status::not_found(format!(
+                "snapshot {} does not exist",
+                r.tag
+            )));
+        }
         let counts: HashMap<&str, i64> = loads
             .iter()
             .map(|l| (l.executor.id.as_str(), l.live))

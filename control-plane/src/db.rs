@@ -164,6 +164,8 @@ pub struct ExecutorLoad {
     pub executor: ExecutorRow,
     pub live: i64,
     pub holds: bool,
+    /// The snapshot's head layer (the same on every row; None without layers or snapshot).
+    pub head_digest: Option<String>,
 }
 
 impl SandboxRow {
@@ -352,13 +354,15 @@ impl Db {
             .await?)
     }
 
-    /// Every executor with its live (starting or ready) sandbox count and whether it holds
-    /// snapshot `tag`, in one query (the spawn path's only read).
+    /// Every executor with its live (starting or ready) sandbox count, whether it holds
+    /// snapshot `tag`, and the snapshot's head layer, in one query (the spawn path's only
+    /// read while executors are registered).
     pub async fn executor_loads(&self, tag: &str) -> Result<Vec<ExecutorLoad>> {
         Ok(sqlx::query_as(
             "SELECT e.*, (SELECT count(*) FROM sandboxes s WHERE s.executor_id = e.id \
              AND s.state IN ('starting', 'ready')) AS live, \
-             EXISTS (SELECT 1 FROM snapshot_copies c WHERE c.tag = ? AND c.executor_id = e.id) AS holds \
+             EXISTS (SELECT 1 FROM snapshot_copies c WHERE c.tag = ?1 AND c.executor_id = e.id) AS holds, \
+             (SELECT head_digest FROM snapshots WHERE tag = ?1) AS head_digest \
              FROM executors e ORDER BY e.id",
         )
         .bind(tag)
