@@ -24,8 +24,11 @@ use crate::manifest::{Layer, PageSource};
 pub fn assemble(cache: &LocalCache, head: &Digest) -> Result<PathBuf> {
     let path = cache.image_path(head);
     if path.is_file() {
+        mark_used(cache, head, &path);
         return Ok(path);
     }
+    // Eviction must not take the chain's objects while they are read.
+    let _lock = cache.lock_shared()?;
     let chain = cache.chain(head)?;
     let top = &chain[0];
     let page_size = top.page_size();
@@ -35,7 +38,19 @@ pub fn assemble(cache: &LocalCache, head: &Digest) -> Result<PathBuf> {
         write_chain(cache, &chain, file, pages, page_size).map_err(std::io::Error::other)
     })?;
     tracing::debug!(%head, depth = chain.len() - 1, "image assembled");
+    mark_used(cache, head, &path);
     Ok(path)
+}
+
+/// Recency for [`LocalCache::evict_to`]: the image's mtime orders images, the
+/// head manifest's outlives the image and orders chains. A failure only
+/// makes them look older.
+fn mark_used(cache: &LocalCache, head: &Digest, image: &std::path::Path) {
+    for p in [image.to_path_buf(), cache.layer_path(head)] {
+        if let Err(e) = crate::fsutil::touch(&p) {
+            tracing::debug!(%e, path = %p.display(), "could not mark as used");
+        }
+    }
 }
 
 fn write_chain(

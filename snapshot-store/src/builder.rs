@@ -119,6 +119,9 @@ pub fn build_base(
     input: &LayerInput<'_>,
     opts: &BuildOptions,
 ) -> Result<Layer> {
+    // Objects are published before the manifest names them; eviction must not
+    // see them in between (see cache module docs).
+    let _lock = cache.lock_shared()?;
     let (file, memory_size) = open_memory(input)?;
     let pages = memory_size / u64::from(input.page_size);
     let candidates = Candidates::All(pages);
@@ -134,6 +137,8 @@ pub fn build_diff(
     dirty: DirtyPages<'_>,
     opts: &BuildOptions,
 ) -> Result<Layer> {
+    // Also keeps the parent from being evicted before the child names it.
+    let _lock = cache.lock_shared()?;
     let parent_layer = cache.read_layer(parent)?;
     let (file, memory_size) = open_memory(input)?;
     let pm = &parent_layer.manifest;

@@ -2,6 +2,7 @@
 //! which path, which tag) to act on the message without a debugger.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::digest::Digest;
 
@@ -43,6 +44,20 @@ pub enum StoreError {
         #[source]
         source: object_store::Error,
     },
+    /// The store could not be reached: transient failures (connection refused,
+    /// timeouts, 5xx, a store directory that is gone) outlasted the retry
+    /// policy. Worth retrying later; the request itself was fine.
+    #[error("store {store} is unavailable: {what} gave up after {attempts} attempt(s) in {elapsed:.1?}: {reason}")]
+    Unavailable {
+        /// [`crate::remote::RemoteStore::description`]
+        store: String,
+        /// Operation and key, e.g. `get layers/<hex>`.
+        what: String,
+        attempts: u32,
+        elapsed: Duration,
+        /// The last failure.
+        reason: String,
+    },
     #[error("remote store configuration: {0}")]
     RemoteConfig(String),
     #[error("layer {0} not found in the remote store")]
@@ -52,6 +67,13 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// True when the store could not be reached (see [`StoreError::Unavailable`]):
+    /// callers map it to "try again later" (gRPC UNAVAILABLE), never to "bad
+    /// request" or "data corrupt".
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, StoreError::Unavailable { .. })
+    }
+
     pub(crate) fn io(
         context: &'static str,
         path: impl Into<PathBuf>,

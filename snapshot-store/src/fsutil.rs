@@ -61,6 +61,31 @@ pub fn publish(tmp: &Path, dest: &Path) -> Result<()> {
     fsync_dir(parent)
 }
 
+/// Sets a file's mtime to now (atime untouched): recency for LRU eviction,
+/// which cannot rely on atime under `noatime`/`relatime` mounts.
+pub fn touch(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    let times = [
+        libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_OMIT,
+        },
+        libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_NOW,
+        },
+    ];
+    // SAFETY: a NUL-terminated path and a two-element timespec array, as
+    // utimensat(2) requires; neither is retained after the call.
+    if unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), 0) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 pub fn create_dir_all(dir: &Path) -> Result<()> {
     fs::create_dir_all(dir).map_err(StoreError::io("create directory", dir))
 }

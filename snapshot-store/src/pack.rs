@@ -65,6 +65,8 @@ pub fn export_pack(
     signing_key: Option<&SigningKey>,
     out: impl Write,
 ) -> Result<PackSummary> {
+    // Chains and their objects stay put while they are copied out.
+    let _lock = cache.lock_shared()?;
     let mut layers: Vec<Layer> = Vec::new();
     let mut seen_layers = HashSet::new();
     let mut tags = Vec::new();
@@ -238,6 +240,8 @@ pub fn import_pack(
     input: impl Read,
     opts: &ImportOptions,
 ) -> Result<PackSummary> {
+    // Staging lives in tmp/, which a sweep may clear unless we hold the lock.
+    let _lock = cache.lock_shared()?;
     let staging = Staging::new(cache)?;
     let staged = read_pack(cache, &staging.dir, input, opts)?;
     commit(cache, &staged)?;

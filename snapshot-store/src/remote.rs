@@ -5,15 +5,23 @@
 //! Invariant: a manifest is uploaded only after all its objects and its
 //! parent manifest are present, so "layer X exists remotely" implies its whole
 //! chain is there, and a push can skip everything below a layer it finds.
+//!
+//! Reachability: every operation is bounded (S3 connect and request timeouts,
+//! object_store's per-request retries, then [`RetryPolicy`] with its hard
+//! `max_elapsed`); when transient failures outlast all of it the caller gets
+//! [`StoreError::Unavailable`] naming the store and the operation.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
+use object_store::aws::AmazonS3ConfigKey;
 use object_store::path::Path as ObjPath;
-use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions};
+use object_store::{ClientConfigKey, ObjectStore, ObjectStoreExt, PutMode, PutOptions};
 
 use crate::cache::{layer_key, object_key, parse_tag_value, tag_key, LocalCache, TAGS_DIR};
 use crate::digest::Digest;
@@ -21,7 +29,7 @@ use crate::error::{Result, StoreError};
 use crate::gc::PushLease;
 use crate::manifest::{pb, Layer, MAX_MANIFEST_BYTES};
 use crate::progress::{Progress, ProgressEvent};
-use crate::retry::RetryPolicy;
+use crate::retry::{is_transient, Failure, RetryPolicy};
 use crate::tag::validate_tag;
 
 /// Connection settings for an S3-compatible store.
@@ -36,12 +44,43 @@ pub struct S3Config {
     pub access_key_id: Option<String>,
     pub secret_access_key: Option<String>,
     pub allow_http: bool,
+    pub limits: S3ClientLimits,
+}
+
+/// Per-request bounds of the S3 client. The whole operation around these
+/// requests is bounded again by [`RetryPolicy::max_elapsed`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct S3ClientLimits {
+    /// TCP + TLS handshake.
+    pub connect_timeout: Duration,
+    /// One request, from connecting until the body has been read.
+    pub request_timeout: Duration,
+    /// object_store's own retries of one request (connect errors, 5xx, 429).
+    pub request_retries: usize,
+    /// object_store stops retrying a request after this long.
+    pub request_retry_timeout: Duration,
+}
+
+impl Default for S3ClientLimits {
+    fn default() -> Self {
+        // 3 s to connect is AWS's own recommendation (3.1 s) for latency-
+        // sensitive clients; 30 s per request leaves a 5 MiB chunk room on a
+        // slow link. Two quick request-level retries absorb a blip (a 503
+        // SlowDown, a reset connection) before the whole-operation retries.
+        S3ClientLimits {
+            connect_timeout: Duration::from_secs(3),
+            request_timeout: Duration::from_secs(30),
+            request_retries: 2,
+            request_retry_timeout: Duration::from_secs(10),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
 pub struct TransferOptions {
     /// Object transfers in flight at once.
     pub concurrency: usize,
+    /// Whole-operation retries and the hard time budget of each operation.
     pub retry: RetryPolicy,
 }
 
@@ -67,6 +106,10 @@ pub struct RemoteStore {
     store: Arc<dyn ObjectStore>,
     description: String,
     opts: TransferOptions,
+    /// For a directory store: the directory, checked before every operation
+    /// (LocalFileSystem answers "not found" for everything once it is gone,
+    /// and would quietly recreate it on the next put).
+    local_root: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for RemoteStore {
@@ -87,6 +130,7 @@ impl RemoteStore {
             store,
             description: description.into(),
             opts: TransferOptions::default(),
+            local_root: None,
         }
     }
 
@@ -100,21 +144,35 @@ impl RemoteStore {
         crate::fsutil::create_dir_all(dir)?;
         let fs = object_store::local::LocalFileSystem::new_with_prefix(dir)
             .map_err(|e| StoreError::RemoteConfig(format!("{}: {e}", dir.display())))?;
-        Ok(Self::from_object_store(
-            Arc::new(fs),
-            format!("dir {}", dir.display()),
-        ))
+        let mut store = Self::from_object_store(Arc::new(fs), format!("dir {}", dir.display()));
+        store.local_root = Some(dir.to_path_buf());
+        Ok(store)
     }
 
     pub fn open_s3(cfg: &S3Config) -> Result<Self> {
         install_tls_provider();
+        let lim = &cfg.limits;
+        // Explicit limits win over any AWS_* client settings from the environment.
+        let ms = |d: Duration| format!("{}ms", d.as_millis());
         let mut b = object_store::aws::AmazonS3Builder::from_env()
             .with_bucket_name(&cfg.bucket)
             .with_allow_http(cfg.allow_http)
+            .with_config(
+                AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout),
+                ms(lim.connect_timeout),
+            )
+            .with_config(
+                AmazonS3ConfigKey::Client(ClientConfigKey::Timeout),
+                ms(lim.request_timeout),
+            )
             .with_retry(object_store::RetryConfig {
-                max_retries: 3,
-                retry_timeout: Duration::from_secs(60),
-                ..Default::default()
+                max_retries: lim.request_retries,
+                retry_timeout: lim.request_retry_timeout,
+                backoff: object_store::BackoffConfig {
+                    init_backoff: Duration::from_millis(100),
+                    max_backoff: Duration::from_secs(1),
+                    base: 2.0,
+                },
             });
         if let Some(e) = &cfg.endpoint {
             b = b.with_endpoint(e);
@@ -131,7 +189,13 @@ impl RemoteStore {
         let s3 = b
             .build()
             .map_err(|e| StoreError::RemoteConfig(format!("s3 bucket {}: {e}", cfg.bucket)))?;
-        let desc = format!("s3://{}/{}", cfg.bucket, cfg.prefix);
+        let mut desc = format!("s3://{}", cfg.bucket);
+        if !cfg.prefix.is_empty() {
+            desc = format!("{desc}/{}", cfg.prefix);
+        }
+        if let Some(e) = &cfg.endpoint {
+            desc = format!("{desc} at {e}");
+        }
         let store: Arc<dyn ObjectStore> = if cfg.prefix.is_empty() {
             Arc::new(s3)
         } else {
@@ -191,17 +255,56 @@ impl RemoteStore {
         &self.opts
     }
 
-    fn remote_err(op: &'static str, key: &str) -> impl FnOnce(object_store::Error) -> StoreError {
-        let key = key.to_string();
-        move |source| StoreError::Remote { op, key, source }
+    /// Transient failures that outlasted the retries mean the store is
+    /// unreachable; anything else is the store's answer to this request.
+    fn fail(&self, op: &'static str, key: &str, f: Failure) -> StoreError {
+        if is_transient(&f.error) {
+            StoreError::Unavailable {
+                store: self.description.clone(),
+                what: format!("{op} {key}"),
+                attempts: f.attempts,
+                elapsed: f.elapsed,
+                reason: error_chain(&f.error),
+            }
+        } else {
+            StoreError::Remote {
+                op,
+                key: key.to_string(),
+                source: f.error,
+            }
+        }
+    }
+
+    /// One store operation under the retry policy.
+    async fn run<T, F, Fut>(&self, op: &'static str, mut f: F) -> Result<T, Failure>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = object_store::Result<T>>,
+    {
+        self.opts
+            .retry
+            .run(op, || {
+                let root = self.local_root.clone();
+                let fut = f();
+                async move {
+                    if let Some(root) = root {
+                        check_store_dir(root).await?;
+                    }
+                    fut.await
+                }
+            })
+            .await
     }
 
     pub(crate) async fn exists(&self, key: &str) -> Result<bool> {
         let path = ObjPath::from(key);
-        match self.opts.retry.run("head", || self.store.head(&path)).await {
+        match self.run("head", || self.store.head(&path)).await {
             Ok(_) => Ok(true),
-            Err(object_store::Error::NotFound { .. }) => Ok(false),
-            Err(e) => Err(Self::remote_err("head", key)(e)),
+            Err(Failure {
+                error: object_store::Error::NotFound { .. },
+                ..
+            }) => Ok(false),
+            Err(f) => Err(self.fail("head", key, f)),
         }
     }
 
@@ -209,16 +312,17 @@ impl RemoteStore {
         let path = ObjPath::from(key);
         // The whole GET, body included, is one retry unit.
         let r = self
-            .opts
-            .retry
             .run("get", || async {
                 self.store.get(&path).await?.bytes().await
             })
             .await;
         match r {
             Ok(b) => Ok(Some(b)),
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(Self::remote_err("get", key)(e)),
+            Err(Failure {
+                error: object_store::Error::NotFound { .. },
+                ..
+            }) => Ok(None),
+            Err(f) => Err(self.fail("get", key, f)),
         }
     }
 
@@ -227,8 +331,6 @@ impl RemoteStore {
     pub(crate) async fn put_if_absent(&self, key: &str, data: Bytes) -> Result<bool> {
         let path = ObjPath::from(key);
         let r = self
-            .opts
-            .retry
             .run("put", || {
                 self.store.put_opts(
                     &path,
@@ -239,47 +341,45 @@ impl RemoteStore {
             .await;
         match r {
             Ok(_) => Ok(true),
-            Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
-            Err(e) => Err(Self::remote_err("put", key)(e)),
+            Err(Failure {
+                error: object_store::Error::AlreadyExists { .. },
+                ..
+            }) => Ok(false),
+            Err(f) => Err(self.fail("put", key, f)),
         }
     }
 
     pub(crate) async fn put_overwrite(&self, key: &str, data: Bytes) -> Result<()> {
         let path = ObjPath::from(key);
-        self.opts
-            .retry
-            .run("put", || {
-                self.store.put_opts(
-                    &path,
-                    data.clone().into(),
-                    PutOptions::from(PutMode::Overwrite),
-                )
-            })
-            .await
-            .map(|_| ())
-            .map_err(Self::remote_err("put", key))
+        self.run("put", || {
+            self.store.put_opts(
+                &path,
+                data.clone().into(),
+                PutOptions::from(PutMode::Overwrite),
+            )
+        })
+        .await
+        .map(|_| ())
+        .map_err(|f| self.fail("put", key, f))
     }
 
     pub(crate) async fn delete(&self, key: &str) -> Result<()> {
         let path = ObjPath::from(key);
-        match self
-            .opts
-            .retry
-            .run("delete", || self.store.delete(&path))
-            .await
-        {
-            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(Self::remote_err("delete", key)(e)),
+        match self.run("delete", || self.store.delete(&path)).await {
+            Ok(())
+            | Err(Failure {
+                error: object_store::Error::NotFound { .. },
+                ..
+            }) => Ok(()),
+            Err(f) => Err(self.fail("delete", key, f)),
         }
     }
 
     pub(crate) async fn list(&self, prefix: &str) -> Result<Vec<object_store::ObjectMeta>> {
         let p = ObjPath::from(prefix);
-        self.opts
-            .retry
-            .run("list", || self.store.list(Some(&p)).try_collect::<Vec<_>>())
+        self.run("list", || self.store.list(Some(&p)).try_collect::<Vec<_>>())
             .await
-            .map_err(Self::remote_err("list", prefix))
+            .map_err(|f| self.fail("list", prefix, f))
     }
 
     pub async fn get_layer(&self, d: &Digest) -> Result<Layer> {
@@ -295,6 +395,14 @@ impl RemoteStore {
             });
         }
         Layer::decode_verified(*d, bytes.to_vec())
+    }
+
+    /// One object's stored bytes, not yet verified (verify on ingest, e.g.
+    /// with [`LocalCache::put_object_verified`]); None when the store lacks
+    /// it. Failures are typed like every other operation's, Unavailable
+    /// included.
+    pub async fn get_object(&self, d: &Digest) -> Result<Option<Bytes>> {
+        self.get_bytes(&object_key(d)).await
     }
 
     pub async fn has_layer(&self, d: &Digest) -> Result<bool> {
@@ -353,6 +461,8 @@ impl RemoteStore {
         if let Some(t) = tag {
             validate_tag(t)?;
         }
+        // Eviction waits until the chain has been read and uploaded.
+        let _lock = lock_shared(cache).await?;
         let chain = cache.chain(head)?;
         let lease = PushLease::acquire(self).await?;
         let result = self.push_chain(cache, &chain, progress).await;
@@ -389,7 +499,11 @@ impl RemoteStore {
             }
         }
         let counters = Counters::new("push", &objects);
-        let results: Vec<Result<()>> = futures::stream::iter(objects.iter().map(|o| {
+        // try_collect stops at the first failure: with an unreachable store,
+        // waiting for every remaining object to time out too would multiply
+        // the bounded failure time by the object count. Dropping an upload in
+        // flight is safe: puts are atomic, and no manifest follows.
+        futures::stream::iter(objects.iter().map(|o| {
             let counters = &counters;
             async move {
                 let d = Digest::from_bytes(&o.hash)?;
@@ -413,9 +527,8 @@ impl RemoteStore {
             }
         }))
         .buffer_unordered(self.opts.concurrency.max(1))
-        .collect()
-        .await;
-        results.into_iter().collect::<Result<Vec<()>>>()?;
+        .try_collect::<Vec<()>>()
+        .await?;
         for l in &missing {
             self.put_if_absent(&layer_key(&l.digest), Bytes::from(l.bytes.clone()))
                 .await?;
@@ -450,6 +563,9 @@ impl RemoteStore {
         head: &Digest,
         progress: &dyn Progress,
     ) -> Result<TransferSummary> {
+        // Held for the whole pull: eviction must not remove an object this
+        // pull counted as present before its manifest lands.
+        let _lock = lock_shared(cache).await?;
         let mut chain = Vec::new();
         let mut fetched = Vec::new();
         let mut next = Some(*head);
@@ -480,41 +596,24 @@ impl RemoteStore {
         // Objects this pull added, removed again if the pull fails so a
         // refused pull leaves the cache as it found it.
         let added = std::sync::Mutex::new(Vec::new());
+        // After the first failure, objects not yet started are skipped (an
+        // unreachable store must not cost one timeout per object), but the
+        // ones in flight are awaited, so the rollback below sees every object
+        // this pull wrote.
+        let failed = AtomicBool::new(false);
         let results: Vec<Result<()>> = futures::stream::iter(objects.iter().map(|o| {
             let counters = &counters;
             let added = &added;
+            let failed = &failed;
             async move {
-                let d = Digest::from_bytes(&o.hash)?;
-                if cache.has_object(&d) {
-                    counters.skipped(progress);
+                if failed.load(Ordering::Relaxed) {
                     return Ok(());
                 }
-                let key = object_key(&d);
-                let data =
-                    self.get_bytes(&key)
-                        .await?
-                        .ok_or_else(|| StoreError::CorruptObject {
-                            digest: d,
-                            reason: "missing from the remote store".into(),
-                        })?;
-                if data.len() as u64 != o.stored_len {
-                    return Err(StoreError::CorruptObject {
-                        digest: d,
-                        reason: format!(
-                            "remote object is {} bytes, manifest says {}",
-                            data.len(),
-                            o.stored_len
-                        ),
-                    });
+                let r = self.pull_object(cache, o, added, counters, progress).await;
+                if r.is_err() {
+                    failed.store(true, Ordering::Relaxed);
                 }
-                let len = data.len() as u64;
-                let cache = cache.clone();
-                tokio::task::spawn_blocking(move || cache.put_object_verified(&d, &data))
-                    .await
-                    .map_err(|e| StoreError::InvalidInput(format!("verify task failed: {e}")))??;
-                added.lock().expect("added list").push(d);
-                counters.done(len, progress);
-                Ok(())
+                r
             }
         }))
         .buffer_unordered(self.opts.concurrency.max(1))
@@ -526,12 +625,98 @@ impl RemoteStore {
             }
             return Err(e);
         }
-        // Manifests last, base first: a cached manifest implies its objects.
+        // Manifests last, base first: a cached manifest implies its objects
+        // and its parent, so a pull killed at any point leaves either
+        // complete chains or objects no manifest names yet.
         for l in chain.iter().rev() {
             cache.put_layer(l)?;
         }
         Ok(counters.summary(fetched.len() as u64))
     }
+
+    /// Downloads one object into the cache unless it is there already.
+    async fn pull_object(
+        &self,
+        cache: &LocalCache,
+        o: &pb::ObjectRef,
+        added: &std::sync::Mutex<Vec<Digest>>,
+        counters: &Counters,
+        progress: &dyn Progress,
+    ) -> Result<()> {
+        let d = Digest::from_bytes(&o.hash)?;
+        if cache.has_object(&d) {
+            counters.skipped(progress);
+            return Ok(());
+        }
+        let key = object_key(&d);
+        let data = self
+            .get_bytes(&key)
+            .await?
+            .ok_or_else(|| StoreError::CorruptObject {
+                digest: d,
+                reason: "missing from the remote store".into(),
+            })?;
+        if data.len() as u64 != o.stored_len {
+            return Err(StoreError::CorruptObject {
+                digest: d,
+                reason: format!(
+                    "remote object is {} bytes, manifest says {}",
+                    data.len(),
+                    o.stored_len
+                ),
+            });
+        }
+        let len = data.len() as u64;
+        let cache = cache.clone();
+        tokio::task::spawn_blocking(move || cache.put_object_verified(&d, &data))
+            .await
+            .map_err(|e| StoreError::InvalidInput(format!("verify task failed: {e}")))??;
+        added.lock().expect("added list").push(d);
+        counters.done(len, progress);
+        Ok(())
+    }
+}
+
+/// A directory store whose directory vanished or cannot be read is
+/// unreachable: a transient Generic error, since an unmounted share may come
+/// back. Off the async threads and inside the attempt, so a hung mount is cut
+/// off by the operation's budget like a silent server.
+async fn check_store_dir(root: PathBuf) -> object_store::Result<()> {
+    let generic = |msg: String| object_store::Error::Generic {
+        store: "LocalFileSystem",
+        source: msg.into(),
+    };
+    tokio::task::spawn_blocking(move || {
+        std::fs::read_dir(&root)
+            .map(drop)
+            .map_err(|e| generic(format!("store directory {}: {e}", root.display())))
+    })
+    .await
+    .map_err(|e| generic(format!("store directory check failed: {e}")))?
+}
+
+/// The cache's shared lock, taken off the async threads: it waits while an
+/// eviction runs.
+async fn lock_shared(cache: &LocalCache) -> Result<crate::cache::CacheLock> {
+    let c = cache.clone();
+    tokio::task::spawn_blocking(move || c.lock_shared())
+        .await
+        .map_err(|e| StoreError::InvalidInput(format!("cache lock task failed: {e}")))?
+}
+
+/// An error and its sources on one line: the top of an object_store error
+/// says "error sending request", the cause ("Connection refused") is below.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out = format!("{out}: {text}");
+        }
+        cur = s.source();
+    }
+    out
 }
 
 struct Counters {

@@ -11,6 +11,8 @@ use tine_snapshot_store::assemble::assemble;
 use tine_snapshot_store::cache::{object_key, LocalCache};
 use tine_snapshot_store::gc::{collect_garbage, GcOptions, PushLease};
 use tine_snapshot_store::progress::{NoProgress, Progress, ProgressEvent};
+use tine_snapshot_store::remote::TransferOptions;
+use tine_snapshot_store::retry::RetryPolicy;
 
 #[derive(Default)]
 struct Recorder(Mutex<Vec<ProgressEvent>>);
@@ -115,11 +117,12 @@ async fn tampered_remote_chunk_is_refused_and_cache_left_clean() {
     remote.object_store().put(&key, bytes.into()).await.unwrap();
 
     let host_b = LocalCache::open(dir.path().join("b")).unwrap();
-    let err = remote
-        .pull(&host_b, "t", &NoProgress)
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = remote.pull(&host_b, "t", &NoProgress).await.unwrap_err();
+    assert!(
+        !err.is_unavailable(),
+        "corrupt data is not an outage: {err}"
+    );
+    let err = err.to_string();
     assert!(
         err.contains(&victim.to_string()) && err.contains("failed verification"),
         "{err}"
@@ -183,6 +186,53 @@ async fn gc_on_s3_sweeps_unreferenced_and_respects_push_leases() {
     let other = LocalCache::open(dir.path().join("b")).unwrap();
     let (head, _) = remote.pull(&other, "keep", &NoProgress).await.unwrap();
     assert_same_file(&assemble(&other, &head).unwrap(), &chain.memories[2]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_server_that_goes_away_is_unavailable() {
+    let Some(moto) = common::moto::start() else {
+        return;
+    };
+    moto.create_bucket("gone");
+    let quick = TransferOptions {
+        concurrency: 4,
+        retry: RetryPolicy {
+            max_attempts: 3,
+            initial_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_millis(50),
+            max_elapsed: Duration::from_secs(10),
+        },
+    };
+    let remote = moto.store("gone", "p").with_options(quick);
+    let dir = tempfile::tempdir().unwrap();
+    let host_a = LocalCache::open(dir.path().join("a")).unwrap();
+    let chain = build_chain(&host_a, dir.path(), 1024, 300, 50);
+    let head = chain.heads[2];
+    remote
+        .push(&host_a, &head, Some("t"), &NoProgress)
+        .await
+        .unwrap();
+    let endpoint = moto.endpoint.clone();
+    drop(moto); // the server process is killed: connections are refused
+
+    let host_b = LocalCache::open(dir.path().join("b")).unwrap();
+    let t = std::time::Instant::now();
+    let err = remote
+        .pull_head(&host_b, &head, &NoProgress)
+        .await
+        .unwrap_err();
+    println!("pull from a stopped moto_server: {:?}: {err}", t.elapsed());
+    assert!(err.is_unavailable(), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("s3://gone/p") && text.contains(&endpoint),
+        "{text}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(10));
+    let mut files = Vec::new();
+    collect(&host_b.root().join("layers"), &mut files);
+    collect(&host_b.root().join("chunks"), &mut files);
+    assert!(files.is_empty(), "{files:?}");
 }
 
 fn collect(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {

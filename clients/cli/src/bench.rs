@@ -21,6 +21,10 @@ pub enum BenchCommand {
     Fork(ForkBench),
     /// Guest agent: ping, exec round trip and warm eval latency beside a cold interpreter.
     Agent(tine_agent::bench::BenchArgs),
+    /// Snapshots across hosts: the first child on a cold host (layers only in the store:
+    /// eager, lazy, lazy + working set) against a warm host, bytes fetched before ready, and
+    /// the snapshot's stored size.
+    Fetch(crate::bench_fetch::FetchBench),
 }
 
 #[derive(clap::Args)]
@@ -48,6 +52,7 @@ pub fn run(c: BenchCommand) -> Result<i32> {
         BenchCommand::Boot(b) => boot(b),
         BenchCommand::Fork(f) => fork_bench(f),
         BenchCommand::Agent(a) => tine_agent::bench::run(&a).map(|()| 0),
+        BenchCommand::Fetch(f) => crate::bench_fetch::run(f),
     }
 }
 
@@ -331,6 +336,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         parallel: b.parallel,
         readiness: None,
         layer: None,
+        fetch: None,
     };
     for &n in &b.counts {
         let t0 = Instant::now();

@@ -130,6 +130,7 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
         parallel: a.parallel,
         readiness: None,
         layer: None,
+        fetch: None,
     };
     let t0 = Instant::now();
     let results = std::sync::Mutex::new((Vec::new(), 0usize));

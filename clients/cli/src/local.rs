@@ -41,10 +41,14 @@ pub fn executor_host(
     max_vms: u32,
     pool_size: usize,
     store: Option<String>,
+    fetch: tine_host::FetchMode,
+    cache_max_bytes: Option<u64>,
 ) -> Result<HostConfig> {
     let store = store.map(|url| tine_host::StoreConfig {
         url,
         layer_cache: data_dir.join("layers"),
+        fetch,
+        cache_max_bytes,
     });
     Ok(HostConfig {
         store,

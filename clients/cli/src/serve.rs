@@ -138,6 +138,9 @@ pub fn up(a: UpArgs) -> Result<i32> {
                 a.max_sandboxes,
                 a.pool,
                 Some(data.join("store").display().to_string()),
+                // One host: its snapshots are always here.
+                tine_host::FetchMode::Eager,
+                None,
             )?,
             metrics_listen: Some(a.executor_metrics_listen),
             allow_plaintext_remote: false,
@@ -280,6 +283,17 @@ pub struct ExecutorArgs {
     /// and snapshots this host lacks are fetched from it. Without it snapshots stay here.
     #[arg(long, env = "TINE_STORE")]
     store: Option<String>,
+    /// How a snapshot found only in the store is restored here: `eager` (fetch and assemble
+    /// the whole image first), `lazy` (start children at once, pages arrive on first touch
+    /// through userfaultfd, the recorded working set copied in first; the image fills in in
+    /// the background) or `lazy-no-prefetch`.
+    #[arg(long, env = "TINE_FETCH", default_value = "eager")]
+    fetch: tine_host::FetchMode,
+    /// Bound on this host's layer cache (fetched layers and assembled images), e.g. 50GiB;
+    /// snapshots no child here runs from are evicted first, least recently used first, and
+    /// fetched again when next needed. `none`: unbounded.
+    #[arg(long, env = "TINE_LAYER_CACHE_MAX", default_value = "32GiB", value_parser = parse_cache_bound)]
+    layer_cache_max: CacheBound,
     #[arg(long, default_value = "127.0.0.1:7071")]
     listen: SocketAddr,
     /// Address the control plane uses to reach this executor (default http(s)://<listen>).
@@ -338,7 +352,15 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
             control_plane: a.control_plane.clone(),
             control_plane_ca: a.control_plane_ca.clone(),
             tls: TlsFiles::from_args(a.tls_cert.clone(), a.tls_key.clone())?,
-            host: local::executor_host(&id, data, a.max_sandboxes, a.pool, a.store.clone())?,
+            host: local::executor_host(
+                &id,
+                data,
+                a.max_sandboxes,
+                a.pool,
+                a.store.clone(),
+                a.fetch,
+                a.layer_cache_max.0,
+            )?,
             metrics_listen: Some(a.metrics_listen),
             allow_plaintext_remote: a.allow_plaintext_remote,
             vm_refusal: pvm_refusal(a.allow_pvm),
@@ -399,4 +421,56 @@ pub fn token(c: TokenCommand) -> Result<i32> {
     }
     println!("{token}");
     Ok(0)
+}
+
+/// `--layer-cache-max`: bytes, or None for unbounded.
+#[derive(Clone, Copy, Debug)]
+pub struct CacheBound(Option<u64>);
+
+/// A size such as `512MiB`, `50GiB`, `1TiB`, `1000000` (bytes), or `none`.
+fn parse_cache_bound(s: &str) -> std::result::Result<CacheBound, String> {
+    if s.eq_ignore_ascii_case("none") {
+        return Ok(CacheBound(None));
+    }
+    let digits = s.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let unit = &s[digits.len()..];
+    let shift = match unit {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        "TiB" => 40,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} (B, KiB, MiB, GiB, TiB, or `none`)"
+            ))
+        }
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size such as 50GiB"))?;
+    n.checked_mul(1 << shift)
+        .filter(|&b| b > 0)
+        .map(|b| CacheBound(Some(b)))
+        .ok_or_else(|| format!("{s:?} is out of range"))
+}
+
+#[cfg(test)]
+mod cache_bound_tests {
+    use super::parse_cache_bound;
+
+    #[test]
+    fn sizes_parse_and_nonsense_is_refused() {
+        assert_eq!(parse_cache_bound("32GiB").unwrap().0, Some(32 << 30));
+        assert_eq!(parse_cache_bound("4096").unwrap().0, Some(4096));
+        assert_eq!(parse_cache_bound("none").unwrap().0, None);
+        assert!(parse_cache_bound("0").is_err());
+        assert!(parse_cache_bound("12GB")
+            .unwrap_err()
+            .contains("unknown unit"));
+        assert!(parse_cache_bound("xGiB").is_err());
+        assert!(parse_cache_bound("99999999999TiB")
+            .unwrap_err()
+            .contains("out of range"));
+    }
 }

@@ -155,6 +155,8 @@ async fn executor(
             store: store.map(|s| StoreConfig {
                 url: s.display().to_string(),
                 layer_cache: data.join("layers"),
+                fetch: tine_host::FetchMode::Eager,
+                cache_max_bytes: None,
             }),
         },
         metrics_listen: None,

@@ -571,6 +571,21 @@ impl AgentClient {
     }
 }
 
+impl AgentClient {
+    /// Drops the guest's clean caches before a snapshot; returns MemFree before and after
+    /// (KiB). An agent older than this call answers with an error.
+    pub fn prepare_snapshot(&self) -> Result<(u64, u64)> {
+        let mut s = self.open(
+            request::Kind::PrepareSnapshot(pb::PrepareSnapshotRequest {}),
+            None,
+        )?;
+        match recv(&mut s)? {
+            Kind::PrepareSnapshot(r) => Ok((r.free_kib_before, r.free_kib_after)),
+            other => Err(unexpected("prepare_snapshot", &other)),
+        }
+    }
+}
+
 /// Reads the next response; an agent `Error` becomes `ClientError::Agent`.
 fn recv(s: &mut UnixStream) -> Result<Kind> {
     let resp: pb::Response = match read_message(s) {
@@ -607,6 +622,7 @@ fn unexpected(call: &str, got: &Kind) -> ClientError {
         Kind::Eval(_) => "eval",
         Kind::SetTime(_) => "set_time",
         Kind::Reseed(_) => "reseed",
+        Kind::PrepareSnapshot(_) => "prepare_snapshot",
         Kind::Error(_) => "error",
     };
     ClientError::Protocol(format!("unexpected `{name}` response to {call}"))

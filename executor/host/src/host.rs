@@ -13,12 +13,14 @@ use tine_vmm::snapshot::file::SnapshotHeader;
 
 use crate::config::{HostConfig, Readiness};
 use crate::error::{HostError, Result};
+use crate::fetch::{FetchMode, Fetcher, Source};
 use crate::layers::{Fetched, Layers};
+use crate::lazy::{ChildPages, LazyImage};
 use crate::parent::{boot_and_snapshot, MadeSnapshot, ParentSpec};
 use crate::process::{Liveness, ProcessIdentity};
 use crate::ready::{make_ready, vmm_log, SpawnPhases};
 use crate::records::{self, now_ms, VmRecord};
-use crate::worker::{WorkerJob, WorkerPool, WORKER_SUBCOMMAND};
+use crate::worker::{JobMemory, WorkerJob, WorkerPool, WORKER_SUBCOMMAND};
 
 /// Children set up at once by one spawn call: each is a thread that mostly waits (for its
 /// worker, then its agent); past a few hundred they only cost memory and scheduler time.
@@ -55,6 +57,8 @@ pub struct SpawnOptions {
     /// The snapshot's head layer, recorded by the control plane: a host without the snapshot
     /// fetches this chain from the store (verified against these digests) before restoring.
     pub layer: Option<tine_snapshot_store::Digest>,
+    /// How to restore when the snapshot is only in the store (None: the host's mode).
+    pub fetch: Option<FetchMode>,
 }
 
 /// How one child of a spawn ended.
@@ -64,6 +68,24 @@ pub struct SpawnOutcome {
     /// Its VMM process, once one was handed the job.
     pub pid: Option<u32>,
     pub result: Result<SpawnPhases>,
+    /// For a child restored lazily: what its pages cost until it was ready.
+    pub lazy: Option<LazyReport>,
+}
+
+/// What a lazily restored child needed until it was ready.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LazyReport {
+    /// Page faults the host served.
+    pub faults: u64,
+    /// Pages copied in (faults' blocks and prefetched working set) and zero pages mapped.
+    pub pages_copied: u64,
+    pub pages_zeroed: u64,
+    pub pages_prefetched: u64,
+    /// Entries of the working set it was given (0: none recorded yet, or prefetch off).
+    pub working_set_pages: u64,
+    /// Bytes this host had fetched from the store for the snapshot by then (all children).
+    pub fetched_bytes: u64,
+    pub fetched_objects: u64,
 }
 
 /// A VM as `list` reports it.
@@ -78,9 +100,7 @@ pub struct Host {
     pool: Arc<WorkerPool>,
     vms: Mutex<Vms>,
     /// The cluster's store and this host's layer cache.
-    layers: Option<Layers>,
-    /// One fetch per snapshot at a time: concurrent spawns of a missing snapshot fetch it once.
-    fetching: Mutex<HashMap<Tag, Arc<Mutex<()>>>>,
+    fetcher: Option<Arc<Fetcher>>,
     /// Held while an executor daemon owns this data directory.
     _lock: Option<OwnedFd>,
 }
@@ -100,6 +120,9 @@ impl Host {
         )))?;
         let lock = lock_dir(&cfg.data_dir)?;
         let host = Host::build(cfg, Some(lock))?;
+        if let Some(f) = &host.fetcher {
+            f.sweep();
+        }
         host.adopt_survivors();
         Ok(host)
     }
@@ -114,13 +137,21 @@ impl Host {
             cfg.limits.pool_size,
             cfg.limits.auto_refill,
         );
-        let layers = cfg.store.as_ref().map(Layers::open).transpose()?;
+        let fetcher = match &cfg.store {
+            Some(store) => Some(Arc::new(Fetcher::new(
+                Layers::open(store)?,
+                cfg.snapshots_dir(),
+                cfg.data_dir.join("lazy"),
+                store.fetch,
+                store.cache_max_bytes,
+            ))),
+            None => None,
+        };
         Ok(Host {
             cfg,
             pool,
             vms: Mutex::new(Vms::default()),
-            layers,
-            fetching: Mutex::new(HashMap::new()),
+            fetcher,
             _lock: lock,
         })
     }
@@ -196,9 +227,11 @@ impl Host {
             }
         };
         let installed = (|| {
-            if let Some(layers) = &self.layers {
+            if let Some(f) = &self.fetcher {
                 // A snapshot the other hosts cannot fetch is not made at all.
-                made.layer = Some(layers.publish(&spec.tag, &staging)?);
+                let _publishing = f.in_flight();
+                f.grew();
+                made.layer = Some(f.layers.publish(&spec.tag, &staging)?);
             }
             self.install_snapshot(&staging, &dir, spec.replace, &spec.tag)
         })();
@@ -207,6 +240,7 @@ impl Host {
             return Err(e);
         }
         made.dir = dir;
+        self.enforce_cache_bound();
         Ok(made)
     }
 
@@ -252,14 +286,20 @@ impl Host {
     /// Push a snapshot held here to the cluster's store as a layer (snapshots made here with a
     /// store configured are pushed as they are made).
     pub fn publish(&self, tag: &Tag) -> Result<crate::layers::LayerInfo> {
-        let Some(layers) = &self.layers else {
+        let Some(f) = &self.fetcher else {
             return Err(HostError::Store {
                 what: format!("publishing {tag}"),
                 reason: "this host has no store configured".into(),
             });
         };
         self.snapshot_header(tag)?;
-        layers.publish(tag, &self.snapshot_dir(tag))
+        let info = {
+            let _publishing = f.in_flight();
+            f.grew();
+            f.layers.publish(tag, &self.snapshot_dir(tag))
+        };
+        self.enforce_cache_bound();
+        info
     }
 
     /// Forget a snapshot here. Running children keep their mapping of its memory image.
@@ -301,11 +341,52 @@ impl Host {
         opts: &SpawnOptions,
         report: impl Fn(SpawnOutcome) + Sync,
     ) -> Result<()> {
-        if let Some(head) = &opts.layer {
-            self.ensure_local(tag, head)?;
+        let result = {
+            let _spawning = self.fetcher.as_ref().map(|f| f.in_flight());
+            self.spawn_in_flight(tag, ids, opts, report)
+        };
+        self.enforce_cache_bound();
+        result
+    }
+
+    /// Trim the layer cache to its bound, sparing snapshots children here run from.
+    pub fn enforce_cache_bound(&self) {
+        if let Some(f) = &self.fetcher {
+            let live: std::collections::HashSet<Tag> = self
+                .vms()
+                .live
+                .values()
+                .filter_map(|l| l.record.tag.clone())
+                .collect();
+            f.enforce_bound(&live);
         }
-        self.snapshot_header(tag)?;
-        let snapshot = self.snapshot_dir(tag);
+    }
+
+    fn spawn_in_flight(
+        &self,
+        tag: &Tag,
+        ids: Vec<SandboxId>,
+        opts: &SpawnOptions,
+        report: impl Fn(SpawnOutcome) + Sync,
+    ) -> Result<()> {
+        let source = match (&opts.layer, &self.fetcher) {
+            (Some(head), Some(f)) => f.source(tag, head, opts.fetch)?,
+            (Some(_), None) if !self.has_snapshot(tag) => {
+                return Err(HostError::NoSnapshot(tag.clone()))
+            }
+            _ => Source::Local,
+        };
+        let lazy = match source {
+            Source::Lazy(img) => Some(img),
+            Source::Local => {
+                self.snapshot_header(tag)?;
+                None
+            }
+        };
+        let snapshot = match &lazy {
+            Some(img) => img.dir.clone(),
+            None => self.snapshot_dir(tag),
+        };
         let timeout = opts.ready_timeout.unwrap_or(self.cfg.limits.ready_timeout);
         let readiness = opts.readiness.unwrap_or(self.cfg.readiness);
         // Accepted now, so a kill that arrives while a child waits its turn cancels it.
@@ -343,14 +424,23 @@ impl Host {
                             pid: None,
                             result: Err(HostError::VmExists(id.clone())),
                             id,
+                            lazy: None,
                         }
                     } else {
-                        self.spawn_one(tag, &snapshot, id, readiness, timeout)
+                        self.spawn_one(tag, &snapshot, id, readiness, timeout, lazy.as_ref())
                     });
                 });
             }
         });
+        if let (Some(img), Some(f)) = (&lazy, &self.fetcher) {
+            // Its first children run: fetch the whole image now, for the ones to come.
+            f.fill_in_background(tag, &img.head);
+        }
         Ok(())
+    }
+
+    fn has_snapshot(&self, tag: &Tag) -> bool {
+        self.snapshot_dir(tag).join("snapshot.json").is_file()
     }
 
     /// Make sure snapshot `tag` is on this host: if not, fetch the layers of `head` it lacks
@@ -361,52 +451,11 @@ impl Host {
         tag: &Tag,
         head: &tine_snapshot_store::Digest,
     ) -> Result<Option<Fetched>> {
-        let dir = self.snapshot_dir(tag);
-        if dir.join("snapshot.json").is_file() {
-            return Ok(None);
+        match &self.fetcher {
+            Some(f) => f.ensure_local(tag, head),
+            None if self.has_snapshot(tag) => Ok(None),
+            None => Err(HostError::NoSnapshot(tag.clone())),
         }
-        let Some(layers) = &self.layers else {
-            return Err(HostError::NoSnapshot(tag.clone()));
-        };
-        let gate = self
-            .fetching
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(tag.clone())
-            .or_default()
-            .clone();
-        let _one_fetch = gate.lock().unwrap_or_else(|p| p.into_inner());
-        if dir.join("snapshot.json").is_file() {
-            return Ok(None); // another spawn fetched it while we waited
-        }
-        let _s = tracing::info_span!("spawn.fetch", %tag, %head).entered();
-        let t0 = Instant::now();
-        let staging = self.cfg.snapshots_dir().join(format!(
-            ".fetch-{}",
-            SandboxId::random(tag.as_str()).as_str()
-        ));
-        let fetched = layers.materialize(tag, head, &staging).and_then(|f| {
-            std::fs::rename(&staging, &dir)
-                .map(|()| f)
-                .map_err(HostError::io(format!(
-                    "moving the snapshot to {}",
-                    dir.display()
-                )))
-        });
-        if fetched.is_err() {
-            let _ = std::fs::remove_dir_all(&staging);
-        }
-        let fetched = fetched?;
-        tracing::info!(
-            %tag,
-            %head,
-            layers = fetched.layers,
-            objects = fetched.objects,
-            bytes = fetched.bytes,
-            took_ms = t0.elapsed().as_millis() as u64,
-            "fetched snapshot from the store"
-        );
-        Ok(Some(fetched))
     }
 
     /// Reserve a slot under `max_vms` for a pending child, counting children still being
@@ -437,6 +486,7 @@ impl Host {
         id: SandboxId,
         readiness: Readiness,
         timeout: Duration,
+        lazy: Option<&Arc<LazyImage>>,
     ) -> SpawnOutcome {
         let t = Instant::now();
         let span = tracing::info_span!("spawn.child", id = %id, tag = %tag);
@@ -445,14 +495,29 @@ impl Host {
             id,
             pid,
             result: Err(e),
+            lazy: None,
         };
         if let Err(e) = self.reserve(&id) {
             return fail(id, None, e);
         }
-        let handed = self.hand_off(tag, snapshot, &id);
+        let memory = match lazy {
+            Some(_) => JobMemory::Lazy,
+            None => JobMemory::Image,
+        };
+        let handed = self.hand_off(tag, snapshot, &id, memory);
         let (pid, restored_pipe, process) = match handed {
             Ok(x) => x,
             Err(e) => return fail(id, None, e),
+        };
+        let pages = match lazy {
+            Some(img) => match self.serve_pages(img, pid, &restored_pipe, timeout, &id) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    let _ = self.kill(&id);
+                    return fail(id, Some(pid), e);
+                }
+            },
+            None => None,
         };
         let mut phases = SpawnPhases {
             handoff: t.elapsed(),
@@ -466,6 +531,16 @@ impl Host {
             timeout,
             &mut phases,
         );
+        // A child whose pages stopped coming was killed for it: say why, not "VMM exited".
+        let result = match (result, &pages) {
+            (Err(e), Some(p)) => Err(p
+                .failure
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take()
+                .unwrap_or(e)),
+            (r, _) => r,
+        };
         let mut vms = self.vms();
         let Some(live) = vms.live.get_mut(&id) else {
             // Killed while it was being made ready.
@@ -482,10 +557,12 @@ impl Host {
                 }
                 drop(vms);
                 phases.total = t.elapsed();
+                let lazy = lazy.zip(pages).map(|(img, p)| finish_recording(img, &p));
                 SpawnOutcome {
                     id,
                     pid: Some(pid),
                     result: Ok(phases),
+                    lazy,
                 }
             }
             Err(e) => {
@@ -504,9 +581,10 @@ impl Host {
         tag: &Tag,
         snapshot: &std::path::Path,
         id: &SandboxId,
+        memory: JobMemory,
     ) -> Result<(u32, std::fs::File, ProcessIdentity)> {
         let _s = tracing::info_span!("spawn.handoff").entered();
-        let started = self.start_worker(tag, snapshot, id);
+        let started = self.start_worker(tag, snapshot, id, memory);
         let mut vms = self.vms();
         vms.starting -= 1;
         let cancelled = vms.pending.remove(id) == Some(true);
@@ -537,6 +615,7 @@ impl Host {
         tag: &Tag,
         snapshot: &std::path::Path,
         id: &SandboxId,
+        memory: JobMemory,
     ) -> Result<(VmRecord, Child, std::fs::File)> {
         let dir = self.cfg.vms_dir().join(id.as_str());
         match std::fs::create_dir(&dir) {
@@ -558,6 +637,7 @@ impl Host {
                     .map_err(HostError::io(format!("identifying VMM worker {pid}")))?,
                 created_unix_ms: now_ms(),
                 ready: false,
+                pages_from_host: memory == JobMemory::Lazy,
                 dir: dir.clone(),
             };
             // Recorded before the job is handed over: a daemon that dies now still knows it.
@@ -565,6 +645,7 @@ impl Host {
             let (child, restored) = worker.run(&WorkerJob {
                 snapshot: snapshot.to_path_buf(),
                 dir: dir.clone(),
+                memory,
             })?;
             Ok((record, child, restored))
         })();
@@ -572,6 +653,35 @@ impl Host {
             let _ = std::fs::remove_dir_all(&dir);
         }
         started
+    }
+
+    /// Take a lazily restored child's guest RAM from its worker and serve its pages from a
+    /// thread of ours until it exits.
+    fn serve_pages(
+        &self,
+        img: &Arc<LazyImage>,
+        pid: u32,
+        sock: &std::fs::File,
+        timeout: Duration,
+        id: &SandboxId,
+    ) -> Result<Arc<ChildPages>> {
+        use std::os::fd::AsFd;
+        let dir = self.cfg.vms_dir().join(id.as_str());
+        let (uffd, ranges) = crate::handoff::recv(sock.as_fd(), timeout)
+            .map_err(HostError::io("taking the child's guest RAM"))?
+            .ok_or_else(|| HostError::RestoreFailed { log: vmm_log(&dir) })?;
+        let pidfd =
+            crate::lazy::pidfd_open(pid).map_err(HostError::io(format!("watching VMM {pid}")))?;
+        let pages = Arc::new(ChildPages::default());
+        if img.claim_recording() {
+            *pages.recorded.lock().unwrap_or_else(|p| p.into_inner()) = Some(Vec::new());
+        }
+        let (img, served) = (img.clone(), pages.clone());
+        std::thread::Builder::new()
+            .name(format!("tine-pages-{pid}"))
+            .spawn(move || crate::lazy::serve(img, uffd, ranges, pidfd, served))
+            .map_err(HostError::io("starting the page server"))?;
+        Ok(pages)
     }
 
     // ---- the VMs ----
@@ -718,6 +828,12 @@ impl Host {
             let running =
                 record.liveness() == Liveness::Running && record.process.runs(WORKER_SUBCOMMAND);
             match (running, record.ready) {
+                (true, _) if record.pages_from_host => {
+                    // Its pages came from the daemon that died: untouched ones can never arrive.
+                    tracing::warn!(id = %record.id, "killing a lazily restored VM whose page server is gone");
+                    let _ = record.process.kill();
+                    let _ = std::fs::remove_dir_all(&record.dir);
+                }
                 (true, true) => {
                     tracing::info!(id = %record.id, pid = record.process.pid, "re-adopting a running VM");
                     vms.live.insert(
@@ -774,6 +890,31 @@ impl Host {
             &[".partial-", ".fetch-", ".replaced-"],
         );
         sweep(self.cfg.vms_dir(), &["parent-"]);
+    }
+}
+
+/// A lazily restored child is ready: stop recording its working set (storing it, if this
+/// child recorded one) and report what its pages cost.
+fn finish_recording(img: &Arc<LazyImage>, pages: &ChildPages) -> LazyReport {
+    use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+    pages.ready.store(true, Release);
+    let recorded = pages
+        .recorded
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    if let Some(ws) = recorded.filter(|w| !w.is_empty()) {
+        let img = img.clone();
+        std::thread::spawn(move || img.save_working_set(&ws));
+    }
+    LazyReport {
+        faults: pages.faults.load(Relaxed),
+        pages_copied: pages.pages_copied.load(Relaxed),
+        pages_zeroed: pages.pages_zeroed.load(Relaxed),
+        pages_prefetched: pages.pages_prefetched.load(Relaxed),
+        working_set_pages: img.working_set.as_ref().map_or(0, |w| w.len() as u64),
+        fetched_bytes: img.counters.fetched_bytes.load(Acquire),
+        fetched_objects: img.counters.fetched_objects.load(Acquire),
     }
 }
 

@@ -24,6 +24,11 @@ pub struct StoreConfig {
     pub url: String,
     /// This host's cache of verified layers and assembled images.
     pub layer_cache: PathBuf,
+    /// How a snapshot found only in the store is restored here.
+    pub fetch: crate::fetch::FetchMode,
+    /// Bound on the layer cache's size (None: unbounded). Images and layers no child here
+    /// runs from go first, least recently used first.
+    pub cache_max_bytes: Option<u64>,
 }
 
 /// What the store holds for one snapshot.
@@ -94,7 +99,15 @@ impl Layers {
         Ok(layers)
     }
 
-    fn remote(&self) -> Result<RemoteStore> {
+    pub(crate) fn url(&self) -> &str {
+        &self.cfg.url
+    }
+
+    pub(crate) fn cache(&self) -> &LocalCache {
+        &self.cache
+    }
+
+    pub(crate) fn remote(&self) -> Result<RemoteStore> {
         RemoteStore::open_url(&self.cfg.url).map_err(|e| HostError::Store {
             what: format!("store {}", self.cfg.url),
             reason: e.to_string(),
@@ -162,6 +175,22 @@ impl Layers {
         Ok(info)
     }
 
+    /// Write a layer's VM files (header and state, from its state blob) into `dir`.
+    pub(crate) fn write_vm_files(&self, tag: &Tag, blob: &[u8], dir: &Path) -> Result<()> {
+        let (header, state) = decode_vm_files(blob).ok_or_else(|| HostError::Fetch {
+            tag: tag.clone(),
+            store: self.cfg.url.clone(),
+            reason: "the layer's VM state is malformed".into(),
+        })?;
+        std::fs::create_dir_all(dir)
+            .map_err(HostError::io(format!("creating {}", dir.display())))?;
+        for (name, bytes) in [(HEADER_FILE, header), (STATE_FILE, state)] {
+            let p = dir.join(name);
+            std::fs::write(&p, bytes).map_err(HostError::io(format!("writing {}", p.display())))?;
+        }
+        Ok(())
+    }
+
     /// Pull what this host lacks of `head`'s chain, assemble the flat image, and write a
     /// snapshot directory into `staging` whose memory image is that (shared, read-only) file.
     pub(crate) fn materialize(&self, tag: &Tag, head: &Digest, staging: &Path) -> Result<Fetched> {
@@ -183,17 +212,7 @@ impl Layers {
             .cache
             .read_object_raw(layer.state_ref())
             .map_err(store_err("reading the VM state"))?;
-        let (header, state) = decode_vm_files(&blob).ok_or_else(|| HostError::Fetch {
-            tag: tag.clone(),
-            store: self.cfg.url.clone(),
-            reason: "the layer's VM state is malformed".into(),
-        })?;
-        std::fs::create_dir_all(staging)
-            .map_err(HostError::io(format!("creating {}", staging.display())))?;
-        for (name, bytes) in [(HEADER_FILE, header), (STATE_FILE, state)] {
-            let p = staging.join(name);
-            std::fs::write(&p, bytes).map_err(HostError::io(format!("writing {}", p.display())))?;
-        }
+        self.write_vm_files(tag, &blob, staging)?;
         // Children map it MAP_PRIVATE: the assembled image is shared, never written.
         std::os::unix::fs::symlink(&image, staging.join(MEMORY_FILE))
             .map_err(HostError::io(format!("linking {}", image.display())))?;

@@ -6,8 +6,11 @@
 pub mod config;
 pub mod console;
 pub mod error;
+pub mod fetch;
+pub mod handoff;
 mod host;
 pub mod layers;
+pub mod lazy;
 pub mod parent;
 pub mod process;
 pub mod ready;
@@ -18,7 +21,8 @@ pub mod worker;
 
 pub use config::{HostConfig, Limits, Owner, Readiness};
 pub use error::{ErrorKind, HostError};
-pub use host::{Host, SpawnOptions, SpawnOutcome, VmInfo};
+pub use fetch::FetchMode;
+pub use host::{Host, LazyReport, SpawnOptions, SpawnOutcome, VmInfo};
 pub use layers::{Fetched, LayerInfo, StoreConfig};
 pub use parent::{MadeSnapshot, ParentSpec};
 pub use process::{Liveness, ProcessIdentity};

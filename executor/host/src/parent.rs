@@ -99,6 +99,16 @@ pub(crate) fn boot_and_snapshot(
                 });
             }
         }
+        // Clean caches out of the image (a kernel with init_on_free=1 zeroes what it frees):
+        // smaller to store, to fetch and to keep resident. An older agent lacks the call.
+        match client.prepare_snapshot() {
+            Ok((before, after)) => tracing::info!(
+                free_mib_before = before / 1024,
+                free_mib_after = after / 1024,
+                "guest caches dropped before the snapshot"
+            ),
+            Err(e) => tracing::warn!("not preparing the guest for its snapshot: {e}"),
+        }
         let t1 = Instant::now();
         let header = running.snapshot(dir)?;
         Ok(MadeSnapshot {

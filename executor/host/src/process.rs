@@ -86,33 +86,18 @@ impl ProcessIdentity {
     /// SIGKILL the recorded process if it still runs. Returns whether it was signalled; a
     /// replaced pid is never signalled.
     pub fn kill(&self) -> std::io::Result<bool> {
-        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, self.pid as libc::c_int, 0) };
-        if fd < 0 {
-            let e = std::io::Error::last_os_error();
-            return match e.raw_os_error() {
-                Some(libc::ESRCH) => Ok(false),
-                _ => Err(e),
-            };
-        }
-        // SAFETY: fd is a fresh descriptor we own.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let pidfd = match pidfd_open(self.pid) {
+            Ok(fd) => fd,
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(false),
+            Err(e) => return Err(e),
+        };
         // The pidfd pins the process it was opened on; checking the identity after opening
         // makes sure that process is the recorded one.
         if self.liveness() != Liveness::Running {
             return Ok(false);
         }
+        let r = pidfd_kill(&pidfd);
         use std::os::fd::AsRawFd;
-        // SAFETY: pidfd_send_signal on our pidfd with no siginfo.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_pidfd_send_signal,
-                pidfd.as_raw_fd(),
-                libc::SIGKILL,
-                std::ptr::null::<libc::siginfo_t>(),
-                0u32,
-            )
-        };
         if r < 0 {
             let e = std::io::Error::last_os_error();
             return match e.raw_os_error() {
@@ -130,6 +115,32 @@ impl ProcessIdentity {
         // SAFETY: one valid pollfd.
         unsafe { libc::poll(&mut pfd, 1, 2000) };
         Ok(true)
+    }
+}
+
+/// A pidfd for `pid`: it pins that process, and turns readable once it exits.
+pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// SIGKILL the process behind `pidfd`; the raw syscall result (negative: see errno).
+pub fn pidfd_kill(pidfd: &OwnedFd) -> libc::c_long {
+    use std::os::fd::AsRawFd;
+    // SAFETY: pidfd_send_signal on our own pidfd with no siginfo.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0u32,
+        )
     }
 }
 

@@ -26,6 +26,9 @@ struct RecordFile {
     /// Made ready (clock and RNG its own); a daemon adopts only such VMs.
     #[serde(default)]
     ready: bool,
+    /// Restored lazily (its pages come from the daemon); absent in older records.
+    #[serde(default)]
+    pages_from_host: bool,
 }
 
 /// One VM as recorded on disk.
@@ -39,6 +42,9 @@ pub struct VmRecord {
     pub created_unix_ms: u64,
     /// Made ready: its agent answered and its clock and RNG are its own.
     pub ready: bool,
+    /// Restored lazily: its untouched pages come from this host's daemon, so it cannot
+    /// outlive that daemon (never re-adopted).
+    pub pages_from_host: bool,
     pub dir: PathBuf,
 }
 
@@ -67,6 +73,7 @@ impl VmRecord {
             process: self.process.clone(),
             created_unix_ms: self.created_unix_ms,
             ready: self.ready,
+            pages_from_host: self.pages_from_host,
         };
         let tmp = self.dir.join("meta.json.tmp");
         let ctx = format!("writing {}", tmp.display());
@@ -96,6 +103,7 @@ impl VmRecord {
             process: f.process,
             created_unix_ms: f.created_unix_ms,
             ready: f.ready,
+            pages_from_host: f.pages_from_host,
             dir: dir.to_path_buf(),
         })
     }

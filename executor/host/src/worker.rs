@@ -6,7 +6,9 @@
 //! Protocol: the host writes one JSON line (`WorkerJob`) to the worker's stdin; the worker
 //! restores the snapshot and, once the guest runs and its vsock socket exists, writes a
 //! [`Restored`] record (how long the KVM restore and the vCPU start took) to stdout, then
-//! runs the VM until it stops and exits with the VM's exit code.
+//! runs the VM until it stops and exits with the VM's exit code. The worker's stdout is a
+//! Unix socket, so a lazily restored child can first send the userfaultfd of its guest RAM
+//! (see [`crate::handoff`]).
 
 use std::io::{BufRead, Write};
 use std::os::fd::OwnedFd;
@@ -32,6 +34,20 @@ pub struct WorkerJob {
     pub snapshot: PathBuf,
     /// The child's directory: console.log, vmm.log, vsock.sock.
     pub dir: PathBuf,
+    #[serde(default)]
+    pub memory: JobMemory,
+}
+
+/// Where a child's guest RAM comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobMemory {
+    /// The snapshot's memory image, mapped copy-on-write.
+    #[default]
+    Image,
+    /// Anonymous RAM whose pages the host supplies on first touch (userfaultfd): the
+    /// snapshot directory holds only the header and state.
+    Lazy,
 }
 
 /// What a worker reports once its guest runs: `R`, then the restore and start times in
@@ -77,10 +93,14 @@ pub struct Worker {
 
 impl Worker {
     fn start(exe: &Path) -> Result<Worker> {
+        let (ours, theirs) = socket_pair().map_err(|source| HostError::Worker {
+            exe: exe.to_path_buf(),
+            source,
+        })?;
         let mut child = Command::new(exe)
             .arg(WORKER_SUBCOMMAND)
             .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
+            .stdout(Stdio::from(theirs))
             .stderr(Stdio::null())
             .spawn()
             .map_err(|source| HostError::Worker {
@@ -88,7 +108,7 @@ impl Worker {
                 source,
             })?;
         let stdin = child.stdin.take().expect("piped stdin");
-        let stdout = child.stdout.take().expect("piped stdout").into();
+        let stdout = ours;
         Ok(Worker {
             child: Some(child),
             stdin: Some(stdin),
@@ -123,6 +143,26 @@ impl Drop for Worker {
             let _ = c.wait();
         }
     }
+}
+
+/// A connected pair of stream sockets (close-on-exec; the child's end becomes its stdout).
+fn socket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: socketpair fills two descriptors that we then own.
+    let r = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fresh descriptors from socketpair.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
 /// Keeps up to `target` idle workers started. At most one refill runs at a time and it stops
@@ -218,13 +258,14 @@ pub fn worker_main() -> anyhow::Result<i32> {
     // SAFETY: setsid has no memory effects.
     unsafe { libc::setsid() };
     let t0 = Instant::now();
-    let vm = Vm::restore(
-        &job.snapshot,
-        RestoreOptions {
-            console: open_console(Some(&job.dir.join("console.log")))?,
-            vsock_uds: Some(job.dir.join("vsock.sock")),
-        },
-    )?;
+    let opts = RestoreOptions {
+        console: open_console(Some(&job.dir.join("console.log")))?,
+        vsock_uds: Some(job.dir.join("vsock.sock")),
+    };
+    let vm = match job.memory {
+        JobMemory::Image => Vm::restore(&job.snapshot, opts)?,
+        JobMemory::Lazy => restore_lazily(&job.snapshot, opts)?,
+    };
     let restore = t0.elapsed();
     let t1 = Instant::now();
     let running = vm.start()?;
@@ -242,4 +283,52 @@ pub fn worker_main() -> anyhow::Result<i32> {
     unsafe { libc::close(1) };
     let exit = running.wait()?;
     Ok(exit.exit_code())
+}
+
+/// Restore onto anonymous RAM registered with a userfaultfd that goes to the host before
+/// anything touches guest memory: every first touch, by the guest or by this VMM, waits for
+/// the host to supply the page.
+fn restore_lazily(dir: &Path, opts: RestoreOptions) -> anyhow::Result<Vm> {
+    use std::os::fd::{AsFd, BorrowedFd};
+    let loaded = tine_vmm::snapshot::file::load_state(dir)?;
+    let ram = tine_vmm::memory::GuestRam::new_anonymous(loaded.header.mem_size)?;
+    let uffd = userfaultfd::UffdBuilder::new()
+        .close_on_exec(true)
+        .non_blocking(true)
+        // KVM touches guest RAM from the kernel (get_user_pages): those faults must reach us.
+        .user_mode_only(false)
+        .create()
+        .context(
+            "creating a userfaultfd (needs CAP_SYS_PTRACE or vm.unprivileged_userfaultfd=1)",
+        )?;
+    let mut ranges = Vec::new();
+    for (r, host_addr) in ram.host_ranges()? {
+        uffd.register(host_addr as *mut libc::c_void, r.size as usize)
+            .with_context(|| {
+                format!(
+                    "registering guest RAM at {:#x} with the userfaultfd",
+                    r.guest_addr
+                )
+            })?;
+        ranges.push(crate::handoff::MappedRange {
+            guest_addr: r.guest_addr,
+            size: r.size,
+            image_offset: r.file_offset,
+            host_addr,
+        });
+    }
+    // SAFETY: fd 1 is the report socket the host gave us; it stays open for this call.
+    let sock = unsafe { BorrowedFd::borrow_raw(1) };
+    crate::handoff::send(sock, uffd.as_fd(), &ranges).context("handing guest RAM to the host")?;
+    // Kept open for the life of this process: were the host's copy the last one, a host that
+    // died would unregister the ranges and the guest's missing pages would silently read as
+    // zeros. With ours open they wait instead (and the next daemon kills this VM).
+    std::mem::forget(uffd);
+    Ok(Vm::restore_onto(
+        dir,
+        loaded.state,
+        ram,
+        opts,
+        tine_vmm::vm::VmOptions::default(),
+    )?)
 }

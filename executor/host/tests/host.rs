@@ -9,10 +9,10 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use tine_host::testing::{kvm_available, write_idle_guest_snapshot};
+use tine_host::testing::{kvm_available, write_checksum_guest_snapshot, write_idle_guest_snapshot};
 use tine_host::{
-    ErrorKind, Host, HostConfig, HostError, Limits, Liveness, Owner, ProcessIdentity, Readiness,
-    SpawnOptions, SpawnOutcome, StoreConfig, VmRecord, WORKER_SUBCOMMAND,
+    ErrorKind, FetchMode, Host, HostConfig, HostError, Limits, Liveness, Owner, ProcessIdentity,
+    Readiness, SpawnOptions, SpawnOutcome, StoreConfig, VmRecord, WORKER_SUBCOMMAND,
 };
 use tine_proto::names::{SandboxId, Tag};
 
@@ -134,6 +134,7 @@ fn stale_record_is_neither_adopted_nor_killed() {
         },
         created_unix_ms: 0,
         ready: true,
+        pages_from_host: false,
         dir: dir.clone(),
     }
     .write()
@@ -273,6 +274,7 @@ fn adoption_takes_only_ready_vmm_workers() {
             process: ProcessIdentity::of(child.id()).unwrap(),
             created_unix_ms: 0,
             ready,
+            pages_from_host: false,
             dir,
         };
         r.write().unwrap();
@@ -311,8 +313,175 @@ fn with_store(mut cfg: HostConfig, store: &Path) -> HostConfig {
     cfg.store = Some(StoreConfig {
         url: store.display().to_string(),
         layer_cache: cfg.data_dir.join("layers"),
+        fetch: FetchMode::Eager,
+        cache_max_bytes: None,
     });
     cfg
+}
+
+fn with_fetch(mut cfg: HostConfig, fetch: FetchMode) -> HostConfig {
+    cfg.store.as_mut().unwrap().fetch = fetch;
+    cfg
+}
+
+/// Wait until a child's console shows the checksum line `want`; its last lines otherwise.
+fn console_shows(host: &Host, id: &SandboxId, want: &str) -> Result<(), String> {
+    let log = host.vm_dir(id).unwrap().join("console.log");
+    let t0 = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        // The first line may be cut where the snapshot was taken: look at whole lines after it.
+        if text.lines().skip(1).any(|l| l == want) {
+            return Ok(());
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            let tail: Vec<&str> = text.lines().rev().take(3).collect();
+            return Err(format!("no {want:?} on the console; last lines {tail:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Lazy restore on a cold host: the child starts before the image is here, its pages arrive
+/// on first touch (from chunks fetched on demand, verified) and are right (the guest prints
+/// the checksum of 4 MiB of data it reads); the first lazy child records its working set in
+/// the store; the image fills in in the background and later children map it; a third cold
+/// host prefetches the recorded working set.
+fn a_cold_host_restores_lazily_and_prefetches_the_working_set() {
+    let store = tempfile::tempdir().unwrap();
+    let a_dir = tempfile::tempdir().unwrap();
+    let snap = a_dir.path().join("snapshots").join("idle");
+    std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
+    let sum = write_checksum_guest_snapshot(&snap, 64, 4, 0x5eed).unwrap();
+    let want = format!("{sum:016X}");
+    let a = Host::open(with_store(config(a_dir.path(), 4, 0), store.path())).unwrap();
+    let info = a.publish(&tag()).unwrap();
+    let opts = SpawnOptions {
+        layer: Some(info.head),
+        ..SpawnOptions::default()
+    };
+    let spawn_on = |h: &Host| {
+        let out = Mutex::new(Vec::new());
+        h.spawn(&tag(), ids(1), &opts, |o| out.lock().unwrap().push(o))
+            .unwrap();
+        let mut out = out.into_inner().unwrap();
+        assert!(out[0].result.is_ok(), "{out:?}");
+        out.remove(0)
+    };
+
+    let b_dir = tempfile::tempdir().unwrap();
+    let lazy = FetchMode::Lazy { prefetch: true };
+    let b = Host::open(with_fetch(
+        with_store(config(b_dir.path(), 4, 0), store.path()),
+        lazy,
+    ))
+    .unwrap();
+    let first = spawn_on(&b);
+    let report = first.lazy.expect("restored lazily");
+    println!("  cold host, lazy: {report:?}");
+    assert_eq!(report.pages_prefetched, 0, "no working set yet: {report:?}");
+    assert!(
+        report.fetched_bytes < info.stored_bytes,
+        "ready before the whole image was fetched: {report:?} of {}",
+        info.stored_bytes
+    );
+    console_shows(&b, &first.id, &want).unwrap();
+
+    // The image arrives in the background; later children map it.
+    let t0 = Instant::now();
+    while b.snapshot_header(&tag()).is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the image never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // A guest without an agent is ready once it runs, before it touched much: what it
+    // recorded (if anything) is replaced by a working set covering its data, so the prefetch
+    // path below has real work.
+    let pages: Vec<u64> = (0x100..0x101).chain(0x400..0x800).collect();
+    let ws = store
+        .path()
+        .join(tine_host::lazy::working_set_key(&info.head));
+    std::fs::create_dir_all(ws.parent().unwrap()).unwrap();
+    std::fs::write(&ws, tine_host::lazy::encode_working_set(&pages)).unwrap();
+    let later = spawn_on(&b);
+    assert!(later.lazy.is_none(), "the image is here: {:?}", later.lazy);
+    console_shows(&b, &later.id, &want).unwrap();
+
+    let c_dir = tempfile::tempdir().unwrap();
+    let c = Host::open(with_fetch(
+        with_store(config(c_dir.path(), 4, 0), store.path()),
+        lazy,
+    ))
+    .unwrap();
+    let child = spawn_on(&c);
+    let report = child.lazy.expect("restored lazily");
+    println!("  cold host, lazy + working set: {report:?}");
+    assert_eq!(report.working_set_pages, pages.len() as u64, "{report:?}");
+    console_shows(&c, &child.id, &want).unwrap();
+
+    // Killing a lazily served child ends its page server with it.
+    c.kill_all();
+    b.kill_all();
+    assert!(c.live_ids().is_empty() && b.live_ids().is_empty());
+
+    // Every memory chunk in the store corrupted: a lazy child is killed at the first page it
+    // cannot get verified (never left running on a page it did not get), and nothing corrupt
+    // enters the cache.
+    let layer = tine_snapshot_store::cache::LocalCache::open(a_dir.path().join("layers"))
+        .unwrap()
+        .read_layer(&info.head)
+        .unwrap();
+    let state = tine_snapshot_store::Digest::from_bytes(&layer.state_ref().hash).unwrap();
+    let mut corrupted = Vec::new();
+    for i in 0..layer.manifest.chunks.len() {
+        let d = layer.chunk_digest(i);
+        let p = store
+            .path()
+            .join(tine_snapshot_store::cache::object_key(&d));
+        let mut bytes = std::fs::read(&p).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0xff;
+        std::fs::write(&p, &bytes).unwrap();
+        corrupted.push(d);
+    }
+    assert!(!corrupted.contains(&state));
+    let d_dir = tempfile::tempdir().unwrap();
+    let d = Host::open(with_fetch(
+        with_store(config(d_dir.path(), 4, 0), store.path()),
+        FetchMode::Lazy { prefetch: false },
+    ))
+    .unwrap();
+    let out = Mutex::new(Vec::new());
+    d.spawn(&tag(), ids(1), &opts, |o| out.lock().unwrap().push(o))
+        .unwrap();
+    let out = out.into_inner().unwrap();
+    let t0 = Instant::now();
+    loop {
+        let alive = d.list().iter().any(|v| v.liveness == Liveness::Running);
+        if !alive {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the child still runs: {out:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if let Err(e) = &out[0].result {
+        // Not ready before its first fault: the error names the snapshot and the chunk.
+        let msg = e.to_string();
+        assert!(
+            msg.contains("snapshot idle") && msg.contains("chunk"),
+            "{msg}"
+        );
+    }
+    let cache = tine_snapshot_store::cache::LocalCache::open(d_dir.path().join("layers")).unwrap();
+    for c in &corrupted {
+        assert!(!cache.has_object(c), "a corrupt chunk entered the cache");
+    }
+    d.kill_all();
 }
 
 /// A snapshot made on one host is restored on another that only shares the store: the second
@@ -398,6 +567,52 @@ fn a_host_without_the_snapshot_fetches_it_from_the_store() {
     assert!(c.snapshot_header(&tag()).is_err());
 }
 
+/// A host whose layer cache is bounded keeps a fetched snapshot while a child runs from it,
+/// evicts it (image, layers, and the fetched snapshot itself) once none does, and fetches it
+/// again when asked.
+fn a_bounded_cache_evicts_what_no_child_runs_from() {
+    let store = tempfile::tempdir().unwrap();
+    let a_dir = data_dir_with_snapshot();
+    let a = Host::open(with_store(config(a_dir.path(), 4, 0), store.path())).unwrap();
+    let info = a.publish(&tag()).unwrap();
+    let b_dir = tempfile::tempdir().unwrap();
+    let mut cfg = with_store(config(b_dir.path(), 4, 0), store.path());
+    cfg.store.as_mut().unwrap().cache_max_bytes = Some(1);
+    let b = Host::open(cfg).unwrap();
+    let opts = SpawnOptions {
+        layer: Some(info.head),
+        ..SpawnOptions::default()
+    };
+    let spawn_one = || {
+        let out = Mutex::new(Vec::new());
+        b.spawn(&tag(), ids(1), &opts, |o| out.lock().unwrap().push(o))
+            .unwrap();
+        let out = out.into_inner().unwrap();
+        assert!(out[0].result.is_ok(), "{out:?}");
+    };
+    let image = b_dir
+        .path()
+        .join("layers/images")
+        .join(format!("{}.mem", info.head.hex()));
+    spawn_one();
+    // Over the bound, but a child maps it: kept.
+    assert!(image.is_file() && b.snapshot_header(&tag()).is_ok());
+    b.kill_all();
+    b.enforce_cache_bound();
+    assert!(!image.exists(), "no child runs from it: evicted");
+    assert!(
+        b.snapshot_header(&tag()).is_err(),
+        "the fetched snapshot went with its image"
+    );
+    let left = std::fs::read_dir(b_dir.path().join("layers/layers"))
+        .unwrap()
+        .count();
+    assert_eq!(left, 0, "its layer went too");
+    spawn_one();
+    assert!(image.is_file(), "fetched again");
+    b.kill_all();
+}
+
 /// (span name, parent span name) as each span was created.
 type SpanEdges = Vec<(String, Option<String>)>;
 
@@ -471,7 +686,7 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 8] = [
+    let tests: [(&str, fn()); 10] = [
         ("spawn_list_kill_readopt", spawn_list_kill_readopt),
         (
             "stale_record_is_neither_adopted_nor_killed",
@@ -496,6 +711,14 @@ fn main() {
         (
             "a_host_without_the_snapshot_fetches_it_from_the_store",
             a_host_without_the_snapshot_fetches_it_from_the_store,
+        ),
+        (
+            "a_cold_host_restores_lazily_and_prefetches_the_working_set",
+            a_cold_host_restores_lazily_and_prefetches_the_working_set,
+        ),
+        (
+            "a_bounded_cache_evicts_what_no_child_runs_from",
+            a_bounded_cache_evicts_what_no_child_runs_from,
         ),
         (
             "spawn_phases_are_spans_of_the_callers_trace",

@@ -77,6 +77,8 @@ pub enum ConfigError {
 /// Creating or mapping guest RAM.
 #[derive(Debug, Error)]
 pub enum MemoryError {
+    #[error("guest memory: {size:#x} bytes is not a whole number of pages")]
+    AnonymousSize { size: u64 },
     #[error("guest memory: memfd_create failed: {source}")]
     Memfd {
         #[source]
@@ -347,6 +349,8 @@ pub enum SnapshotError {
         #[source]
         source: serde_json::Error,
     },
+    #[error("snapshot {}: guest RAM has no backing file (a child restored page by page cannot be snapshotted yet)", .dir.display())]
+    NoMemoryFile { dir: PathBuf },
     #[error("snapshot: writing {}: {source}", .path.display())]
     Write {
         path: PathBuf,

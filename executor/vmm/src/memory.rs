@@ -1,8 +1,10 @@
 //! Guest RAM backed by a memfd (or any file), so the same bytes can later be saved as a
-//! snapshot image and mapped MAP_PRIVATE by forked children.
+//! snapshot image and mapped MAP_PRIVATE by forked children; or anonymous memory whose pages
+//! another party supplies on first touch (userfaultfd: a child restored before its image is
+//! on this host).
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::FromRawFd;
 use std::sync::Arc;
 
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
@@ -32,9 +34,10 @@ pub enum Sharing {
     Private,
 }
 
-/// Guest RAM: the backing file plus its mapping into this process.
+/// Guest RAM: its backing plus its mapping into this process.
 pub struct GuestRam {
-    file: Arc<File>,
+    /// None: anonymous private memory (filled through userfaultfd by whoever holds it).
+    file: Option<Arc<File>>,
     ranges: Vec<RamRange>,
     memory: GuestMemoryMmap,
     size: u64,
@@ -82,7 +85,7 @@ impl GuestRam {
             mib: mem_mib,
             source,
         })?;
-        Self::map(file, size, Sharing::Shared)
+        Self::map(Some(file), size, Sharing::Shared)
     }
 
     /// Map an existing memory image (a snapshot) of exactly `size` bytes.
@@ -98,21 +101,37 @@ impl GuestRam {
             }
             .into());
         }
-        Self::map(file, size, sharing)
+        Self::map(Some(file), size, sharing)
     }
 
-    fn map(file: File, size: u64, sharing: Sharing) -> Result<Self> {
-        let file = Arc::new(file);
+    /// Anonymous, private, zero-on-demand RAM of `size` bytes (whole pages): nothing is
+    /// populated until touched, so a userfaultfd registered on [`ranges`](Self::ranges) sees
+    /// every first touch. `size` comes from a checked snapshot header.
+    pub fn new_anonymous(size: u64) -> Result<Self> {
+        if size == 0 || !size.is_multiple_of(4096) {
+            return Err(MemoryError::AnonymousSize { size }.into());
+        }
+        Self::map(None, size, Sharing::Private)
+    }
+
+    fn map(file: Option<File>, size: u64, sharing: Sharing) -> Result<Self> {
+        let file = file.map(Arc::new);
         let ranges = Self::ranges_for(size);
         let flags = libc::MAP_NORESERVE
             | match sharing {
                 Sharing::Shared => libc::MAP_SHARED,
                 Sharing::Private => libc::MAP_PRIVATE,
+            }
+            | if file.is_none() {
+                libc::MAP_ANONYMOUS
+            } else {
+                0
             };
         let mut regions = Vec::with_capacity(ranges.len());
         for r in &ranges {
             let mapping = MmapRegion::build(
-                Some(FileOffset::from_arc(file.clone(), r.file_offset)),
+                file.as_ref()
+                    .map(|f| FileOffset::from_arc(f.clone(), r.file_offset)),
                 r.size as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 flags,
@@ -152,12 +171,17 @@ impl GuestRam {
         self.size
     }
 
-    pub fn file(&self) -> &File {
-        &self.file
+    /// The backing file; None for anonymous RAM.
+    pub fn file(&self) -> Option<&File> {
+        self.file.as_deref()
     }
 
-    pub fn raw_fd(&self) -> i32 {
-        self.file.as_raw_fd()
+    /// Host address and length of every RAM range, in [`ranges`](Self::ranges) order.
+    pub fn host_ranges(&self) -> Result<Vec<(RamRange, u64)>> {
+        self.ranges
+            .iter()
+            .map(|r| Ok((*r, self.host_address(r)?)))
+            .collect()
     }
 
     /// The highest guest-physical address below the MMIO gap that is RAM (exclusive).
@@ -231,7 +255,7 @@ mod tests {
             .write_slice(b"tine", GuestAddress(0x1234))
             .unwrap();
         let mut buf = [0u8; 4];
-        std::os::unix::fs::FileExt::read_exact_at(ram.file(), &mut buf, 0x1234).unwrap();
+        std::os::unix::fs::FileExt::read_exact_at(ram.file().unwrap(), &mut buf, 0x1234).unwrap();
         assert_eq!(&buf, b"tine");
     }
 
@@ -242,7 +266,7 @@ mod tests {
             .memory()
             .write_slice(b"parent", GuestAddress(0x2000))
             .unwrap();
-        let image = parent.file().try_clone().unwrap();
+        let image = parent.file().unwrap().try_clone().unwrap();
         let child = GuestRam::from_file(image, 64 << 20, Sharing::Private).unwrap();
         child
             .memory()

@@ -24,7 +24,9 @@ use crate::devices::virtio::mmio::{VirtioMmio, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqLine, VirtioDevice};
 use crate::devices::GuestExit;
-use crate::error::{ConfigError, Error, RestoreError, Result, SnapshotError, VcpuError};
+use crate::error::{
+    ConfigError, Error, MemoryError, RestoreError, Result, SnapshotError, VcpuError,
+};
 use crate::layout::*;
 use crate::memory::{GuestRam, Sharing};
 use crate::snapshot::devices::{SerialSnapshot, VirtioKind};
@@ -37,9 +39,10 @@ use crate::{cpuid, host, regs};
 pub const MAX_VCPUS: u8 = 254;
 
 /// Default kernel command line: serial console, no PCI probing, reboot via the i8042 line,
-/// and no legacy devices we do not emulate.
-pub const DEFAULT_CMDLINE: &str =
-    "console=ttyS0 reboot=k panic=-1 pci=off i8042.noaux i8042.nomux i8042.dumbkbd tsc=reliable";
+/// no legacy devices we do not emulate, and freed pages zeroed (`init_on_free=1`): memory the
+/// guest no longer uses (the unpacked initramfs archive, dropped caches) is zero in a
+/// snapshot, so it is neither stored nor fetched nor kept resident by children.
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off i8042.noaux i8042.nomux i8042.dumbkbd tsc=reliable init_on_free=1";
 
 /// A Linux boot: kernel image, optional initramfs and command line.
 #[derive(Clone, Debug)]
@@ -229,6 +232,41 @@ impl Vm {
         let snap = snapfile::load(dir)?;
         let state = snap.state;
         let ram = GuestRam::from_file(snap.memory, state.mem_size, Sharing::Private)?;
+        let vm = Self::restore_state(dir, state, ram, opts, options)?;
+        tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), "restored");
+        Ok(vm)
+    }
+
+    /// Restore the checked `state` of snapshot `dir` onto `ram` that the caller prepared, e.g.
+    /// anonymous RAM registered with a userfaultfd whose pages are supplied on first touch
+    /// (see [`GuestRam::new_anonymous`]). `ram` must be exactly the snapshot's memory size.
+    pub fn restore_onto(
+        dir: &Path,
+        state: MachineState,
+        ram: GuestRam,
+        opts: RestoreOptions,
+        options: VmOptions,
+    ) -> Result<Self> {
+        let t0 = Instant::now();
+        if ram.size() != state.mem_size {
+            return Err(MemoryError::ImageSize {
+                expected: state.mem_size,
+                actual: ram.size(),
+            }
+            .into());
+        }
+        let vm = Self::restore_state(dir, state, ram, opts, options)?;
+        tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), "restored onto supplied RAM");
+        Ok(vm)
+    }
+
+    fn restore_state(
+        dir: &Path,
+        state: MachineState,
+        ram: GuestRam,
+        opts: RestoreOptions,
+        options: VmOptions,
+    ) -> Result<Self> {
         let mut vm = Self::build(
             state.vcpus.len(),
             ram,
@@ -258,7 +296,6 @@ impl Vm {
         for (t, s) in vm.virtio.iter().zip(&state.virtio) {
             t.lock().unwrap().restore(s)?;
         }
-        tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), "restored");
         Ok(vm)
     }
 
@@ -510,7 +547,10 @@ impl RunningVm {
                 .collect(),
             mem_size: self.ram.size(),
         };
-        let header = snapfile::write(dir, &state, self.ram.file())?;
+        let memory = self.ram.file().ok_or_else(|| SnapshotError::NoMemoryFile {
+            dir: dir.to_path_buf(),
+        })?;
+        let header = snapfile::write(dir, &state, memory)?;
         tracing::info!(pause = ?paused_at, total = ?t0.elapsed(), dir = %dir.display(), "snapshot written");
         Ok(header)
     }

@@ -120,6 +120,7 @@ impl Moto {
             access_key_id: Some("testing".into()),
             secret_access_key: Some("testing".into()),
             allow_http: true,
+            ..Default::default()
         })
         .unwrap()
     }

@@ -147,12 +147,22 @@ impl Agent {
                     }),
                 )
             }
+            Some(request::Kind::PrepareSnapshot(_)) => {
+                let (before, after) = system::prepare_snapshot()?;
+                reply(
+                    conn,
+                    Kind::PrepareSnapshot(pb::PrepareSnapshotResponse {
+                        free_kib_before: before,
+                        free_kib_after: after,
+                    }),
+                )
+            }
             Some(request::Kind::FileChunk(_)) => {
                 anyhow::bail!("file_chunk is only valid after write_file")
             }
             None => anyhow::bail!(
                 "unknown or missing request type (this agent, version {VERSION}, understands \
-                 ping, exec, write_file, read_file, list_dir, eval, set_time, reseed)"
+                 ping, exec, write_file, read_file, list_dir, eval, set_time, reseed, prepare_snapshot)"
             ),
         }
     }

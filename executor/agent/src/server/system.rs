@@ -1,5 +1,6 @@
 //! SetTime and Reseed: fix-ups a clone needs right after it is restored from
-//! a snapshot (its clock and entropy are the parent's).
+//! a snapshot (its clock and entropy are the parent's); PrepareSnapshot: what a parent does
+//! just before it is snapshotted.
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -59,4 +60,29 @@ pub fn add_entropy(entropy: &[u8]) -> anyhow::Result<bool> {
         );
     }
     Ok(credited)
+}
+
+/// MemFree from /proc/meminfo, in KiB (0 if unreadable).
+fn mem_free_kib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemFree:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Write back dirty data, drop clean page cache, dentries and inodes, and compact memory, so
+/// the snapshot carries the workload and not reclaimable caches. Returns MemFree before and
+/// after (KiB).
+pub fn prepare_snapshot() -> anyhow::Result<(u64, u64)> {
+    let before = mem_free_kib();
+    // SAFETY: sync has no arguments and cannot fail.
+    unsafe { libc::sync() };
+    std::fs::write("/proc/sys/vm/drop_caches", b"3").context("writing /proc/sys/vm/drop_caches")?;
+    // Absent without CONFIG_COMPACTION: dropping caches is what matters.
+    let _ = std::fs::write("/proc/sys/vm/compact_memory", b"1");
+    Ok((before, mem_free_kib()))
 }

@@ -243,8 +243,15 @@ pub fn load_header(dir: &Path) -> Result<SnapshotHeader> {
     Ok(header)
 }
 
-/// Read and check everything before a single KVM call is made.
-pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
+/// A snapshot's header and machine state, checked, without its memory image (for a restore
+/// whose guest RAM is filled by someone else, page by page).
+pub struct LoadedState {
+    pub header: SnapshotHeader,
+    pub state: MachineState,
+}
+
+/// Read and check the header and state: host compatibility, sizes, checksum, decoding.
+pub fn load_state(dir: &Path) -> Result<LoadedState> {
     let header = load_header(dir)?;
     let state_path = dir.join(STATE_FILE);
     let body = fs::read(&state_path).map_err(|source| RestoreError::Unreadable {
@@ -283,6 +290,12 @@ pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
         }
         .into());
     }
+    Ok(LoadedState { header, state })
+}
+
+/// Read and check everything before a single KVM call is made.
+pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
+    let LoadedState { header, state } = load_state(dir)?;
     let memory_path = dir.join(MEMORY_FILE);
     let unreadable = |source| RestoreError::Unreadable {
         path: memory_path.clone(),

@@ -1,0 +1,282 @@
+//! A pull killed with SIGKILL mid-transfer leaves nothing that looks valid
+//! and is not: every object in the cache hashes to its name, no manifest is
+//! there without its chain's objects, the temp files it was writing are swept
+//! by the next `LocalCache::open`, and a second pull fetches exactly what is
+//! missing and assembles the source memory byte for byte.
+//!
+//! Its own main (harness = false): started as `killed_pull __puller STORE
+//! CACHE HEAD`, this binary is the puller process that gets killed.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use tine_snapshot_store::assemble::assemble;
+use tine_snapshot_store::builder::{build_base, build_diff, BuildOptions, DirtyPages, LayerInput};
+use tine_snapshot_store::cache::{layer_key, object_key, LocalCache};
+use tine_snapshot_store::progress::NoProgress;
+use tine_snapshot_store::remote::{RemoteStore, TransferOptions};
+use tine_snapshot_store::{Digest, Layer};
+
+const PULLER: &str = "__puller";
+const TEST: &str = "pull_killed_mid_transfer_leaves_only_valid_objects_and_resumes";
+const MAX_TRIES: u32 = 20;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some(PULLER) {
+        puller(Path::new(&args[2]), Path::new(&args[3]), &args[4]);
+        return;
+    }
+    // Enough of libtest's interface for `cargo test` filters and listings.
+    if args.iter().any(|a| a == "--list") {
+        println!("{TEST}: test");
+        return;
+    }
+    if let Some(filter) = args.iter().skip(1).find(|a| !a.starts_with('-')) {
+        if !TEST.contains(filter.as_str()) {
+            println!("test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 1 filtered out");
+            return;
+        }
+    }
+    println!("\nrunning 1 test");
+    let t = Instant::now();
+    pull_killed_mid_transfer();
+    println!("test {TEST} ... ok");
+    println!(
+        "\ntest result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in {:.2}s\n",
+        t.elapsed().as_secs_f64()
+    );
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The child: pull `head` from the directory store into the cache.
+fn puller(store: &Path, cache: &Path, head: &str) {
+    let remote = RemoteStore::open_local(store)
+        .unwrap()
+        .with_options(TransferOptions {
+            concurrency: 4,
+            ..TransferOptions::default()
+        });
+    let cache = LocalCache::open(cache).unwrap();
+    let head = Digest::parse(head).unwrap();
+    runtime()
+        .block_on(remote.pull_head(&cache, &head, &NoProgress))
+        .unwrap();
+}
+
+/// A page of random bytes: zstd cannot shrink it, so the pull moves the
+/// full size and takes long enough to be interrupted.
+fn random_page(rng: &mut Rng) -> Vec<u8> {
+    let mut page = vec![0u8; PAGE];
+    for w in page.chunks_exact_mut(8) {
+        w.copy_from_slice(&rng.next().to_le_bytes());
+    }
+    page
+}
+
+/// base (40 MiB of random pages over 64 MiB) ← diff (1024 pages) ← diff
+/// (1024 pages). Returns the heads and the final memory.
+fn random_chain(cache: &LocalCache, dir: &Path) -> (Vec<Digest>, PathBuf) {
+    let pages = 16 * 1024;
+    let mut rng = Rng(7);
+    let opts = BuildOptions::default();
+    let mem = dir.join("mem0");
+    let f = create_memory(&mem, pages);
+    for p in 0..10 * 1024 {
+        write_page(&f, p, &random_page(&mut rng));
+    }
+    drop(f);
+    let input = LayerInput {
+        memory: &mem,
+        page_size: PAGE as u32,
+        state: b"state-0",
+    };
+    let mut heads = vec![build_base(cache, &input, &opts).unwrap().digest];
+    let mut prev = mem;
+    for layer in 1..=2 {
+        let next = dir.join(format!("mem{layer}"));
+        std::fs::copy(&prev, &next).unwrap();
+        let f = std::fs::OpenOptions::new().write(true).open(&next).unwrap();
+        let dirty = pick_pages(&mut rng, pages, 1024);
+        for &p in &dirty {
+            write_page(&f, p, &random_page(&mut rng));
+        }
+        drop(f);
+        let state = format!("state-{layer}");
+        let input = LayerInput {
+            memory: &next,
+            page_size: PAGE as u32,
+            state: state.as_bytes(),
+        };
+        let parent = *heads.last().unwrap();
+        let l = build_diff(cache, &parent, &input, DirtyPages::List(&dirty), &opts).unwrap();
+        heads.push(l.digest);
+        prev = next;
+    }
+    (heads, prev)
+}
+
+/// Regular files under `dir` (none if it does not exist yet).
+fn files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        match e.file_type() {
+            Ok(t) if t.is_dir() => out.extend(files(&path)),
+            Ok(_) => out.push(path),
+            Err(_) => {}
+        }
+    }
+    out
+}
+
+fn pull_killed_mid_transfer() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = Instant::now();
+    let src = LocalCache::open(dir.path().join("src")).unwrap();
+    let (heads, memory) = random_chain(&src, dir.path());
+    let head = heads[2];
+    let store = dir.path().join("store");
+    let remote = RemoteStore::open_local(&store).unwrap();
+    let rt = runtime();
+    rt.block_on(remote.push(&src, &head, None, &NoProgress))
+        .unwrap();
+    let chain = src.chain(&head).unwrap();
+    let all: BTreeSet<Digest> = chain
+        .iter()
+        .flat_map(|l| l.object_refs())
+        .map(|o| Digest::from_bytes(&o.hash).unwrap())
+        .collect();
+    let stored: u64 = chain.iter().map(|l| l.stored_bytes()).sum();
+    println!(
+        "source: {} layers, {} objects, {:.1} MiB stored, built and pushed in {:?}",
+        chain.len(),
+        all.len(),
+        stored as f64 / 1048576.0,
+        t.elapsed()
+    );
+
+    let exe = std::env::current_exe().unwrap();
+    for attempt in 1..=MAX_TRIES {
+        let cache_dir = dir.path().join(format!("cache-{attempt}"));
+        let started = Instant::now();
+        let mut child = Command::new(&exe)
+            .arg(PULLER)
+            .arg(&store)
+            .arg(&cache_dir)
+            .arg(head.hex())
+            .spawn()
+            .unwrap();
+        // Kill once objects are landing and more are being written.
+        loop {
+            if child.try_wait().unwrap().is_some() {
+                break;
+            }
+            if !files(&cache_dir.join("chunks")).is_empty()
+                && !files(&cache_dir.join("tmp")).is_empty()
+            {
+                child.kill().unwrap();
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "the puller neither progressed nor exited"
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let status = child.wait().unwrap();
+        let took = started.elapsed();
+        let present = files(&cache_dir.join("chunks"));
+        let leftovers = files(&cache_dir.join("tmp"));
+        let killed = status.signal() == Some(libc::SIGKILL);
+        println!(
+            "try {attempt}: {} after {took:?}: {}/{} objects in the cache, {} temp files left",
+            if killed { "killed" } else { "exited" },
+            present.len(),
+            all.len(),
+            leftovers.len()
+        );
+        if !killed || present.is_empty() || present.len() >= all.len() || leftovers.is_empty() {
+            continue; // the kill did not land mid-transfer; try again
+        }
+        check_after_kill(&cache_dir, &present, &all);
+
+        // The next open sweeps what the killed writer left in tmp/.
+        let cache = LocalCache::open(&cache_dir).unwrap();
+        assert!(
+            files(&cache_dir.join("tmp")).is_empty(),
+            "open left temp files: {:?}",
+            files(&cache_dir.join("tmp"))
+        );
+
+        // A second pull completes, fetching only what is missing.
+        let t = Instant::now();
+        let summary = rt
+            .block_on(remote.pull_head(&cache, &head, &NoProgress))
+            .unwrap();
+        println!("second pull in {:?}: {summary:?}", t.elapsed());
+        assert_eq!(summary.objects_skipped, present.len() as u64);
+        assert_eq!(
+            summary.objects_transferred,
+            (all.len() - present.len()) as u64
+        );
+        assert_eq!(summary.layers_transferred, 3);
+        assert_same_file(&assemble(&cache, &head).unwrap(), &memory);
+        return;
+    }
+    panic!("no kill landed mid-transfer in {MAX_TRIES} tries");
+}
+
+/// What a killed pull may leave: objects that verify, and no manifest
+/// without its whole chain and every object that chain names.
+fn check_after_kill(cache_dir: &Path, present: &[PathBuf], all: &BTreeSet<Digest>) {
+    for path in present {
+        let name = path.file_name().unwrap().to_str().unwrap();
+        let d = Digest::parse(name).unwrap_or_else(|_| panic!("stray file {}", path.display()));
+        assert!(all.contains(&d), "object {d} is not in the chain");
+        let bytes = std::fs::read(path).unwrap();
+        assert_eq!(
+            Digest::of(&bytes),
+            d,
+            "{} is torn or damaged",
+            path.display()
+        );
+    }
+    // Read the files directly: opening the cache would sweep tmp/ first.
+    for layer in files(&cache_dir.join("layers")) {
+        let mut next = Some(Digest::parse(layer.file_name().unwrap().to_str().unwrap()).unwrap());
+        while let Some(d) = next {
+            let bytes = std::fs::read(cache_dir.join(layer_key(&d)))
+                .unwrap_or_else(|e| panic!("a manifest's ancestor {d} is missing: {e}"));
+            let l = Layer::decode_verified(d, bytes).unwrap();
+            for o in l.object_refs() {
+                let o = Digest::from_bytes(&o.hash).unwrap();
+                assert!(
+                    cache_dir.join(object_key(&o)).is_file(),
+                    "manifest {d} names missing {o}"
+                );
+            }
+            next = l.parent();
+        }
+    }
+    assert!(
+        files(&cache_dir.join("images")).is_empty(),
+        "an image appeared before its chain was complete"
+    );
+}
