@@ -24,6 +24,9 @@ use crate::error::{Result, StoreError};
 use crate::remote::RemoteStore;
 
 pub const LOCKS_DIR: &str = "locks";
+/// Per-head side objects (`<dir>/<head hex>`, e.g. a recorded working set): swept with
+/// their layer.
+pub const SIDE_DIRS: [&str; 1] = ["workingsets"];
 const GC_LOCK: &str = "locks/gc";
 /// A push lease older than this is a crashed pusher's.
 pub const PUSH_LEASE_TTL: Duration = Duration::from_secs(6 * 3600);
@@ -112,6 +115,8 @@ pub struct GcReport {
     pub bytes_deleted: u64,
     /// Unreferenced objects kept because they are younger than min_age.
     pub objects_too_young: u64,
+    /// Side objects (working sets) whose layer is gone.
+    pub side_objects_deleted: u64,
 }
 
 /// Collects garbage in a store (remote or a directory).
@@ -205,6 +210,23 @@ async fn collect_locked(store: &RemoteStore, opts: &GcOptions) -> Result<GcRepor
         }
     }
     report.layers_live = layers.len() as u64;
+
+    // Side objects of layers that are gone.
+    let live_layers: HashSet<Digest> = layers.iter().map(|(d, _)| *d).collect();
+    for dir in SIDE_DIRS {
+        for meta in store.list(dir).await? {
+            let Some(d) = meta.location.filename().and_then(|n| Digest::parse(n).ok()) else {
+                continue;
+            };
+            if live_layers.contains(&d) || age(&meta) < opts.min_age {
+                continue;
+            }
+            if !opts.dry_run {
+                store.delete(meta.location.as_ref()).await?;
+            }
+            report.side_objects_deleted += 1;
+        }
+    }
 
     // Sweep.
     for meta in store.list(CHUNKS_DIR).await? {

@@ -423,6 +423,13 @@ impl RemoteStore {
             .await
     }
 
+    /// Remove a tag (absent already is fine). Its layers go at the next garbage collection
+    /// with `prune_untagged`, once no other tag's chain uses them.
+    pub async fn remove_tag(&self, tag: &str) -> Result<()> {
+        validate_tag(tag)?;
+        self.delete(&tag_key(tag)).await
+    }
+
     pub async fn list_tags(&self) -> Result<Vec<(String, Digest)>> {
         let mut out = Vec::new();
         for meta in self.list(TAGS_DIR).await? {

@@ -48,6 +48,7 @@ fn host_cfg(base: &HostConfig, data: &Path, store: &str, fetch: FetchMode) -> Ho
             layer_cache: data.join("layers"),
             fetch,
             cache_max_bytes: None,
+            gc_grace: tine_host::DEFAULT_GC_GRACE,
         }),
         ..base.clone()
     }

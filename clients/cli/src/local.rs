@@ -34,21 +34,28 @@ pub fn host_config(owner: Owner, limits: Limits, readiness: Readiness) -> Result
     })
 }
 
+/// An executor's store settings; its layer cache lives in its data directory.
+pub struct StoreChoice {
+    pub url: String,
+    pub fetch: tine_host::FetchMode,
+    pub cache_max_bytes: Option<u64>,
+    pub gc_grace: std::time::Duration,
+}
+
 /// The host configuration of an executor daemon (`tine up`, `tine executor`).
 pub fn executor_host(
     id: &ExecutorId,
     data_dir: PathBuf,
     max_vms: u32,
     pool_size: usize,
-    store: Option<String>,
-    fetch: tine_host::FetchMode,
-    cache_max_bytes: Option<u64>,
+    store: Option<StoreChoice>,
 ) -> Result<HostConfig> {
-    let store = store.map(|url| tine_host::StoreConfig {
-        url,
+    let store = store.map(|s| tine_host::StoreConfig {
+        url: s.url,
         layer_cache: data_dir.join("layers"),
-        fetch,
-        cache_max_bytes,
+        fetch: s.fetch,
+        cache_max_bytes: s.cache_max_bytes,
+        gc_grace: s.gc_grace,
     });
     Ok(HostConfig {
         store,

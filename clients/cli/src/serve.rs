@@ -137,10 +137,13 @@ pub fn up(a: UpArgs) -> Result<i32> {
                 data.clone(),
                 a.max_sandboxes,
                 a.pool,
-                Some(data.join("store").display().to_string()),
                 // One host: its snapshots are always here.
-                tine_host::FetchMode::Eager,
-                None,
+                Some(local::StoreChoice {
+                    url: data.join("store").display().to_string(),
+                    fetch: tine_host::FetchMode::Eager,
+                    cache_max_bytes: None,
+                    gc_grace: tine_host::DEFAULT_GC_GRACE,
+                }),
             )?,
             metrics_listen: Some(a.executor_metrics_listen),
             allow_plaintext_remote: false,
@@ -294,6 +297,10 @@ pub struct ExecutorArgs {
     /// fetched again when next needed. `none`: unbounded.
     #[arg(long, env = "TINE_LAYER_CACHE_MAX", default_value = "32GiB", value_parser = parse_cache_bound)]
     layer_cache_max: CacheBound,
+    /// Layers of deleted snapshots leave the store and this host's cache once this old (seconds;
+    /// a push in progress also holds collection off); collected this often.
+    #[arg(long, default_value_t = 3600)]
+    gc_grace_secs: u64,
     #[arg(long, default_value = "127.0.0.1:7071")]
     listen: SocketAddr,
     /// Address the control plane uses to reach this executor (default http(s)://<listen>).
@@ -357,9 +364,12 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
                 data,
                 a.max_sandboxes,
                 a.pool,
-                a.store.clone(),
-                a.fetch,
-                a.layer_cache_max.0,
+                a.store.clone().map(|url| local::StoreChoice {
+                    url,
+                    fetch: a.fetch,
+                    cache_max_bytes: a.layer_cache_max.0,
+                    gc_grace: std::time::Duration::from_secs(a.gc_grace_secs),
+                }),
             )?,
             metrics_listen: Some(a.metrics_listen),
             allow_plaintext_remote: a.allow_plaintext_remote,

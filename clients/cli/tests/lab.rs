@@ -322,3 +322,40 @@ fn control_plane_end_to_end_with_the_python_client() {
     // What the user saw: spawn lines, the example's evals, the executors table.
     println!("{out}");
 }
+
+#[test]
+#[ignore = "boots Linux: needs VMX/SVM or the nested lab; builds a Debian root filesystem (slow)"]
+fn several_hosts_share_one_s3_store() {
+    build_image("python-numpy");
+    // moto_server and grpcurl, as deploy/dev/setup.sh installs them.
+    let venv = std::env::var("TINE_VENV").unwrap_or_else(|_| {
+        format!(
+            "{}/.cache/tine/venv",
+            std::env::var("HOME").unwrap_or_else(|_| "/root".into())
+        )
+    });
+    assert!(
+        Path::new(&venv).join("bin/moto_server").exists(),
+        "no moto_server in {venv}: run deploy/dev/setup.sh"
+    );
+    let out = scenario_args(
+        "multihost.sh",
+        "python-numpy",
+        &[&venv],
+        &[
+            "store",
+            "executors-registered",
+            "snapshot-on-a",
+            "layers-recorded",
+            "grpcurl-get-snapshot",
+            "spawn-12",
+            "spread-abc",
+            "parent-value-everywhere",
+            "fetched-what-lacked",
+            "a-down-spawns-on-bc",
+            "corrupt-refused",
+            "others-unaffected",
+        ],
+    );
+    println!("{out}");
+}

@@ -157,6 +157,7 @@ async fn executor(
                 layer_cache: data.join("layers"),
                 fetch: tine_host::FetchMode::Eager,
                 cache_max_bytes: None,
+                gc_grace: tine_host::DEFAULT_GC_GRACE,
             }),
         },
         metrics_listen: None,

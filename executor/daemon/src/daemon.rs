@@ -143,6 +143,23 @@ pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
             let _ = tokio::task::spawn_blocking(move || s.reap()).await;
         }
     }));
+    if let Some(store) = &cfg.host.store {
+        // Layers of deleted snapshots leave the store and this host's cache once older than
+        // the grace period; collecting that often is enough.
+        let every = store.gc_grace.max(Duration::from_secs(60));
+        let st = state.clone();
+        background.push(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let s = st.clone();
+                match tokio::task::spawn_blocking(move || s.host.collect_garbage()).await {
+                    Ok(Err(e)) => tracing::warn!("garbage collection: {e}"),
+                    Err(e) => tracing::warn!("garbage collection task: {e}"),
+                    Ok(Ok(_)) => {}
+                }
+            }
+        }));
+    }
     if let Some(cp) = &cfg.control_plane {
         let scheme = if cfg.tls.is_some() { "https" } else { "http" };
         let advertise = cfg

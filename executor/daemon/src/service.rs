@@ -326,17 +326,12 @@ impl Executor for ExecutorService {
             ..SpawnOptions::default()
         };
         // A missing, unfetchable or broken snapshot fails the call, not each child; a host
-        // without it fetches it here, once.
+        // without it fetches it here (or, lazily, what the first child needs), once.
         let (st, t) = (self.state.clone(), tag.clone());
-        tokio::task::spawn_blocking(move || {
-            if let Some(head) = &layer {
-                st.host.ensure_local(&t, head)?;
-            }
-            st.host.snapshot_header(&t)
-        })
-        .await
-        .map_err(internal)?
-        .map_err(|e| host_status(&e))?;
+        tokio::task::spawn_blocking(move || st.host.prepare_spawn(&t, layer.as_ref()))
+            .await
+            .map_err(internal)?
+            .map_err(|e| host_status(&e))?;
         let (tx, rx) = mpsc::channel(ids.len() + 1);
         let st = self.state.clone();
         let span = tracing::Span::current();

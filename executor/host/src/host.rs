@@ -305,12 +305,35 @@ impl Host {
     /// Forget a snapshot here. Running children keep their mapping of its memory image.
     pub fn delete_snapshot(&self, tag: &Tag) -> Result<bool> {
         let dir = self.snapshot_dir(tag);
-        if !dir.exists() {
-            return Ok(false);
+        let existed = dir.exists();
+        if existed {
+            std::fs::remove_dir_all(&dir)
+                .map_err(HostError::io(format!("removing {}", dir.display())))?;
         }
-        std::fs::remove_dir_all(&dir)
-            .map_err(HostError::io(format!("removing {}", dir.display())))?;
-        Ok(true)
+        if let Some(f) = &self.fetcher {
+            // Its layers go with the next garbage collection, once no other chain uses them.
+            f.layers.forget(tag)?;
+        }
+        Ok(existed)
+    }
+
+    /// Collect the layers of deleted snapshots (older than the store's grace period) in the
+    /// store and in this host's cache. None: this host has no store.
+    pub fn collect_garbage(&self) -> Result<Option<crate::layers::Collected>> {
+        let Some(f) = &self.fetcher else {
+            return Ok(None);
+        };
+        let c = f.layers.collect_garbage()?;
+        tracing::info!(
+            store_layers = c.store.layers_deleted,
+            store_objects = c.store.objects_deleted,
+            store_bytes = c.store.bytes_deleted,
+            cache_layers = c.cache.layers_deleted,
+            cache_objects = c.cache.objects_deleted,
+            images = c.images,
+            "garbage collected"
+        );
+        Ok(Some(c))
     }
 
     /// Tags of the complete snapshots held here.
@@ -437,6 +460,22 @@ impl Host {
             f.fill_in_background(tag, &img.head);
         }
         Ok(())
+    }
+
+    /// Check that children of `tag` (head `layer`) can be spawned here, fetching what this
+    /// host's mode fetches up front (eager: the image; lazy: the manifests and VM state), so a
+    /// missing, unfetchable or broken snapshot fails a whole spawn call before any child.
+    pub fn prepare_spawn(
+        &self,
+        tag: &Tag,
+        layer: Option<&tine_snapshot_store::Digest>,
+    ) -> Result<()> {
+        if let (Some(head), Some(f)) = (layer, &self.fetcher) {
+            if let Source::Lazy(_) = f.source(tag, head, None)? {
+                return Ok(());
+            }
+        }
+        self.snapshot_header(tag).map(|_| ())
     }
 
     fn has_snapshot(&self, tag: &Tag) -> bool {

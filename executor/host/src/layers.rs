@@ -29,6 +29,22 @@ pub struct StoreConfig {
     /// Bound on the layer cache's size (None: unbounded). Images and layers no child here
     /// runs from go first, least recently used first.
     pub cache_max_bytes: Option<u64>,
+    /// Layers of deleted snapshots are collected once they are this old (and nobody pushed
+    /// anything during the collection); an executor daemon collects this often.
+    pub gc_grace: std::time::Duration,
+}
+
+/// Default for [`StoreConfig::gc_grace`].
+pub const DEFAULT_GC_GRACE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// What a garbage collection removed.
+#[derive(Clone, Debug, Default)]
+pub struct Collected {
+    /// In the cluster's store.
+    pub store: tine_snapshot_store::gc::GcReport,
+    /// In this host's layer cache (and its assembled images).
+    pub cache: tine_snapshot_store::gc::GcReport,
+    pub images: u64,
 }
 
 /// What the store holds for one snapshot.
@@ -153,6 +169,47 @@ impl Layers {
         self.info(&layer.digest)
     }
 
+    /// A snapshot is deleted: untag it here and in the store, so garbage collection takes its
+    /// layers once no other snapshot's chain uses them.
+    pub(crate) fn forget(&self, tag: &Tag) -> Result<()> {
+        match self.cache.remove_tag(tag.as_str()) {
+            Ok(()) | Err(StoreError::UnknownTag(_)) => {}
+            Err(e) => return Err(store_err("untagging the layer in the cache")(e)),
+        }
+        let remote = self.remote()?;
+        self.block_on(remote.remove_tag(tag.as_str()))?
+            .map_err(|e| HostError::Store {
+                what: format!("untagging {tag} in {}", self.cfg.url),
+                reason: e.to_string(),
+            })
+    }
+
+    /// Collect layers no tag reaches (older than the grace period) in the store, then in
+    /// this host's cache.
+    pub(crate) fn collect_garbage(&self) -> Result<Collected> {
+        use tine_snapshot_store::gc::{collect_cache_garbage, collect_garbage, GcOptions};
+        let opts = GcOptions {
+            min_age: self.cfg.gc_grace,
+            prune_untagged: true,
+            dry_run: false,
+        };
+        let remote = self.remote()?;
+        let store = self
+            .block_on(collect_garbage(&remote, &opts))?
+            .map_err(|e| HostError::Store {
+                what: format!("collecting garbage in {}", self.cfg.url),
+                reason: e.to_string(),
+            })?;
+        let (cache, images) = self
+            .block_on(collect_cache_garbage(&self.cache, &opts))?
+            .map_err(store_err("collecting garbage in the layer cache"))?;
+        Ok(Collected {
+            store,
+            cache,
+            images,
+        })
+    }
+
     /// Digests and sizes of the chain of `head` (in the cache).
     pub(crate) fn info(&self, head: &Digest) -> Result<LayerInfo> {
         let chain = self
@@ -204,6 +261,11 @@ impl Layers {
             })?;
         let image = tine_snapshot_store::assemble::assemble(&self.cache, head)
             .map_err(store_err("assembling the memory image"))?;
+        // Tagged here as in the store: the cache's garbage collection keeps what a snapshot
+        // of this host still names.
+        self.cache
+            .set_tag(tag.as_str(), head)
+            .map_err(store_err("tagging the layer in the cache"))?;
         let layer = self
             .cache
             .read_layer(head)

@@ -186,7 +186,7 @@ impl LazyImage {
             chain,
         });
         let state = image.chain[0].state_ref().clone();
-        image.fetch_object(&state)?;
+        image.fetch_object(&state, "VM state")?;
         let blob = image
             .cache
             .read_object_raw(&state)
@@ -256,7 +256,7 @@ impl LazyImage {
                             let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
                             let Some((layer, chunk)) = next else { return };
                             let o = me.chain[layer].manifest.chunks[chunk].clone();
-                            if let Err(e) = me.fetch_object(&o) {
+                            if let Err(e) = me.fetch_object(&o, "chunk") {
                                 tracing::warn!(head = %me.head, "prefetching: {e}");
                             }
                         });
@@ -308,7 +308,8 @@ impl LazyImage {
     }
 
     /// Make sure object `o` is in the cache: fetched once, verified before it enters.
-    fn fetch_object(&self, o: &pb::ObjectRef) -> Result<()> {
+    /// `what` names the object in errors ("chunk", "VM state").
+    fn fetch_object(&self, o: &pb::ObjectRef, what: &str) -> Result<()> {
         let fail = |reason: String| HostError::Fetch {
             tag: self.tag.clone(),
             store: self.store.clone(),
@@ -332,18 +333,18 @@ impl LazyImage {
         let data = self
             .rt
             .block_on(self.remote.get_object(&d))
-            .map_err(|e| fail(format!("chunk {d}: {e}")))?
-            .ok_or_else(|| fail(format!("chunk {d} is missing from the store")))?;
+            .map_err(|e| fail(format!("{what} {d}: {e}")))?
+            .ok_or_else(|| fail(format!("{what} {d} is missing from the store")))?;
         if data.len() as u64 != o.stored_len {
             return Err(fail(format!(
-                "chunk {d} is {} bytes in the store, its layer says {}",
+                "{what} {d} is {} bytes in the store, its layer says {}",
                 data.len(),
                 o.stored_len
             )));
         }
         self.cache
             .put_object_verified(&d, &data)
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(|e| fail(format!("{what}: {e}")))?;
         self.counters
             .fetched_objects
             .fetch_add(1, Ordering::Relaxed);
@@ -366,7 +367,7 @@ impl LazyImage {
                 return Ok(data);
             }
         }
-        self.fetch_object(o)?;
+        self.fetch_object(o, "chunk")?;
         let data = Arc::new(
             self.cache
                 .read_object_raw(o)

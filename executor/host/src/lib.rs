@@ -23,7 +23,7 @@ pub use config::{HostConfig, Limits, Owner, Readiness};
 pub use error::{ErrorKind, HostError};
 pub use fetch::FetchMode;
 pub use host::{Host, LazyReport, SpawnOptions, SpawnOutcome, VmInfo};
-pub use layers::{Fetched, LayerInfo, StoreConfig};
+pub use layers::{Collected, Fetched, LayerInfo, StoreConfig, DEFAULT_GC_GRACE};
 pub use parent::{MadeSnapshot, ParentSpec};
 pub use process::{Liveness, ProcessIdentity};
 pub use ready::SpawnPhases;

@@ -315,6 +315,7 @@ fn with_store(mut cfg: HostConfig, store: &Path) -> HostConfig {
         layer_cache: cfg.data_dir.join("layers"),
         fetch: FetchMode::Eager,
         cache_max_bytes: None,
+        gc_grace: tine_host::DEFAULT_GC_GRACE,
     });
     cfg
 }
@@ -613,6 +614,64 @@ fn a_bounded_cache_evicts_what_no_child_runs_from() {
     b.kill_all();
 }
 
+/// Deleting a snapshot on the hosts that hold it untags it; the next garbage collection
+/// removes its layers, chunks and working set from the store and the caches, and leaves
+/// another snapshot's alone.
+fn deleting_a_snapshot_collects_its_layers() {
+    let store = tempfile::tempdir().unwrap();
+    let a_dir = data_dir_with_snapshot();
+    let other = Tag::parse("other").unwrap();
+    write_checksum_guest_snapshot(&a_dir.path().join("snapshots/other"), 32, 1, 7).unwrap();
+    let no_grace = |cfg: HostConfig| {
+        let mut cfg = with_store(cfg, store.path());
+        cfg.store.as_mut().unwrap().gc_grace = Duration::ZERO;
+        cfg
+    };
+    let a = Host::open(no_grace(config(a_dir.path(), 4, 0))).unwrap();
+    let idle = a.publish(&tag()).unwrap();
+    let kept = a.publish(&other).unwrap();
+    let b_dir = tempfile::tempdir().unwrap();
+    let b = Host::open(no_grace(config(b_dir.path(), 4, 0))).unwrap();
+    b.ensure_local(&tag(), &idle.head).unwrap();
+    let ws = store
+        .path()
+        .join(tine_host::lazy::working_set_key(&idle.head));
+    std::fs::create_dir_all(ws.parent().unwrap()).unwrap();
+    std::fs::write(&ws, tine_host::lazy::encode_working_set(&[1, 2])).unwrap();
+    let in_store = |d: &tine_snapshot_store::Digest| {
+        store
+            .path()
+            .join(tine_snapshot_store::cache::layer_key(d))
+            .is_file()
+    };
+    // Still tagged: collection keeps everything.
+    a.collect_garbage().unwrap();
+    assert!(in_store(&idle.head) && in_store(&kept.head) && ws.is_file());
+
+    assert!(a.delete_snapshot(&tag()).unwrap());
+    assert!(b.delete_snapshot(&tag()).unwrap());
+    let got = a.collect_garbage().unwrap().expect("a store");
+    println!("  store: {:?}", got.store);
+    assert!(!in_store(&idle.head), "its layer left the store");
+    assert!(
+        got.store.objects_deleted > 0 && got.store.side_objects_deleted == 1,
+        "{got:?}"
+    );
+    assert!(!ws.exists(), "its working set went with it");
+    assert!(in_store(&kept.head), "another snapshot's layer stays");
+    let gb = b.collect_garbage().unwrap().expect("a store");
+    println!("  cache of b: {:?}, images {}", gb.cache, gb.images);
+    assert_eq!(gb.images, 1, "{gb:?}");
+    let cached = std::fs::read_dir(b_dir.path().join("layers/layers"))
+        .unwrap()
+        .count();
+    assert_eq!(cached, 0, "b's cache let the layer go");
+    // The snapshot that stays still spawns on a host that never had it.
+    let c_dir = tempfile::tempdir().unwrap();
+    let c = Host::open(no_grace(config(c_dir.path(), 4, 0))).unwrap();
+    assert!(c.ensure_local(&other, &kept.head).unwrap().is_some());
+}
+
 /// (span name, parent span name) as each span was created.
 type SpanEdges = Vec<(String, Option<String>)>;
 
@@ -686,7 +745,7 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 10] = [
+    let tests: [(&str, fn()); 11] = [
         ("spawn_list_kill_readopt", spawn_list_kill_readopt),
         (
             "stale_record_is_neither_adopted_nor_killed",
@@ -719,6 +778,10 @@ fn main() {
         (
             "a_bounded_cache_evicts_what_no_child_runs_from",
             a_bounded_cache_evicts_what_no_child_runs_from,
+        ),
+        (
+            "deleting_a_snapshot_collects_its_layers",
+            deleting_a_snapshot_collects_its_layers,
         ),
         (
             "spawn_phases_are_spans_of_the_callers_trace",
