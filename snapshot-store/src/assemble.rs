@@ -66,7 +66,10 @@ fn write_chain(
         let m = &layer.manifest;
         // Runs are sorted by page and chunks are filled in page order, so a
         // chunk's runs are adjacent: decompress lazily, keep one at a time.
-        let mut loaded: Option<(u32, Vec<u8>)> = None;
+        // Working-set chunks (the first few) hold pages from all over memory: keep them
+        // decompressed for the whole layer, beside the one regular chunk in use.
+        let ws_chunks = m.working_set_chunks;
+        let mut loaded: std::collections::HashMap<u32, Vec<u8>> = Default::default();
         for run in &m.pages {
             let mut p = run.first_page;
             let end = run.first_page + run.page_count;
@@ -80,11 +83,14 @@ fn write_chain(
                 while q < end && !settled.get(q) {
                     q += 1;
                 }
-                if loaded.as_ref().is_none_or(|(c, _)| *c != run.chunk) {
+                if !loaded.contains_key(&run.chunk) {
+                    if run.chunk >= ws_chunks {
+                        loaded.retain(|c, _| *c < ws_chunks);
+                    }
                     let obj = &m.chunks[run.chunk as usize];
-                    loaded = Some((run.chunk, cache.read_object_raw(obj)?));
+                    loaded.insert(run.chunk, cache.read_object_raw(obj)?);
                 }
-                let data = &loaded.as_ref().expect("loaded").1;
+                let data = &loaded[&run.chunk];
                 let from = (run.chunk_page + (p - run.first_page)) as usize * ps;
                 let to = from + (q - p) as usize * ps;
                 file.write_all_at(&data[from..to], p * page_size)

@@ -34,6 +34,10 @@ pub struct BuildOptions {
     pub zstd_level: i32,
     /// Compression threads; 0 = available parallelism.
     pub threads: usize,
+    /// Base layers: pages a child touches until it is ready, in touch order. Their stored
+    /// pages go into leading chunks of their own (`working_set_chunks`), so a host that lacks
+    /// the layer can fetch just those before a child starts.
+    pub working_set: Vec<u64>,
 }
 
 impl Default for BuildOptions {
@@ -43,6 +47,7 @@ impl Default for BuildOptions {
         BuildOptions {
             zstd_level: 3,
             threads: 0,
+            working_set: Vec::new(),
         }
     }
 }
@@ -139,6 +144,11 @@ pub fn build_diff(
 ) -> Result<Layer> {
     // Also keeps the parent from being evicted before the child names it.
     let _lock = cache.lock_shared()?;
+    if !opts.working_set.is_empty() {
+        return Err(StoreError::InvalidInput(
+            "a working set is recorded for base layers only".into(),
+        ));
+    }
     let parent_layer = cache.read_layer(parent)?;
     let (file, memory_size) = open_memory(input)?;
     let pm = &parent_layer.manifest;
@@ -216,6 +226,25 @@ impl Candidates {
     }
 }
 
+/// Append stored page `p` to the open chunk, extending its last run when contiguous.
+fn append_page(open: &mut OpenChunk, page: &[u8], p: u64, ps: u64) {
+    let chunk_page = open.data.len() as u64 / ps;
+    open.data.extend_from_slice(page);
+    match open.runs.last_mut() {
+        Some(r)
+            if r.first_page + r.page_count == p && r.chunk_page + r.page_count == chunk_page =>
+        {
+            r.page_count += 1
+        }
+        _ => open.runs.push(pb::PageRun {
+            first_page: p,
+            page_count: 1,
+            chunk: 0,
+            chunk_page,
+        }),
+    }
+}
+
 /// Pages accumulated for the chunk being filled.
 struct OpenChunk {
     data: Vec<u8>,
@@ -246,8 +275,26 @@ fn build(
     };
     let level = opts.zstd_level;
     let results: Arc<Mutex<Vec<Option<Result<Staged>>>>> = Arc::default();
+    let pages = memory_size / ps;
+    // The working set: distinct pages in touch order, all inside the memory.
+    let mut working_set = Vec::with_capacity(opts.working_set.len());
+    let mut in_ws = vec![0u64; pages.div_ceil(64) as usize];
+    for &p in &opts.working_set {
+        if p >= pages {
+            return Err(StoreError::InvalidInput(format!(
+                "working set page {p} is beyond the memory's {pages} pages"
+            )));
+        }
+        let (w, b) = ((p / 64) as usize, p % 64);
+        if in_ws[w] & (1 << b) == 0 {
+            in_ws[w] |= 1 << b;
+            working_set.push(p);
+        }
+    }
+    let is_ws = |p: u64| in_ws[(p / 64) as usize] & (1 << (p % 64)) != 0;
 
-    let scanned = std::thread::scope(|scope| -> Result<(Vec<pb::PageRun>, Vec<pb::PageSpan>)> {
+    type Scanned = (Vec<pb::PageRun>, Vec<pb::PageSpan>, u32);
+    let scanned = std::thread::scope(|scope| -> Result<Scanned> {
         let (tx, rx) = mpsc::sync_channel::<Job>(threads * 2);
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..threads {
@@ -275,9 +322,9 @@ fn build(
         };
         let mut current_region = u64::MAX;
         let mut buf = Vec::new();
-        let mut close = |open: &mut OpenChunk, all_runs: &mut Vec<pb::PageRun>| -> Result<()> {
+        let mut close = |open: &mut OpenChunk, all_runs: &mut Vec<pb::PageRun>| -> Result<bool> {
             if open.data.is_empty() {
-                return Ok(());
+                return Ok(false);
             }
             for mut r in open.runs.drain(..) {
                 r.chunk = u32::try_from(chunk_count)
@@ -291,8 +338,27 @@ fn build(
             })
             .map_err(|_| StoreError::InvalidInput("compression worker died".into()))?;
             chunk_count += 1;
-            Ok(())
+            Ok(true)
         };
+        // Working-set pages first, in page order, in chunks of their own.
+        let mut ws_chunks = 0u32;
+        let mut sorted_ws = working_set.clone();
+        sorted_ws.sort_unstable();
+        buf.resize(ps as usize, 0);
+        for &p in &sorted_ws {
+            file.read_exact_at(&mut buf, p * ps)
+                .map_err(StoreError::io("read memory file", input.memory))?;
+            if is_zero_page(&buf) {
+                continue;
+            }
+            append_page(&mut open, &buf, p, ps);
+            if open.data.len() as u64 >= REGION_BYTES && close(&mut open, &mut all_runs)? {
+                ws_chunks += 1;
+            }
+        }
+        if close(&mut open, &mut all_runs)? {
+            ws_chunks += 1;
+        }
         for (start, count) in candidates.runs(region_pages) {
             let region = start / region_pages;
             if region != current_region {
@@ -306,28 +372,23 @@ fn build(
                 .map_err(StoreError::io("read memory file", input.memory))?;
             for (i, page) in buf.chunks_exact(ps as usize).enumerate() {
                 let p = start + i as u64;
+                if is_ws(p) {
+                    continue; // in a working-set chunk already (or zero)
+                }
                 if is_zero_page(page) {
                     if parent.is_some() {
                         push_span(&mut zeroed, p);
                     }
                     continue;
                 }
-                let chunk_page = open.data.len() as u64 / ps;
-                open.data.extend_from_slice(page);
-                match open.runs.last_mut() {
-                    Some(r) if r.first_page + r.page_count == p => r.page_count += 1,
-                    _ => open.runs.push(pb::PageRun {
-                        first_page: p,
-                        page_count: 1,
-                        chunk: 0,
-                        chunk_page,
-                    }),
-                }
+                append_page(&mut open, page, p, ps);
             }
         }
         close(&mut open, &mut all_runs)?;
         drop(tx);
-        Ok((all_runs, zeroed))
+        // Working-set runs came first; the manifest wants them all in page order.
+        all_runs.sort_unstable_by_key(|r| r.first_page);
+        Ok((all_runs, zeroed, ws_chunks))
     });
 
     // Gather every staged temp file first so an error anywhere removes them all.
@@ -350,7 +411,7 @@ fn build(
         }
     }
     let outcome = (|| {
-        let (runs, zeroed) = scanned?;
+        let (runs, zeroed, ws_chunks) = scanned?;
         if let Some(e) = first_err {
             return Err(e);
         }
@@ -358,9 +419,9 @@ fn build(
         staged.extend(s);
         // Objects must be durable under their names before a manifest names them.
         cache.publish_staged(&staged)?;
-        Ok((state, runs, zeroed))
+        Ok((state, runs, zeroed, ws_chunks))
     })();
-    let (state, runs, zeroed) = match outcome {
+    let (state, runs, zeroed, working_set_chunks) = match outcome {
         Ok(v) => v,
         Err(e) => {
             for (_, tmp) in &staged {
@@ -391,6 +452,8 @@ fn build(
         zeroed,
         state: Some(state),
         totals: Some(totals),
+        working_set,
+        working_set_chunks,
     };
     let layer = Layer::from_manifest(manifest)?;
     cache.put_layer(&layer)?;

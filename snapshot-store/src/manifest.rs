@@ -277,6 +277,28 @@ impl Layer {
             next_free = end;
             zeroed_pages += s.page_count;
         }
+        if m.working_set.len() as u64 > pages {
+            return Err(bad(format!(
+                "working set of {} pages in a {pages}-page memory",
+                m.working_set.len()
+            )));
+        }
+        if let Some(p) = m.working_set.iter().find(|&&p| p >= pages) {
+            return Err(bad(format!(
+                "working set page {p} is past the end of memory"
+            )));
+        }
+        let distinct: std::collections::HashSet<u64> = m.working_set.iter().copied().collect();
+        if distinct.len() != m.working_set.len() {
+            return Err(bad("working set lists a page twice".into()));
+        }
+        if m.working_set_chunks as usize > m.chunks.len() {
+            return Err(bad(format!(
+                "{} working-set chunks of {}",
+                m.working_set_chunks,
+                m.chunks.len()
+            )));
+        }
         let raw_bytes: u64 = m.chunks.iter().map(|c| c.raw_len).sum();
         let stored_bytes: u64 = m.chunks.iter().map(|c| c.stored_len).sum();
         let expect = pb::LayerTotals {
@@ -348,6 +370,8 @@ mod tests {
                 raw_bytes: 3 * 4096,
                 stored_bytes: 10,
             }),
+            working_set: vec![],
+            working_set_chunks: 0,
         }
     }
 

@@ -179,3 +179,63 @@ fn count_files(dir: &std::path::Path) -> usize {
     }
     n
 }
+
+/// A base layer built with a working set keeps that set's stored pages in leading chunks of
+/// their own (in any order given, duplicates and zero pages included), assembles byte for byte
+/// (working-set runs interleave with the others), and refuses a set past the memory's end.
+#[test]
+fn working_set_pages_get_chunks_of_their_own() {
+    use tine_snapshot_store::builder::build_base;
+    use tine_snapshot_store::manifest::PageSource;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = LocalCache::open(dir.path().join("cache")).unwrap();
+    let pages = 8192u64; // 32 MiB
+    let mem = dir.path().join("mem");
+    let f = create_memory(&mem, pages);
+    let mut rng = Rng(11);
+    for p in pick_pages(&mut rng, pages, 3000) {
+        write_page(&f, p, &page_bytes(p + 1));
+    }
+    // Touch order, spread over the memory, with a repeat and (likely) zero pages.
+    let mut ws: Vec<u64> = (0..300).map(|_| rng.below(pages)).collect();
+    ws.push(ws[0]);
+    let input = LayerInput {
+        memory: &mem,
+        page_size: PAGE as u32,
+        state: b"state",
+    };
+    let opts = BuildOptions {
+        working_set: ws.clone(),
+        ..BuildOptions::default()
+    };
+    let layer = tine_snapshot_store::builder::build_base(&cache, &input, &opts).unwrap();
+    let m = &layer.manifest;
+    let mut seen = std::collections::HashSet::new();
+    let distinct: Vec<u64> = ws.iter().copied().filter(|p| seen.insert(*p)).collect();
+    assert_eq!(m.working_set, distinct, "touch order kept, repeats dropped");
+    assert!(m.working_set_chunks >= 1);
+    for &p in &m.working_set {
+        if let PageSource::Stored { chunk, .. } = layer.lookup(p) {
+            assert!(
+                (chunk as u32) < m.working_set_chunks,
+                "page {p} is in chunk {chunk}"
+            );
+        }
+    }
+    let ws_bytes: u64 = m.chunks[..m.working_set_chunks as usize]
+        .iter()
+        .map(|c| c.raw_len)
+        .sum();
+    assert!(
+        ws_bytes <= 300 * PAGE as u64,
+        "only working-set pages: {ws_bytes}"
+    );
+    assert_same_file(&assemble(&cache, &layer.digest).unwrap(), &mem);
+
+    let bad = BuildOptions {
+        working_set: vec![pages],
+        ..BuildOptions::default()
+    };
+    let err = build_base(&cache, &input, &bad).unwrap_err();
+    assert!(err.to_string().contains("beyond"), "{err}");
+}

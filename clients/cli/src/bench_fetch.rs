@@ -123,13 +123,15 @@ pub fn run(b: FetchBench) -> Result<i32> {
     let t = Instant::now();
     let info = warm.publish(&b.tag)?;
     println!(
-        "published {} to {store} in {:.1} s: head {}, memory {:.1} MiB, non-zero pages {:.1} MiB, stored {:.1} MiB (zstd chunks)",
+        "published {} to {store} in {:.1} s: head {}, memory {:.1} MiB, non-zero pages {:.1} MiB, stored {:.1} MiB (zstd chunks); working set {} pages recorded, {:.2} MiB stored in chunks of their own",
         b.tag,
         t.elapsed().as_secs_f64(),
         info.head,
         info.memory_bytes as f64 / 1048576.0,
         info.raw_bytes as f64 / 1048576.0,
         info.stored_bytes as f64 / 1048576.0,
+        info.working_set_pages,
+        info.working_set_stored_bytes as f64 / 1048576.0,
     );
     let mut rows: Vec<(String, Vec<Run>)> = Vec::new();
     let mut warm_runs = Vec::new();
@@ -251,12 +253,14 @@ pub fn run(b: FetchBench) -> Result<i32> {
     );
     println!("`fetched` is what the cold host had taken from the store when the child was ready (eager: all of it); `% stored` is of the snapshot's stored chunks. `image ms`: until the background fetch had the whole image (lazy modes).");
     let doc = format!(
-        "{{\"bench\":\"fetch\",\"tag\":{:?},\"store\":{store:?},\"runs\":{},\"memory_bytes\":{},\"nonzero_bytes\":{},\"stored_bytes\":{},\"compression_vs_memory\":{ratio:.2},\"rows\":[{}]}}",
+        "{{\"bench\":\"fetch\",\"tag\":{:?},\"store\":{store:?},\"runs\":{},\"memory_bytes\":{},\"nonzero_bytes\":{},\"stored_bytes\":{},\"working_set_pages\":{},\"working_set_stored_bytes\":{},\"compression_vs_memory\":{ratio:.2},\"rows\":[{}]}}",
         b.tag.as_str(),
         b.runs,
         info.memory_bytes,
         info.raw_bytes,
         info.stored_bytes,
+        info.working_set_pages,
+        info.working_set_stored_bytes,
         json.join(",")
     );
     println!("json: {doc}");

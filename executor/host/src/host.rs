@@ -15,7 +15,7 @@ use crate::config::{HostConfig, Readiness};
 use crate::error::{HostError, Result};
 use crate::fetch::{FetchMode, Fetcher, Source};
 use crate::layers::{Fetched, Layers};
-use crate::lazy::{ChildPages, LazyImage};
+use crate::lazy::{ChildPages, FileImage, Pages};
 use crate::parent::{boot_and_snapshot, MadeSnapshot, ParentSpec};
 use crate::process::{Liveness, ProcessIdentity};
 use crate::ready::{make_ready, vmm_log, SpawnPhases};
@@ -228,10 +228,11 @@ impl Host {
         };
         let installed = (|| {
             if let Some(f) = &self.fetcher {
+                let ws = self.record_working_set(&spec.tag, &staging);
                 // A snapshot the other hosts cannot fetch is not made at all.
                 let _publishing = f.in_flight();
                 f.grew();
-                made.layer = Some(f.layers.publish(&spec.tag, &staging)?);
+                made.layer = Some(f.layers.publish(&spec.tag, &staging, ws)?);
             }
             self.install_snapshot(&staging, &dir, spec.replace, &spec.tag)
         })();
@@ -293,10 +294,11 @@ impl Host {
             });
         };
         self.snapshot_header(tag)?;
+        let ws = self.record_working_set(tag, &self.snapshot_dir(tag));
         let info = {
             let _publishing = f.in_flight();
             f.grew();
-            f.layers.publish(tag, &self.snapshot_dir(tag))
+            f.layers.publish(tag, &self.snapshot_dir(tag), ws)
         };
         self.enforce_cache_bound();
         info
@@ -410,6 +412,7 @@ impl Host {
             Some(img) => img.dir.clone(),
             None => self.snapshot_dir(tag),
         };
+        let pages: Option<Arc<dyn Pages>> = lazy.clone().map(|i| i as Arc<dyn Pages>);
         let timeout = opts.ready_timeout.unwrap_or(self.cfg.limits.ready_timeout);
         let readiness = opts.readiness.unwrap_or(self.cfg.readiness);
         // Accepted now, so a kill that arrives while a child waits its turn cancels it.
@@ -450,7 +453,7 @@ impl Host {
                             lazy: None,
                         }
                     } else {
-                        self.spawn_one(tag, &snapshot, id, readiness, timeout, lazy.as_ref())
+                        self.spawn_one(tag, &snapshot, id, readiness, timeout, pages.as_ref())
                     });
                 });
             }
@@ -476,6 +479,43 @@ impl Host {
             }
         }
         self.snapshot_header(tag).map(|_| ())
+    }
+
+    /// Restore one child of the snapshot in `dir` with its pages served from the image there,
+    /// record the pages it touches until it is ready (the working set a cold host fetches
+    /// first), and kill it. Best effort: on failure the snapshot goes without one.
+    fn record_working_set(&self, tag: &Tag, dir: &std::path::Path) -> Vec<u64> {
+        let t0 = Instant::now();
+        let img = match FileImage::open(tag, dir) {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::warn!(%tag, "no working set recorded: {e}");
+                return Vec::new();
+            }
+        };
+        let pages: Arc<dyn Pages> = img.clone();
+        let id = SandboxId::random("ws");
+        self.vms().pending.insert(id.clone(), false);
+        let out = self.spawn_one(
+            tag,
+            dir,
+            id.clone(),
+            self.cfg.readiness,
+            self.cfg.limits.ready_timeout,
+            Some(&pages),
+        );
+        let _ = self.kill(&id);
+        match out.result {
+            Ok(_) => {
+                let ws = img.take_recorded().unwrap_or_default();
+                tracing::info!(%tag, pages = ws.len(), took_ms = t0.elapsed().as_millis() as u64, "working set recorded");
+                ws
+            }
+            Err(e) => {
+                tracing::warn!(%tag, "no working set recorded: {e}");
+                Vec::new()
+            }
+        }
     }
 
     fn has_snapshot(&self, tag: &Tag) -> bool {
@@ -525,7 +565,7 @@ impl Host {
         id: SandboxId,
         readiness: Readiness,
         timeout: Duration,
-        lazy: Option<&Arc<LazyImage>>,
+        lazy: Option<&Arc<dyn Pages>>,
     ) -> SpawnOutcome {
         let t = Instant::now();
         let span = tracing::info_span!("spawn.child", id = %id, tag = %tag);
@@ -698,7 +738,7 @@ impl Host {
     /// thread of ours until it exits.
     fn serve_pages(
         &self,
-        img: &Arc<LazyImage>,
+        img: &Arc<dyn Pages>,
         pid: u32,
         sock: &std::fs::File,
         timeout: Duration,
@@ -932,10 +972,10 @@ impl Host {
     }
 }
 
-/// A lazily restored child is ready: stop recording its working set (storing it, if this
-/// child recorded one) and report what its pages cost.
-fn finish_recording(img: &Arc<LazyImage>, pages: &ChildPages) -> LazyReport {
-    use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+/// A lazily restored child is ready: stop recording its working set (handing it to its page
+/// source, if this child recorded one) and report what its pages cost.
+fn finish_recording(img: &Arc<dyn Pages>, pages: &ChildPages) -> LazyReport {
+    use std::sync::atomic::Ordering::{Relaxed, Release};
     pages.ready.store(true, Release);
     let recorded = pages
         .recorded
@@ -943,17 +983,17 @@ fn finish_recording(img: &Arc<LazyImage>, pages: &ChildPages) -> LazyReport {
         .unwrap_or_else(|p| p.into_inner())
         .take();
     if let Some(ws) = recorded.filter(|w| !w.is_empty()) {
-        let img = img.clone();
-        std::thread::spawn(move || img.save_working_set(&ws));
+        img.clone().recorded(ws);
     }
+    let (fetched_bytes, fetched_objects) = img.fetched();
     LazyReport {
         faults: pages.faults.load(Relaxed),
         pages_copied: pages.pages_copied.load(Relaxed),
         pages_zeroed: pages.pages_zeroed.load(Relaxed),
         pages_prefetched: pages.pages_prefetched.load(Relaxed),
-        working_set_pages: img.working_set.as_ref().map_or(0, |w| w.len() as u64),
-        fetched_bytes: img.counters.fetched_bytes.load(Acquire),
-        fetched_objects: img.counters.fetched_objects.load(Acquire),
+        working_set_pages: img.working_set().map_or(0, |w| w.len() as u64),
+        fetched_bytes,
+        fetched_objects,
     }
 }
 

@@ -62,6 +62,10 @@ pub struct LayerInfo {
     pub raw_bytes: u64,
     /// Compressed bytes of those pages in the store.
     pub stored_bytes: u64,
+    /// Pages of the working set recorded in the head layer, and the compressed bytes of the
+    /// chunks holding them (what a cold host fetches before its first child).
+    pub working_set_pages: u64,
+    pub working_set_stored_bytes: u64,
 }
 
 /// What fetching a snapshot cost this host.
@@ -140,7 +144,12 @@ impl Layers {
     }
 
     /// Make the snapshot in `dir` a base layer and push it to the store under `tag`.
-    pub(crate) fn publish(&self, tag: &Tag, dir: &Path) -> Result<LayerInfo> {
+    pub(crate) fn publish(
+        &self,
+        tag: &Tag,
+        dir: &Path,
+        working_set: Vec<u64>,
+    ) -> Result<LayerInfo> {
         let read = |name: &str| {
             let p = dir.join(name);
             std::fs::read(&p).map_err(HostError::io(format!("reading {}", p.display())))
@@ -154,7 +163,10 @@ impl Layers {
                 page_size: DEFAULT_PAGE_SIZE,
                 state: &blob,
             },
-            &BuildOptions::default(),
+            &BuildOptions {
+                working_set,
+                ..BuildOptions::default()
+            },
         )
         .map_err(store_err("building the snapshot's layer"))?;
         self.cache
@@ -223,6 +235,16 @@ impl Layers {
             memory_bytes: chain.first().map_or(0, |l| l.manifest.memory_size),
             raw_bytes: 0,
             stored_bytes: 0,
+            working_set_pages: chain
+                .first()
+                .map_or(0, |l| l.manifest.working_set.len() as u64),
+            working_set_stored_bytes: chain.first().map_or(0, |l| {
+                let m = &l.manifest;
+                m.chunks[..m.working_set_chunks as usize]
+                    .iter()
+                    .map(|c| c.stored_len)
+                    .sum()
+            }),
         };
         for l in &chain {
             let t = l.totals();

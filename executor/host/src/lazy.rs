@@ -192,10 +192,15 @@ impl LazyImage {
             .read_object_raw(&state)
             .map_err(|e| fetch_err(format!("the VM state: {e}")))?;
         layers.write_vm_files(tag, &blob, &image.dir)?;
-        let working_set = if prefetch {
-            image.load_working_set()
-        } else {
+        // The working set recorded when the snapshot was made travels in its layer (its pages
+        // in chunks of their own); an older layer may have one recorded by a lazy restore.
+        let in_layer = &image.chain[0].manifest.working_set;
+        let working_set = if !prefetch {
             None
+        } else if !in_layer.is_empty() {
+            Some(in_layer.clone())
+        } else {
+            image.load_working_set()
         };
         let Some(ws) = working_set else {
             return Ok(image);
@@ -269,7 +274,9 @@ impl LazyImage {
     /// Claim the recording of this head's working set (once per host, and only when none is
     /// stored yet).
     pub fn claim_recording(&self) -> bool {
-        self.working_set.is_none() && !self.recording_claimed.swap(true, Ordering::AcqRel)
+        self.working_set.is_none()
+            && self.chain[0].manifest.working_set.is_empty()
+            && !self.recording_claimed.swap(true, Ordering::AcqRel)
     }
 
     /// Store a recorded working set (best effort: it is only a hint).
@@ -284,10 +291,6 @@ impl LazyImage {
             Ok(_) => tracing::info!(head = %self.head, pages = pages.len(), "working set recorded"),
             Err(e) => tracing::warn!(head = %self.head, "storing the working set: {e}"),
         }
-    }
-
-    pub fn page_count(&self) -> u64 {
-        self.page_count
     }
 
     fn locate(&self, page: u64) -> Source {
@@ -384,6 +387,157 @@ impl LazyImage {
     }
 }
 
+/// Where a lazily restored child's pages come from: a snapshot in the store
+/// ([`LazyImage`]) or a memory image on this host ([`FileImage`], to record a working set).
+pub(crate) trait Pages: Send + Sync {
+    fn tag(&self) -> &Tag;
+    fn page_count(&self) -> u64;
+    /// Pages to copy in before the guest asks for them.
+    fn working_set(&self) -> Option<Arc<Vec<u64>>>;
+    /// Whether this child should record its working set.
+    fn claim_recording(&self) -> bool;
+    /// A child's recorded working set.
+    fn recorded(self: Arc<Self>, pages: Vec<u64>);
+    /// True for a page that is zero (mapped with UFFDIO_ZEROPAGE, nothing read).
+    fn is_zero(&self, page: u64) -> bool;
+    /// True if supplying the page needs nothing fetched (zero, or its chunk is here).
+    fn is_local(&self, page: u64) -> bool;
+    fn read_page(&self, page: u64, out: &mut [u8]) -> Result<()>;
+    /// Bytes and objects fetched from the store so far.
+    fn fetched(&self) -> (u64, u64);
+}
+
+impl Pages for LazyImage {
+    fn tag(&self) -> &Tag {
+        &self.tag
+    }
+    fn page_count(&self) -> u64 {
+        self.page_count
+    }
+    fn working_set(&self) -> Option<Arc<Vec<u64>>> {
+        self.working_set.clone()
+    }
+    fn claim_recording(&self) -> bool {
+        LazyImage::claim_recording(self)
+    }
+    fn recorded(self: Arc<Self>, pages: Vec<u64>) {
+        // Stored beside the layers for later cold hosts (only a hint: best effort).
+        std::thread::spawn(move || self.save_working_set(&pages));
+    }
+    fn is_zero(&self, page: u64) -> bool {
+        matches!(self.locate(page), Source::Zero)
+    }
+    fn is_local(&self, page: u64) -> bool {
+        match self.locate(page) {
+            Source::Zero => true,
+            Source::Stored { layer, chunk, .. } => {
+                let d = self.chain[layer].chunk_digest(chunk);
+                let decoded = self
+                    .decoded
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .any(|(k, _)| *k == d);
+                decoded || self.cache.has_object(&d)
+            }
+        }
+    }
+    fn read_page(&self, page: u64, out: &mut [u8]) -> Result<()> {
+        match self.locate(page) {
+            Source::Zero => out.fill(0),
+            Source::Stored {
+                layer,
+                chunk,
+                chunk_page,
+            } => {
+                let data = self.chunk(layer, chunk)?;
+                let from = (chunk_page * PAGE) as usize;
+                out.copy_from_slice(&data[from..from + PAGE as usize]);
+            }
+        }
+        Ok(())
+    }
+    fn fetched(&self) -> (u64, u64) {
+        (
+            self.counters.fetched_bytes.load(Ordering::Acquire),
+            self.counters.fetched_objects.load(Ordering::Acquire),
+        )
+    }
+}
+
+/// A snapshot's memory image on this host, served page by page to one child so that the
+/// pages it touches until ready are recorded (the working set stored in its layer).
+pub(crate) struct FileImage {
+    tag: Tag,
+    dir: PathBuf,
+    file: std::fs::File,
+    page_count: u64,
+    recorded: Mutex<Option<Vec<u64>>>,
+}
+
+impl FileImage {
+    pub fn open(tag: &Tag, dir: &std::path::Path) -> Result<Arc<FileImage>> {
+        let path = dir.join(tine_vmm::snapshot::file::MEMORY_FILE);
+        let file = std::fs::File::open(&path)
+            .map_err(HostError::io(format!("opening {}", path.display())))?;
+        let len = file
+            .metadata()
+            .map_err(HostError::io(format!("reading {}", path.display())))?
+            .len();
+        Ok(Arc::new(FileImage {
+            tag: tag.clone(),
+            dir: dir.to_path_buf(),
+            file,
+            page_count: len / PAGE,
+            recorded: Mutex::default(),
+        }))
+    }
+
+    /// What the child recorded (once).
+    pub fn take_recorded(&self) -> Option<Vec<u64>> {
+        self.recorded
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+}
+
+impl Pages for FileImage {
+    fn tag(&self) -> &Tag {
+        &self.tag
+    }
+    fn page_count(&self) -> u64 {
+        self.page_count
+    }
+    fn working_set(&self) -> Option<Arc<Vec<u64>>> {
+        None
+    }
+    fn claim_recording(&self) -> bool {
+        true
+    }
+    fn recorded(self: Arc<Self>, pages: Vec<u64>) {
+        *self.recorded.lock().unwrap_or_else(|p| p.into_inner()) = Some(pages);
+    }
+    fn is_zero(&self, _page: u64) -> bool {
+        false // read and copied like any page (the file is sparse: holes read as zeros)
+    }
+    fn is_local(&self, _page: u64) -> bool {
+        true
+    }
+    fn read_page(&self, page: u64, out: &mut [u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file
+            .read_exact_at(out, page * PAGE)
+            .map_err(HostError::io(format!(
+                "reading page {page} of {}",
+                self.dir.display()
+            )))
+    }
+    fn fetched(&self) -> (u64, u64) {
+        (0, 0)
+    }
+}
+
 /// One lazily restored child's page service, shared with the spawn that waits for it.
 #[derive(Default)]
 pub struct ChildPages {
@@ -420,7 +574,7 @@ impl BlockBuf {
 }
 
 struct Server {
-    image: Arc<LazyImage>,
+    image: Arc<dyn Pages>,
     uffd: Uffd,
     ranges: Vec<MappedRange>,
     pages: Arc<ChildPages>,
@@ -436,7 +590,7 @@ pub use crate::process::pidfd_open;
 /// Serve `uffd`'s faults until the process behind `pidfd` exits. With a working set, its
 /// pages are copied in between faults (faults always go first).
 pub(crate) fn serve(
-    image: Arc<LazyImage>,
+    image: Arc<dyn Pages>,
     uffd: OwnedFd,
     ranges: Vec<MappedRange>,
     pidfd: OwnedFd,
@@ -454,7 +608,7 @@ pub(crate) fn serve(
         buf: BlockBuf::new(),
         recorded_seen: vec![0; words],
     };
-    let mut prefetch = image.working_set.clone().map(|ws| (ws, 0usize));
+    let mut prefetch = image.working_set().map(|ws| (ws, 0usize));
     loop {
         let busy = prefetch.is_some();
         let mut pfds = [
@@ -479,7 +633,7 @@ pub(crate) fn serve(
         }
         if pfds[0].revents & libc::POLLIN != 0 {
             if let Err(e) = s.drain_events() {
-                tracing::error!(tag = %image.tag, "serving guest pages: {e}; killing the child");
+                tracing::error!(tag = %image.tag(), "serving guest pages: {e}; killing the child");
                 pidfd_kill(&pidfd);
                 *s.pages.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                 break;
@@ -505,7 +659,7 @@ pub(crate) fn serve(
                     s.pages.pages_prefetched.fetch_add(n, Ordering::Relaxed);
                 }
                 Err(e) => {
-                    tracing::warn!(tag = %image.tag, "prefetching page {page}: {e}");
+                    tracing::warn!(tag = %image.tag(), "prefetching page {page}: {e}");
                     prefetch = None;
                 }
             }
@@ -580,38 +734,44 @@ impl Server {
         };
         let range_first = r.image_offset / PAGE;
         let range_end = range_first + r.size / PAGE;
-        let first = (page / BLOCK_PAGES * BLOCK_PAGES).max(range_first);
-        let end = (first + BLOCK_PAGES).min(range_end);
+        // While a working set is recorded, one page per fault: a neighbour supplied along
+        // would never fault, so never be recorded, and a cold host would miss it.
+        let recording = !self.pages.ready.load(Ordering::Acquire)
+            && self
+                .pages
+                .recorded
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some();
+        let (first, end) = if recording {
+            (page, page + 1)
+        } else {
+            let first = (page / BLOCK_PAGES * BLOCK_PAGES).max(range_first);
+            (first, (first + BLOCK_PAGES).min(range_end))
+        };
         let host = |p: u64| r.host_addr + (p * PAGE - r.image_offset);
+        // The page asked for always (a repeated fault is answered again); a neighbour only if
+        // not supplied yet and at hand: no chunk is fetched for a page nobody asked for.
+        let wanted = |s: &Self, q: u64| {
+            if q == page {
+                fault.is_some() || !s.is_served(q)
+            } else {
+                !s.is_served(q) && s.image.is_local(q)
+            }
+        };
         let mut supplied = 0;
         let mut p = first;
         while p < end {
-            let must = fault.is_some() && p == page;
-            if self.is_served(p) && !must {
+            if !wanted(self, p) {
                 p += 1;
                 continue;
             }
-            // A run of pages of one kind (zero or stored) that still need supplying.
-            let zero = matches!(self.image.locate(p), Source::Zero);
+            // A run of wanted pages of one kind (zero or stored).
+            let zero = self.image.is_zero(p);
             let mut q = p;
-            while q < end
-                && (!self.is_served(q) || (fault.is_some() && q == page))
-                && matches!(self.image.locate(q), Source::Zero) == zero
-            {
+            while q < end && wanted(self, q) && self.image.is_zero(q) == zero {
                 if !zero {
-                    let Source::Stored {
-                        layer,
-                        chunk,
-                        chunk_page,
-                    } = self.image.locate(q)
-                    else {
-                        unreachable!()
-                    };
-                    let data = self.image.chunk(layer, chunk)?;
-                    let from = (chunk_page * PAGE) as usize;
-                    self.buf
-                        .page(q - p)
-                        .copy_from_slice(&data[from..from + PAGE as usize]);
+                    self.image.read_page(q, self.buf.page(q - p))?;
                 }
                 q += 1;
             }

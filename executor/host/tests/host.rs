@@ -380,7 +380,15 @@ fn a_cold_host_restores_lazily_and_prefetches_the_working_set() {
     let first = spawn_on(&b);
     let report = first.lazy.expect("restored lazily");
     println!("  cold host, lazy: {report:?}");
-    assert_eq!(report.pages_prefetched, 0, "no working set yet: {report:?}");
+    // Publishing recorded a working set in the layer; a guest without an agent is ready once
+    // it runs, so it may be empty, and then the first lazy child records one beside the layer.
+    println!(
+        "  working set in the layer: {} pages",
+        info.working_set_pages
+    );
+    if info.working_set_pages == 0 {
+        assert_eq!(report.pages_prefetched, 0, "no working set yet: {report:?}");
+    }
     assert!(
         report.fetched_bytes < info.stored_bytes,
         "ready before the whole image was fetched: {report:?} of {}",
@@ -419,7 +427,12 @@ fn a_cold_host_restores_lazily_and_prefetches_the_working_set() {
     let child = spawn_on(&c);
     let report = child.lazy.expect("restored lazily");
     println!("  cold host, lazy + working set: {report:?}");
-    assert_eq!(report.working_set_pages, pages.len() as u64, "{report:?}");
+    // The layer's own working set wins over one stored beside it.
+    let expect = match info.working_set_pages {
+        0 => pages.len() as u64,
+        n => n,
+    };
+    assert_eq!(report.working_set_pages, expect, "{report:?}");
     console_shows(&c, &child.id, &want).unwrap();
 
     // Killing a lazily served child ends its page server with it.
