@@ -79,6 +79,10 @@ pub enum HostError {
     WarmupCall { code: String, reason: String },
     #[error("{what}: {reason}")]
     Store { what: String, reason: String },
+    #[error("branching VM {id}: {reason}")]
+    Branch { id: SandboxId, reason: String },
+    #[error("snapshot {tag} has descendants on this host ({child}, ...): delete them first")]
+    HasDescendants { tag: Tag, child: String },
     #[error("fetching snapshot {tag} from {store}: {reason}")]
     Fetch {
         tag: Tag,
@@ -119,7 +123,9 @@ impl HostError {
             | Fixup { .. }
             | ParentNotReady { .. }
             | WarmupFailed { .. }
-            | WarmupCall { .. } => ErrorKind::Precondition,
+            | WarmupCall { .. }
+            | Branch { .. }
+            | HasDescendants { .. } => ErrorKind::Precondition,
             Worker { .. } | Io { .. } | Vmm(_) | Store { .. } => ErrorKind::Internal,
             Fetch { .. } => ErrorKind::Unavailable,
             Cancelled(_) => ErrorKind::Cancelled,
@@ -149,6 +155,8 @@ impl HostError {
             WarmupFailed { .. } | WarmupCall { .. } => "warmup",
             Locked { .. } => "locked",
             Store { .. } => "store",
+            Branch { .. } => "branch",
+            HasDescendants { .. } => "has_descendants",
             Cancelled(_) => "cancelled",
             Fetch { .. } => "fetch",
             Io { .. } => "io",

@@ -26,6 +26,26 @@ use crate::worker::{JobMemory, WorkerJob, WorkerPool, WORKER_SUBCOMMAND};
 /// worker, then its agent); past a few hundred they only cost memory and scheduler time.
 const MAX_CONCURRENT_SPAWNS: usize = 256;
 
+/// Longest a branch may keep the host waiting (a complete image of a large guest included).
+const BRANCH_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A running VM snapshotted as a snapshot of its own.
+#[derive(Clone, Debug)]
+pub struct Branch {
+    pub tag: Tag,
+    /// The snapshot the VM was forked from: a diff applies over it.
+    pub parent: Tag,
+    pub kind: crate::control::BranchKind,
+    pub dir: PathBuf,
+    pub header: SnapshotHeader,
+    /// How long the VM was paused.
+    pub paused: Duration,
+    /// Pages the VM had written since it was forked (what a diff holds).
+    pub pages_written: u64,
+    /// The whole call, as the caller waited for it.
+    pub took: Duration,
+}
+
 /// A VM this host started or re-adopted.
 struct Live {
     record: VmRecord,
@@ -204,6 +224,13 @@ impl Host {
         if dir.exists() && !spec.replace {
             return Err(HostError::SnapshotExists(spec.tag.clone()));
         }
+        if let Some(child) = self.local_descendants(&spec.tag).first() {
+            // Replacing it would leave their diffs over memory that is gone.
+            return Err(HostError::HasDescendants {
+                tag: spec.tag.clone(),
+                child: child.to_string(),
+            });
+        }
         let work = self
             .cfg
             .vms_dir()
@@ -304,8 +331,125 @@ impl Host {
         info
     }
 
+    /// Snapshot running VM `id` under `tag` and let it run on: a diff over the snapshot it
+    /// was forked from (the pages it wrote since) or a complete image. Memory, vCPU and
+    /// device state are of one instant; the snapshot appears under `tag` only once complete.
+    pub fn branch(
+        &self,
+        id: &SandboxId,
+        tag: &Tag,
+        kind: crate::control::BranchKind,
+    ) -> Result<Branch> {
+        let t0 = Instant::now();
+        let refuse = |reason: String| HostError::Branch {
+            id: id.clone(),
+            reason,
+        };
+        let record = {
+            let vms = self.vms();
+            match vms.live.get(id) {
+                Some(l) if l.ready => l.record.clone(),
+                Some(_) => {
+                    return Err(refuse(
+                        "it is still starting: branch it once it is ready".into(),
+                    ))
+                }
+                None if vms.pending.contains_key(id) => {
+                    return Err(refuse(
+                        "it is still starting: branch it once it is ready".into(),
+                    ))
+                }
+                None => return Err(HostError::NoVm(id.clone())),
+            }
+        };
+        let Some(parent) = record.tag.clone() else {
+            return Err(refuse("it is a booting parent, not a forked child".into()));
+        };
+        if record.pages_from_host {
+            return Err(refuse(format!(
+                "it was restored lazily (its untouched pages are still in the store): branch a child of {parent} restored from a local image"
+            )));
+        }
+        let dir = self.snapshot_dir(tag);
+        if dir.exists() {
+            return Err(HostError::SnapshotExists(tag.clone()));
+        }
+        // Beside the parent: a diff names its parent as a sibling directory.
+        let staging = self.cfg.snapshots_dir().join(format!(
+            ".partial-branch-{}",
+            SandboxId::random("b").as_str()
+        ));
+        let req = crate::control::Request::Branch {
+            dir: staging.clone(),
+            kind,
+        };
+        let reply = crate::control::request(&record.dir, &req, BRANCH_TIMEOUT)
+            .map_err(|e| refuse(format!("its VMM did not answer: {e}")));
+        let done = (|| {
+            let (paused_us, pages_written) = match reply? {
+                crate::control::Reply::Branched {
+                    paused_us,
+                    pages_written,
+                } => (paused_us, pages_written),
+                crate::control::Reply::Failed { reason } => return Err(refuse(reason)),
+            };
+            let header = tine_vmm::snapshot::file::load_header(&staging).map_err(|source| {
+                HostError::BadSnapshot {
+                    tag: tag.clone(),
+                    source,
+                }
+            })?;
+            if let Some(d) = &header.diff {
+                // The parent here must still be the one the VM was forked from.
+                let now = self.snapshot_header(&parent)?;
+                if now.state_sha256 != d.parent_state_sha256 {
+                    return Err(refuse(format!(
+                        "snapshot {parent} was replaced since the VM was forked from it: take a full branch"
+                    )));
+                }
+            }
+            self.install_snapshot(&staging, &dir, false, tag)?;
+            Ok(Branch {
+                tag: tag.clone(),
+                parent: parent.clone(),
+                kind,
+                dir: dir.clone(),
+                header,
+                paused: Duration::from_micros(paused_us),
+                pages_written,
+                took: t0.elapsed(),
+            })
+        })();
+        if done.is_err() {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+        let b = done?;
+        tracing::info!(%id, %tag, parent = %b.parent, kind = ?b.kind, pages = b.pages_written, paused_us = b.paused.as_micros() as u64, took_ms = b.took.as_millis() as u64, "branched");
+        Ok(b)
+    }
+
+    /// Snapshots here whose diff applies over `tag`.
+    fn local_descendants(&self, tag: &Tag) -> Vec<Tag> {
+        self.snapshot_tags()
+            .into_iter()
+            .filter(|t| {
+                tine_vmm::snapshot::file::load_header(&self.snapshot_dir(t))
+                    .ok()
+                    .and_then(|h| h.diff)
+                    .is_some_and(|d| d.parent == tag.as_str())
+            })
+            .collect()
+    }
+
     /// Forget a snapshot here. Running children keep their mapping of its memory image.
+    /// Refused while a diff here applies over it.
     pub fn delete_snapshot(&self, tag: &Tag) -> Result<bool> {
+        if let Some(child) = self.local_descendants(tag).first() {
+            return Err(HostError::HasDescendants {
+                tag: tag.clone(),
+                child: child.to_string(),
+            });
+        }
         let dir = self.snapshot_dir(tag);
         let existed = dir.exists();
         if existed {

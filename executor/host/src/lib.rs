@@ -5,6 +5,7 @@
 
 pub mod config;
 pub mod console;
+pub mod control;
 pub mod error;
 pub mod fetch;
 pub mod handoff;
@@ -20,9 +21,10 @@ pub mod testing;
 pub mod worker;
 
 pub use config::{HostConfig, Limits, Owner, Readiness};
+pub use control::BranchKind;
 pub use error::{ErrorKind, HostError};
 pub use fetch::FetchMode;
-pub use host::{Host, LazyReport, SpawnOptions, SpawnOutcome, VmInfo};
+pub use host::{Branch, Host, LazyReport, SpawnOptions, SpawnOutcome, VmInfo};
 pub use layers::{Collected, Fetched, LayerInfo, StoreConfig, DEFAULT_GC_GRACE};
 pub use parent::{MadeSnapshot, ParentSpec};
 pub use process::{Liveness, ProcessIdentity};

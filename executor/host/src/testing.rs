@@ -52,15 +52,30 @@ pub fn write_idle_guest_snapshot(dir: &Path, mem_mib: u64) -> anyhow::Result<()>
     let code = [0x66, 0xba, 0xf8, 0x03, 0xb0, b'1', 0xee, 0xf4, 0xeb, 0xfd];
     let ram = GuestRam::new_memfd(mem_mib)?;
     ram.memory().write_slice(&code, GuestAddress(CODE))?;
+    snapshot_once(ram, dir, "the idle guest", |c| c.contains('1'))
+}
+
+/// Run a guest whose code is at [`CODE`] until its console satisfies `done` (30 s at most),
+/// then snapshot it into `dir`.
+fn snapshot_once(
+    ram: GuestRam,
+    dir: &Path,
+    what: &str,
+    done: impl Fn(&str) -> bool,
+) -> anyhow::Result<()> {
     let out = Capture::default();
     let mut vm = Vm::create(1, ram, Box::new(out.clone()))?;
     vm.set_entry(EntryPoint::Linux64 { rip: CODE })?;
     let running = vm.start()?;
     let t0 = Instant::now();
-    while !out.text().contains('1') {
+    while !done(&out.text()) {
         if t0.elapsed() > Duration::from_secs(30) {
             running.stop();
-            anyhow::bail!("the idle guest never printed its marker");
+            let text = out.text();
+            anyhow::bail!(
+                "{what} never got there; its console: {:?}",
+                text.get(..200).unwrap_or(&text)
+            );
         }
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -124,24 +139,49 @@ pub fn write_checksum_guest_snapshot(
     }
     ram.memory()
         .write_slice(&data, GuestAddress(CHECKSUM_DATA))?;
-    let out = Capture::default();
-    let mut vm = Vm::create(1, ram, Box::new(out.clone()))?;
-    vm.set_entry(EntryPoint::Linux64 { rip: CODE })?;
-    let running = vm.start()?;
     let want = format!("{sum:016X}\n");
-    let t0 = Instant::now();
-    while !out.text().contains(&want) {
-        if t0.elapsed() > Duration::from_secs(30) {
-            running.stop();
-            anyhow::bail!(
-                "the checksum guest never printed {want:?}: {:?}",
-                out.text().get(..200)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let r = running.snapshot(dir);
-    running.stop();
-    r?;
+    snapshot_once(ram, dir, "the checksum guest", |c| c.contains(&want))?;
     Ok(sum)
+}
+
+/// Where the counter guest keeps its count.
+pub const COUNTER: u64 = 0x20_0000;
+
+/// Write into `dir` the snapshot of a guest that, forever, increments the u64 at [`COUNTER`],
+/// prints it on COM1 as 16 hex digits and a newline, and spins a while. A child's console
+/// shows where its memory came from: a branch's children carry on from the branch's count.
+/// No agent: spawn with `Readiness::Running`.
+pub fn write_counter_guest_snapshot(dir: &Path, mem_mib: u64) -> anyhow::Result<()> {
+    let mut code: Vec<u8> = Vec::new();
+    // top: mov rbx, [COUNTER]; inc rbx; mov [COUNTER], rbx
+    code.extend_from_slice(&[0x48, 0x8b, 0x1c, 0x25]);
+    code.extend_from_slice(&(COUNTER as u32).to_le_bytes());
+    code.extend_from_slice(&[0x48, 0xff, 0xc3]);
+    code.extend_from_slice(&[0x48, 0x89, 0x1c, 0x25]);
+    code.extend_from_slice(&(COUNTER as u32).to_le_bytes());
+    // mov dx, 0x3f8; mov ecx, 16; hex digits of rbx as in the checksum guest
+    code.extend_from_slice(&[0x66, 0xba, 0xf8, 0x03, 0xb9, 16, 0, 0, 0]);
+    code.extend_from_slice(&[
+        0x48, 0xc1, 0xc3, 0x04, 0x88, 0xd8, 0x24, 0x0f, 0x04, 0x30, 0x3c, 0x39, 0x76, 0x02, 0x04,
+        0x07, 0xee, 0xff, 0xc9, 0x75, 0xeb,
+    ]);
+    // mov al, '\n'; out dx, al; mov ecx, 1 << 16; spin: dec ecx; jnz spin; jmp top
+    code.extend_from_slice(&[0xb0, 0x0a, 0xee, 0xb9]);
+    code.extend_from_slice(&(1u32 << 16).to_le_bytes());
+    code.extend_from_slice(&[0xff, 0xc9, 0x75, 0xfc, 0xe9]);
+    let back = -((code.len() + 4) as i32);
+    code.extend_from_slice(&back.to_le_bytes());
+
+    let ram = GuestRam::new_memfd(mem_mib)?;
+    ram.memory().write_slice(&code, GuestAddress(CODE))?;
+    snapshot_once(ram, dir, "the counter guest", |c| c.lines().count() >= 3)
+}
+
+/// The counts a counter guest's console shows (whole lines only).
+pub fn counts(console: &str) -> Vec<u64> {
+    console
+        .lines()
+        .filter(|l| l.len() == 16)
+        .filter_map(|l| u64::from_str_radix(l, 16).ok())
+        .collect()
 }

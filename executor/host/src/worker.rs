@@ -267,6 +267,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
         JobMemory::Lazy => restore_lazily(&job.snapshot, opts)?,
     };
     let restore = t0.elapsed();
+    let control = crate::control::bind(&job.dir).context("binding the control socket")?;
     let t1 = Instant::now();
     let running = vm.start()?;
     let done = Restored {
@@ -281,7 +282,12 @@ pub fn worker_main() -> anyhow::Result<i32> {
     // Close stdout so the daemon's pipe sees EOF if it reads again.
     // SAFETY: closing our own stdout descriptor; nothing writes to it afterwards.
     unsafe { libc::close(1) };
-    let exit = running.wait()?;
+    // Shared with the control thread for the rest of this process's life.
+    let running: &'static tine_vmm::vm::RunningVm = Box::leak(Box::new(running));
+    std::thread::Builder::new()
+        .name("control".into())
+        .spawn(move || crate::control::serve(control, running))?;
+    let exit = running.wait_exit()?;
     Ok(exit.exit_code())
 }
 

@@ -9,10 +9,14 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use tine_host::testing::{kvm_available, write_checksum_guest_snapshot, write_idle_guest_snapshot};
+use tine_host::testing::{
+    counts, kvm_available, write_checksum_guest_snapshot, write_counter_guest_snapshot,
+    write_idle_guest_snapshot,
+};
 use tine_host::{
-    ErrorKind, FetchMode, Host, HostConfig, HostError, Limits, Liveness, Owner, ProcessIdentity,
-    Readiness, SpawnOptions, SpawnOutcome, StoreConfig, VmRecord, WORKER_SUBCOMMAND,
+    BranchKind, ErrorKind, FetchMode, Host, HostConfig, HostError, Limits, Liveness, Owner,
+    ProcessIdentity, Readiness, SpawnOptions, SpawnOutcome, StoreConfig, VmRecord,
+    WORKER_SUBCOMMAND,
 };
 use tine_proto::names::{SandboxId, Tag};
 
@@ -736,6 +740,127 @@ fn spawn_phases_are_spans_of_the_callers_trace() {
     host.kill_all();
 }
 
+fn spawn_of(host: &Host, tag: &Tag) -> SandboxId {
+    let id = SandboxId::random("t");
+    let out = Mutex::new(Vec::new());
+    host.spawn(tag, vec![id.clone()], &SpawnOptions::default(), |o| {
+        out.lock().unwrap().push(o)
+    })
+    .unwrap();
+    let o = out.into_inner().unwrap().pop().unwrap();
+    o.result.expect("child ready");
+    id
+}
+
+/// The whole counts a counter child printed (the first line may be cut where its snapshot
+/// was taken, so it is skipped), waiting until there are at least `n`.
+fn counts_of(host: &Host, id: &SandboxId, n: usize) -> Vec<u64> {
+    let log = host.vm_dir(id).unwrap().join("console.log");
+    let t0 = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let body = text.split_once('\n').map_or("", |(_, rest)| rest);
+        let c = counts(body);
+        if c.len() >= n {
+            return c;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{id} printed {} counts, not {n}",
+            c.len()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Branch running children: a diff holds only what the child wrote and carries its state
+/// (its children count on from the branch, not from the root), the source runs on, a branch
+/// of a branch works, a full branch stands alone, a re-adopted child can be branched, and
+/// bad requests and deleting a parent under its branches are refused.
+fn branching_running_children() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = Tag::parse("counter").unwrap();
+    let snaps = tmp.path().join("snapshots");
+    std::fs::create_dir_all(&snaps).unwrap();
+    write_counter_guest_snapshot(&snaps.join("counter"), 32).unwrap();
+    let host = Host::open_exclusive(config(tmp.path(), 8, 1)).unwrap();
+
+    let c1 = spawn_of(&host, &root);
+    let at_root = counts_of(&host, &c1, 1)[0];
+    let before = *counts_of(&host, &c1, 10).last().unwrap();
+    let b1 = Tag::parse("b1").unwrap();
+    let b = host.branch(&c1, &b1, BranchKind::Diff).unwrap();
+    assert_eq!(b.parent, root);
+    let d = b.header.diff.as_ref().expect("a diff");
+    assert_eq!(d.parent, "counter");
+    // The counter's page (and little else: no stack, no devices) was written since the fork.
+    assert!((1..16).contains(&b.pages_written), "{b:?}");
+    assert_eq!(d.pages, b.pages_written);
+    assert!(b.paused <= b.took);
+    // The source carries on.
+    let n = counts_of(&host, &c1, 0).len();
+    counts_of(&host, &c1, n + 5);
+
+    // A child of the branch counts on from the branch's instant.
+    let g1 = spawn_of(&host, &b1);
+    let first = counts_of(&host, &g1, 1)[0];
+    assert!(
+        first > before && first > at_root + 5,
+        "the branch's child starts at {first}; the source was at {before} before the branch"
+    );
+
+    // A branch of a branch (a diff over a diff), and a full branch.
+    let later = *counts_of(&host, &g1, 5).last().unwrap();
+    let b2 = Tag::parse("b2").unwrap();
+    let deeper = host.branch(&g1, &b2, BranchKind::Diff).unwrap();
+    assert_eq!(deeper.parent, b1);
+    assert_eq!(deeper.header.diff.as_ref().unwrap().parent, "b1");
+    let g2 = spawn_of(&host, &b2);
+    assert!(counts_of(&host, &g2, 1)[0] > later);
+    let f1 = Tag::parse("f1").unwrap();
+    let full = host.branch(&g1, &f1, BranchKind::Full).unwrap();
+    assert!(full.header.diff.is_none());
+    assert!(full.dir.join("memory.img").is_file());
+    let g3 = spawn_of(&host, &f1);
+    assert!(counts_of(&host, &g3, 1)[0] > later);
+
+    // Refused: an unknown VM, a tag in use, deleting or replacing a parent under its branches.
+    let e = host
+        .branch(
+            &SandboxId::random("nobody"),
+            &Tag::parse("x").unwrap(),
+            BranchKind::Diff,
+        )
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+    let e = host.branch(&c1, &b1, BranchKind::Diff).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::AlreadyExists, "{e}");
+    let e = host.delete_snapshot(&root).unwrap_err();
+    assert!(
+        e.to_string().contains("has descendants on this host (b1"),
+        "{e}"
+    );
+    assert_eq!(e.kind(), ErrorKind::Precondition);
+    assert!(!host
+        .snapshot_tags()
+        .iter()
+        .any(|t| t.as_str().starts_with('.')));
+
+    // After a restart, an adopted child is branched through its control socket.
+    drop(host);
+    let host = Host::open_exclusive(config(tmp.path(), 8, 1)).unwrap();
+    let b3 = Tag::parse("b3").unwrap();
+    host.branch(&c1, &b3, BranchKind::Diff).unwrap();
+    let g4 = spawn_of(&host, &b3);
+    assert!(counts_of(&host, &g4, 1)[0] > before);
+
+    host.kill_all();
+    for t in [&b2, &b1, &f1, &b3, &root] {
+        assert!(host.delete_snapshot(t).unwrap(), "{t}");
+    }
+    let _ = (g2, g3);
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some(BYSTANDER) {
@@ -758,8 +883,9 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 11] = [
+    let tests: [(&str, fn()); 12] = [
         ("spawn_list_kill_readopt", spawn_list_kill_readopt),
+        ("branching_running_children", branching_running_children),
         (
             "stale_record_is_neither_adopted_nor_killed",
             stale_record_is_neither_adopted_nor_killed,

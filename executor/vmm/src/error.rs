@@ -113,6 +113,15 @@ pub enum MemoryError {
     },
     #[error("guest memory: RAM range at {guest_addr:#x} is not mapped")]
     NotMapped { guest_addr: u64 },
+    #[error("guest memory: a diff layer's pages at image offset {offset:#x} (+{len:#x}) are not inside one RAM range")]
+    OverlayOutside { offset: u64, len: u64 },
+    #[error("guest memory: cannot map a diff layer's pages at image offset {offset:#x} (+{len:#x}): {source}")]
+    Overlay {
+        offset: u64,
+        len: u64,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("guest memory: no host address for guest RAM at {guest_addr:#x}: {source}")]
     HostAddress {
         guest_addr: u64,
@@ -257,6 +266,8 @@ pub enum VcpuError {
     StoppedWhilePausing { index: usize },
     #[error("no vCPU reported an outcome")]
     NoOutcome,
+    #[error("the VM is stopping: it cannot be paused")]
+    Stopping,
 }
 
 impl VcpuError {
@@ -351,6 +362,16 @@ pub enum SnapshotError {
     },
     #[error("snapshot {}: guest RAM has no backing file (a child restored page by page cannot be snapshotted yet)", .dir.display())]
     NoMemoryFile { dir: PathBuf },
+    #[error("snapshot {}: a diff needs a VM restored from a snapshot (this one was booted or restored page by page): take a full snapshot", .dir.display())]
+    NoParent { dir: PathBuf },
+    #[error("snapshot {}: a diff must sit beside its parent {}", .dir.display(), .parent.display())]
+    ParentNotSibling { dir: PathBuf, parent: PathBuf },
+    #[error("snapshot {}: reading which pages the guest wrote: {source}", .dir.display())]
+    Pagemap {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("snapshot: writing {}: {source}", .path.display())]
     Write {
         path: PathBuf,
@@ -432,6 +453,26 @@ pub enum RestoreError {
     },
     #[error("snapshot {}: has a vsock device: give it a host socket path", .dir.display())]
     NoVsockSocket { dir: PathBuf },
+    #[error("snapshot {}: its chain is deeper than {max} layers (a loop?)", .dir.display())]
+    ChainTooDeep { dir: PathBuf, max: usize },
+    #[error("snapshot {}: parent name {name:?} is not a sibling directory name", .dir.display())]
+    BadParentName { dir: PathBuf, name: String },
+    #[error("snapshot {}: its parent {} changed since the diff was taken (state SHA-256 {actual}, the diff was taken over {expected}): the diff no longer applies", .dir.display(), .parent.display())]
+    ParentChanged {
+        dir: PathBuf,
+        parent: PathBuf,
+        expected: String,
+        actual: String,
+    },
+    #[error("snapshot {}: parent {} has {actual} bytes of RAM, the diff {expected}", .dir.display(), .parent.display())]
+    ParentSize {
+        dir: PathBuf,
+        parent: PathBuf,
+        expected: u64,
+        actual: u64,
+    },
+    #[error("snapshot: {} is corrupt: {reason}", .path.display())]
+    BadIndex { path: PathBuf, reason: String },
 }
 
 /// Why a snapshot taken on one host cannot be restored on this one.

@@ -4,13 +4,15 @@
 //! on this host).
 
 use std::fs::File;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
 use crate::error::{ConfigError, MemoryError, Result};
 use crate::layout::{MMIO_GAP_END, MMIO_GAP_START};
+use crate::snapshot::diff::Overlay;
 
 /// Smallest guest we accept: Linux with an initramfs needs more than this anyway.
 pub const MIN_MEM_MIB: u64 = 32;
@@ -34,6 +36,14 @@ pub enum Sharing {
     Private,
 }
 
+/// The snapshot copy-on-write RAM was restored from: what a diff of it is taken over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Origin {
+    pub dir: PathBuf,
+    /// Its state checksum: a diff names its parent by directory and by this.
+    pub state_sha256: String,
+}
+
 /// Guest RAM: its backing plus its mapping into this process.
 pub struct GuestRam {
     /// None: anonymous private memory (filled through userfaultfd by whoever holds it).
@@ -41,6 +51,9 @@ pub struct GuestRam {
     ranges: Vec<RamRange>,
     memory: GuestMemoryMmap,
     size: u64,
+    /// Diff layers mapped over `file`, oldest first.
+    overlays: Vec<Overlay>,
+    origin: Option<Origin>,
 }
 
 impl GuestRam {
@@ -156,7 +169,77 @@ impl GuestRam {
             ranges,
             memory,
             size,
+            overlays: Vec::new(),
+            origin: None,
         })
+    }
+
+    /// Copy-on-write RAM of a snapshot chain: `base` (the root's image) mapped private, then
+    /// each overlay's runs (oldest first) mapped over it from the overlay's page file. No page
+    /// is copied: every layer's pages stay shared with all children that map them.
+    pub fn from_chain(
+        base: File,
+        size: u64,
+        overlays: Vec<Overlay>,
+        origin: Origin,
+    ) -> Result<Self> {
+        let mut ram = Self::from_file(base, size, Sharing::Private)?;
+        for ov in &overlays {
+            let mut file_offset = 0u64;
+            for r in &ov.runs {
+                let addr =
+                    ram.image_host_ptr(r.offset(), r.len())
+                        .ok_or(MemoryError::OverlayOutside {
+                            offset: r.offset(),
+                            len: r.len(),
+                        })?;
+                // SAFETY: the run lies inside one of our own RAM mappings (checked above), so
+                // MAP_FIXED only replaces pages of that mapping, never foreign memory.
+                let p = unsafe {
+                    libc::mmap(
+                        addr.cast(),
+                        r.len() as usize,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                        ov.file.as_raw_fd(),
+                        file_offset as libc::off_t,
+                    )
+                };
+                if p == libc::MAP_FAILED {
+                    return Err(MemoryError::Overlay {
+                        offset: r.offset(),
+                        len: r.len(),
+                        source: std::io::Error::last_os_error(),
+                    }
+                    .into());
+                }
+                file_offset += r.len();
+            }
+        }
+        ram.overlays = overlays;
+        ram.origin = Some(origin);
+        Ok(ram)
+    }
+
+    /// The diff layers mapped over the base image, oldest first.
+    pub fn overlays(&self) -> &[Overlay] {
+        &self.overlays
+    }
+
+    /// The snapshot this RAM was restored from (None: fresh or page-by-page RAM).
+    pub fn origin(&self) -> Option<&Origin> {
+        self.origin.as_ref()
+    }
+
+    /// Host address of image bytes `[offset, offset + len)` if they lie inside one RAM range.
+    pub fn image_host_ptr(&self, offset: u64, len: u64) -> Option<*mut u8> {
+        let end = offset.checked_add(len)?;
+        let r = self
+            .ranges
+            .iter()
+            .find(|r| offset >= r.file_offset && end <= r.file_offset + r.size)?;
+        let base = self.host_address(r).ok()?;
+        Some((base + (offset - r.file_offset)) as *mut u8)
     }
 
     pub fn memory(&self) -> &GuestMemoryMmap {

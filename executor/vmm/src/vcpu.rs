@@ -105,14 +105,20 @@ impl VcpuControl {
         })
     }
 
-    pub fn request(&self, want: Want) {
+    /// Ask every vCPU for `want`. Stopping is final: once asked, later requests are refused
+    /// (false), so a pause racing the guest's own exit cannot revive stopping vCPUs.
+    pub fn request(&self, want: Want) -> bool {
         let mut s = self.state.lock().unwrap();
+        if matches!(s.want, Want::Stop) {
+            return matches!(want, Want::Stop);
+        }
         s.want = want;
         if let Want::Pause { .. } = want {
             s.epoch += 1;
             s.saved.iter_mut().for_each(|v| *v = None);
         }
         self.cv.notify_all();
+        true
     }
 
     /// Wait until every live vCPU parked for the current pause request. Returns the saved

@@ -28,9 +28,10 @@ use crate::error::{
     ConfigError, Error, MemoryError, RestoreError, Result, SnapshotError, VcpuError,
 };
 use crate::layout::*;
-use crate::memory::{GuestRam, Sharing};
+use crate::memory::{GuestRam, Origin};
 use crate::snapshot::devices::{SerialSnapshot, VirtioKind};
-use crate::snapshot::file::{self as snapfile, SnapshotHeader};
+use crate::snapshot::diff;
+use crate::snapshot::file::{self as snapfile, MemoryOut, SnapshotHeader};
 use crate::snapshot::{self, MachineState};
 use crate::vcpu::{install_kick_handler, kick_signal, VcpuControl, VcpuOutcome, VcpuRunner, Want};
 use crate::{cpuid, host, regs};
@@ -231,7 +232,11 @@ impl Vm {
         let t0 = Instant::now();
         let snap = snapfile::load(dir)?;
         let state = snap.state;
-        let ram = GuestRam::from_file(snap.memory, state.mem_size, Sharing::Private)?;
+        let origin = Origin {
+            dir: dir.to_path_buf(),
+            state_sha256: snap.header.state_sha256,
+        };
+        let ram = GuestRam::from_chain(snap.memory, state.mem_size, snap.overlays, origin)?;
         let vm = Self::restore_state(dir, state, ram, opts, options)?;
         tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), "restored");
         Ok(vm)
@@ -452,7 +457,7 @@ impl Vm {
             ram: self.ram,
             control,
             threads,
-            outcomes: rx,
+            outcomes: Mutex::new(rx),
             serial: self.serial,
             virtio: self.virtio,
             started: Instant::now(),
@@ -478,6 +483,24 @@ fn warn_ioeventfd_unavailable(base: u64, queue: usize, err: &str) {
     }
 }
 
+/// What a branch of a running VM holds of its memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SnapshotKind {
+    /// A complete image (the chain flattened, plus the pages written since restore).
+    Full,
+    /// Only the pages written since restore, over the snapshot the VM was restored from.
+    Diff,
+}
+
+/// A branch written: its header, how long the VM was paused, and the pages it wrote since
+/// restore.
+#[derive(Clone, Debug)]
+pub struct Branched {
+    pub header: SnapshotHeader,
+    pub paused: std::time::Duration,
+    pub pages_written: u64,
+}
+
 /// A VM whose vCPUs are running (or paused).
 pub struct RunningVm {
     _kvm: Kvm,
@@ -485,7 +508,9 @@ pub struct RunningVm {
     ram: GuestRam,
     control: Arc<VcpuControl>,
     threads: Vec<JoinHandle<()>>,
-    outcomes: mpsc::Receiver<(usize, Result<VcpuOutcome>)>,
+    /// Locked by whoever waits for the guest to stop (the VM stays usable from other threads,
+    /// e.g. to branch it, meanwhile).
+    outcomes: Mutex<mpsc::Receiver<(usize, Result<VcpuOutcome>)>>,
     serial: Arc<Mutex<SerialConsole>>,
     virtio: Vec<Arc<Mutex<VirtioMmio>>>,
     started: Instant,
@@ -506,9 +531,15 @@ impl RunningVm {
         }
     }
 
+    pub fn ram(&self) -> &GuestRam {
+        &self.ram
+    }
+
     /// Stop the guest at one instant: vCPUs parked out of KVM_RUN, devices quiet.
     pub fn pause(&self) -> Result<()> {
-        self.control.request(Want::Pause { save: false });
+        if !self.control.request(Want::Pause { save: false }) {
+            return Err(VcpuError::Stopping.into());
+        }
         self.kick();
         self.control.wait_parked()?;
         self.set_devices_paused(true);
@@ -523,11 +554,87 @@ impl RunningVm {
     /// Pause, save the whole machine into `dir` (atomically), and leave the VM paused.
     pub fn snapshot(&self, dir: &Path) -> Result<SnapshotHeader> {
         let t0 = Instant::now();
-        self.control.request(Want::Pause { save: true });
+        let state = self.pause_and_save(dir)?;
+        let paused_at = t0.elapsed();
+        let header = match self.ram.file() {
+            Some(file) if self.ram.origin().is_none() => {
+                snapfile::write(dir, &state, MemoryOut::Image(file))?
+            }
+            _ => {
+                self.write_from_private_ram(dir, &state, SnapshotKind::Full)?
+                    .0
+            }
+        };
+        tracing::info!(pause = ?paused_at, total = ?t0.elapsed(), dir = %dir.display(), "snapshot written");
+        Ok(header)
+    }
+
+    /// Snapshot a running VM restored from a snapshot into `dir` and let it run on: a diff
+    /// over the snapshot it was restored from (only the pages written since), or a complete
+    /// image. Memory and vCPU and device state are taken inside one pause, so they describe
+    /// the same instant; the VM resumes once the files are written (also on failure).
+    pub fn branch(&self, dir: &Path, kind: SnapshotKind) -> Result<Branched> {
+        let t0 = Instant::now();
+        let written = (|| {
+            let state = self.pause_and_save(dir)?;
+            self.write_from_private_ram(dir, &state, kind)
+        })();
+        self.resume();
+        let paused = t0.elapsed();
+        let (header, pages) = written?;
+        tracing::info!(?paused, ?kind, pages, dir = %dir.display(), "branch written");
+        Ok(Branched {
+            header,
+            paused,
+            pages_written: pages,
+        })
+    }
+
+    fn write_from_private_ram(
+        &self,
+        dir: &Path,
+        state: &MachineState,
+        kind: SnapshotKind,
+    ) -> Result<(SnapshotHeader, u64)> {
+        if self.ram.file().is_none() {
+            return Err(SnapshotError::NoMemoryFile {
+                dir: dir.to_path_buf(),
+            }
+            .into());
+        }
+        let Some(origin) = self.ram.origin() else {
+            return Err(SnapshotError::NoParent {
+                dir: dir.to_path_buf(),
+            }
+            .into());
+        };
+        let written = diff::private_runs(&self.ram).map_err(|source| SnapshotError::Pagemap {
+            dir: dir.to_path_buf(),
+            source,
+        })?;
+        let pages = diff::page_count(&written);
+        let memory = match kind {
+            SnapshotKind::Full => MemoryOut::Flatten {
+                ram: &self.ram,
+                written: &written,
+            },
+            SnapshotKind::Diff => MemoryOut::Diff {
+                ram: &self.ram,
+                written: &written,
+                parent: origin,
+            },
+        };
+        Ok((snapfile::write(dir, state, memory)?, pages))
+    }
+
+    /// Park the vCPUs (saving their state) and quiet the devices; the VM stays paused.
+    fn pause_and_save(&self, dir: &Path) -> Result<MachineState> {
+        if !self.control.request(Want::Pause { save: true }) {
+            return Err(VcpuError::Stopping.into());
+        }
         self.kick();
         let saved = self.control.wait_parked()?;
         self.set_devices_paused(true);
-        let paused_at = t0.elapsed();
         let mut vcpus = Vec::with_capacity(saved.len());
         for (index, s) in saved.into_iter().enumerate() {
             let s = s.ok_or_else(|| SnapshotError::VcpuNotSaved {
@@ -536,7 +643,7 @@ impl RunningVm {
             })?;
             vcpus.push(s?);
         }
-        let state = MachineState {
+        Ok(MachineState {
             vcpus,
             vm: snapshot::save_vm(&self.vm)?,
             serial: self.serial.lock().unwrap().snapshot(),
@@ -546,21 +653,24 @@ impl RunningVm {
                 .map(|t| t.lock().unwrap().save())
                 .collect(),
             mem_size: self.ram.size(),
-        };
-        let memory = self.ram.file().ok_or_else(|| SnapshotError::NoMemoryFile {
-            dir: dir.to_path_buf(),
-        })?;
-        let header = snapfile::write(dir, &state, memory)?;
-        tracing::info!(pause = ?paused_at, total = ?t0.elapsed(), dir = %dir.display(), "snapshot written");
-        Ok(header)
+        })
     }
 
     /// Wait until the guest stops on its own (or a vCPU fails), then stop every vCPU.
     pub fn wait(self) -> Result<GuestExit> {
+        let result = self.wait_exit();
+        self.finish();
+        result
+    }
+
+    /// [`wait`](Self::wait) through a shared reference: returns once every vCPU has stopped
+    /// (their threads are joined when the VM is dropped or finished).
+    pub fn wait_exit(&self) -> Result<GuestExit> {
+        let outcomes = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
         let mut result: Option<Result<GuestExit>> = None;
         let mut remaining = self.threads.len();
         while remaining > 0 {
-            let Ok((index, outcome)) = self.outcomes.recv() else {
+            let Ok((index, outcome)) = outcomes.recv() else {
                 break;
             };
             remaining -= 1;
@@ -577,7 +687,7 @@ impl RunningVm {
                 self.kick();
             }
         }
-        self.finish();
+        let _ = self.serial.lock().map(|mut s| s.flush());
         result.unwrap_or_else(|| Err(VcpuError::NoOutcome.into()))
     }
 
@@ -585,7 +695,10 @@ impl RunningVm {
     pub fn stop(self) {
         self.control.request(Want::Stop);
         self.kick();
-        while self.outcomes.recv().is_ok() {}
+        {
+            let outcomes = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+            while outcomes.recv().is_ok() {}
+        }
         self.finish();
     }
 

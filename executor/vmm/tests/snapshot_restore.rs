@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{kvm_available, out8, wait_for, Capture, POWER_OFF};
+use common::{boot_guest, kvm_available, out8, wait_for, Capture, POWER_OFF};
 
 use tine_vmm::boot::EntryPoint;
 use tine_vmm::vm::RestoreOptions;
@@ -177,15 +177,7 @@ fn snapshot_into_an_existing_directory_is_refused() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let ram = GuestRam::new_memfd(64).unwrap();
-    ram.memory()
-        .write_slice(&spin_guest(), GuestAddress(CODE))
-        .unwrap();
-    let out = Capture::default();
-    let mut vm = Vm::create(1, ram, Box::new(out.clone())).unwrap();
-    vm.set_entry(EntryPoint::Linux64 { rip: CODE }).unwrap();
-    let running = vm.start().unwrap();
-    wait_for(&out, "1");
+    let (running, _) = boot_guest(&spin_guest(), CODE);
     let err = running.snapshot(tmp.path()).unwrap_err().to_string();
     assert!(err.contains("already exists"), "{err}");
     // The VM is paused but fine: resume it and let it finish.

@@ -8,9 +8,11 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::diff::{self, Overlay, PageRun, INDEX_FILE, MAX_CHAIN, PAGES_FILE};
 use super::host_id::HostIdentity;
 use super::MachineState;
 use crate::error::{RestoreError, Result, SnapshotError};
+use crate::memory::{GuestRam, Origin};
 
 pub const FORMAT_VERSION: u32 = 1;
 pub const HEADER_FILE: &str = "snapshot.json";
@@ -27,6 +29,38 @@ pub struct SnapshotHeader {
     pub mem_size: u64,
     pub state_len: u64,
     pub state_sha256: String,
+    /// Set for a diff: the snapshot its pages apply over. Absent: `memory.img` is complete.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diff: Option<DiffInfo>,
+}
+
+/// What a diff snapshot applies over, and what it holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiffInfo {
+    /// The parent: a sibling directory's name.
+    pub parent: String,
+    /// The parent's state checksum when the diff was taken: a parent replaced since is refused.
+    pub parent_state_sha256: String,
+    /// Pages in `pages.bin`.
+    pub pages: u64,
+    pub index_sha256: String,
+}
+
+/// What a snapshot holds of guest memory, and where it comes from.
+pub enum MemoryOut<'a> {
+    /// Complete, copied (sparse) from a file that holds guest RAM byte for byte.
+    Image(&'a File),
+    /// Complete, flattened from copy-on-write RAM: its chain, then the pages written since.
+    Flatten {
+        ram: &'a GuestRam,
+        written: &'a [PageRun],
+    },
+    /// Only the pages written since the RAM was restored from `parent`.
+    Diff {
+        ram: &'a GuestRam,
+        written: &'a [PageRun],
+        parent: &'a Origin,
+    },
 }
 
 const FORMAT_NAME: &str = "tine-vm-snapshot";
@@ -52,7 +86,7 @@ pub fn write_memory(src: &File, len: u64, dst: &Path) -> Result<()> {
     Ok(())
 }
 
-fn copy_sparse(src: &File, len: u64, dst: &Path) -> std::io::Result<()> {
+pub(crate) fn copy_sparse(src: &File, len: u64, dst: &Path) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let out = File::create(dst)?;
     out.set_len(len)?;
@@ -132,13 +166,39 @@ fn copy_range(src: &File, dst: &File, start: u64, end: u64) -> std::io::Result<(
 
 /// Write a complete snapshot to `dir` (which must not exist): everything goes to a temporary
 /// sibling first and appears under `dir` only once fully on disk.
-pub fn write(dir: &Path, state: &MachineState, memory: &File) -> Result<SnapshotHeader> {
+pub fn write(dir: &Path, state: &MachineState, memory: MemoryOut) -> Result<SnapshotHeader> {
     if dir.exists() {
         return Err(SnapshotError::AlreadyExists {
             dir: dir.to_path_buf(),
         }
         .into());
     }
+    // A diff names its parent as a sibling: it must be one.
+    let diff_info = match &memory {
+        MemoryOut::Diff {
+            written, parent, ..
+        } => {
+            let same = |a: &Path, b: &Path| {
+                let a = a.canonicalize().ok();
+                a.is_some() && a == b.canonicalize().ok()
+            };
+            let siblings = parent
+                .dir
+                .parent()
+                .is_some_and(|p| same(p, parent_dir_of(dir)));
+            match parent.dir.file_name().and_then(|n| n.to_str()) {
+                Some(name) if siblings => Some((name.to_string(), *written, *parent)),
+                _ => {
+                    return Err(SnapshotError::ParentNotSibling {
+                        dir: dir.to_path_buf(),
+                        parent: parent.dir.clone(),
+                    }
+                    .into())
+                }
+            }
+        }
+        _ => None,
+    };
     let parent = dir
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -170,13 +230,38 @@ pub fn write(dir: &Path, state: &MachineState, memory: &File) -> Result<Snapshot
             mem_size: state.mem_size,
             state_len: body.len() as u64,
             state_sha256: hex::encode(Sha256::digest(&body)),
+            diff: None,
         };
+        let mut header = header;
+        match memory {
+            MemoryOut::Image(file) => write_memory(file, state.mem_size, &tmp.join(MEMORY_FILE))?,
+            MemoryOut::Flatten { ram, written } => {
+                let path = tmp.join(MEMORY_FILE);
+                diff::flatten(ram, written, &path).map_err(write_err(&path))?;
+            }
+            MemoryOut::Diff { ram, .. } => {
+                let (parent, written, origin) = diff_info.expect("diff info for a diff");
+                let pages = tmp.join(PAGES_FILE);
+                diff::write_pages(ram, written, &pages).map_err(write_err(&pages))?;
+                let index =
+                    bincode::serialize(written).map_err(|source| SnapshotError::EncodeState {
+                        dir: dir.to_path_buf(),
+                        source,
+                    })?;
+                write_synced(&tmp.join(INDEX_FILE), &index)?;
+                header.diff = Some(DiffInfo {
+                    parent,
+                    parent_state_sha256: origin.state_sha256.clone(),
+                    pages: diff::page_count(written),
+                    index_sha256: hex::encode(Sha256::digest(&index)),
+                });
+            }
+        }
         let header_json =
             serde_json::to_vec_pretty(&header).map_err(|source| SnapshotError::EncodeHeader {
                 dir: dir.to_path_buf(),
                 source,
             })?;
-        write_memory(memory, state.mem_size, &tmp.join(MEMORY_FILE))?;
         write_synced(&tmp.join(STATE_FILE), &body)?;
         write_synced(&tmp.join(HEADER_FILE), &header_json)?;
         fsync_dir(&tmp)?;
@@ -190,6 +275,13 @@ pub fn write(dir: &Path, state: &MachineState, memory: &File) -> Result<Snapshot
     result
 }
 
+/// The directory a snapshot directory sits in.
+fn parent_dir_of(dir: &Path) -> &Path {
+    dir.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = File::create(path).map_err(write_err(path))?;
     f.write_all(bytes)
@@ -198,11 +290,13 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// A validated snapshot ready to restore.
+/// A validated snapshot ready to restore: the root's image and, for a diff, the layers above it.
 pub struct LoadedSnapshot {
     pub header: SnapshotHeader,
     pub state: MachineState,
     pub memory: File,
+    /// Diff layers from the root's child up to this snapshot (empty for a full snapshot).
+    pub overlays: Vec<Overlay>,
 }
 
 /// Read the header and check it against this host (format version, CPU model, kernel).
@@ -293,37 +387,123 @@ pub fn load_state(dir: &Path) -> Result<LoadedState> {
     Ok(LoadedState { header, state })
 }
 
-/// Read and check everything before a single KVM call is made.
+/// Read and check everything before a single KVM call is made. For a diff, only the headers of
+/// its ancestors are read (and checked to be the parents it was taken over), never their
+/// state or pages.
 pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
     let LoadedState { header, state } = load_state(dir)?;
-    let memory_path = dir.join(MEMORY_FILE);
-    let unreadable = |source| RestoreError::Unreadable {
-        path: memory_path.clone(),
-        source,
-    };
-    let memory = File::open(&memory_path).map_err(unreadable)?;
-    let len = memory.metadata().map_err(unreadable)?.len();
-    if len < header.mem_size {
-        return Err(RestoreError::MemoryTruncated {
-            path: memory_path,
-            expected: header.mem_size,
-            actual: len,
+    let mut overlays = Vec::new();
+    let mut here = dir.to_path_buf();
+    let mut at = header.clone();
+    while let Some(d) = at.diff.clone() {
+        if overlays.len() >= MAX_CHAIN {
+            return Err(RestoreError::ChainTooDeep {
+                dir: dir.to_path_buf(),
+                max: MAX_CHAIN,
+            }
+            .into());
         }
-        .into());
-    }
-    if len != header.mem_size {
-        return Err(RestoreError::MemorySize {
-            path: memory_path,
-            expected: header.mem_size,
-            actual: len,
+        overlays.push(load_overlay(&here, &d, header.mem_size)?);
+        let parent = parent_of(&here, &d)?;
+        let ph = load_header(&parent)?;
+        if ph.state_sha256 != d.parent_state_sha256 {
+            return Err(RestoreError::ParentChanged {
+                dir: here,
+                parent,
+                expected: d.parent_state_sha256,
+                actual: ph.state_sha256,
+            }
+            .into());
         }
-        .into());
+        if ph.mem_size != header.mem_size {
+            return Err(RestoreError::ParentSize {
+                dir: here,
+                parent,
+                expected: header.mem_size,
+                actual: ph.mem_size,
+            }
+            .into());
+        }
+        here = parent;
+        at = ph;
     }
+    overlays.reverse();
+    let memory = open_image(&here, header.mem_size)?;
     Ok(LoadedSnapshot {
         header,
         state,
         memory,
+        overlays,
     })
+}
+
+/// The parent directory a diff in `dir` names, refusing names that leave the directory.
+fn parent_of(dir: &Path, d: &DiffInfo) -> Result<PathBuf> {
+    let ok = !d.parent.is_empty()
+        && !d.parent.starts_with('.')
+        && !d.parent.contains('/')
+        && d.parent.len() <= 255;
+    if !ok {
+        return Err(RestoreError::BadParentName {
+            dir: dir.to_path_buf(),
+            name: d.parent.clone(),
+        }
+        .into());
+    }
+    Ok(parent_dir_of(dir).join(&d.parent))
+}
+
+fn load_overlay(dir: &Path, d: &DiffInfo, mem_size: u64) -> Result<Overlay> {
+    let idx_path = dir.join(INDEX_FILE);
+    let raw = fs::read(&idx_path).map_err(|source| RestoreError::Unreadable {
+        path: idx_path.clone(),
+        source,
+    })?;
+    let bad = |reason: String| RestoreError::BadIndex {
+        path: idx_path.clone(),
+        reason,
+    };
+    let sha = hex::encode(Sha256::digest(&raw));
+    if sha != d.index_sha256 {
+        return Err(bad(format!("SHA-256 {sha}, the header says {}", d.index_sha256)).into());
+    }
+    let runs: Vec<PageRun> =
+        bincode::deserialize(&raw).map_err(|e| bad(format!("does not decode: {e}")))?;
+    diff::check_runs(&runs, mem_size, d.pages).map_err(bad)?;
+    let file = open_sized(&dir.join(PAGES_FILE), d.pages * diff::PAGE)?;
+    Ok(Overlay { file, runs })
+}
+
+fn open_image(dir: &Path, mem_size: u64) -> Result<File> {
+    open_sized(&dir.join(MEMORY_FILE), mem_size)
+}
+
+/// Open a memory file that must be exactly `expected` bytes.
+fn open_sized(path: &Path, expected: u64) -> Result<File> {
+    let unreadable = |source| RestoreError::Unreadable {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = File::open(path).map_err(unreadable)?;
+    let actual = file.metadata().map_err(unreadable)?.len();
+    let path = path.to_path_buf();
+    if actual < expected {
+        return Err(RestoreError::MemoryTruncated {
+            path,
+            expected,
+            actual,
+        }
+        .into());
+    }
+    if actual != expected {
+        return Err(RestoreError::MemorySize {
+            path,
+            expected,
+            actual,
+        }
+        .into());
+    }
+    Ok(file)
 }
 
 #[cfg(test)]
@@ -351,7 +531,7 @@ mod tests {
         };
         let memory = tempfile::tempfile().unwrap();
         memory.set_len(MEM).unwrap();
-        write(dir, &state, &memory).unwrap();
+        write(dir, &state, MemoryOut::Image(&memory)).unwrap();
     }
 
     fn edit_header(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
@@ -505,7 +685,7 @@ mod tests {
         let dir = tmp.path().join("snap");
         snapshot(&dir);
         let state = load(&dir).unwrap().state;
-        let err = write(&dir, &state, &memory).unwrap_err();
+        let err = write(&dir, &state, MemoryOut::Image(&memory)).unwrap_err();
         assert!(
             matches!(&err, Error::Snapshot(SnapshotError::AlreadyExists { dir: d }) if *d == dir),
             "{err:?}"

@@ -6,9 +6,12 @@
 //!   the SHA-256 of `state.bin`;
 //! * `state.bin` — the machine state (bincode);
 //! * `memory.img` — guest RAM, byte for byte (sparse where the guest never wrote), which
-//!   children map `MAP_PRIVATE`.
+//!   children map `MAP_PRIVATE`;
+//! * or, for a diff over a parent snapshot in a sibling directory (see [`diff`]), `pages.bin`
+//!   and `pages.idx`: only the pages written since the parent.
 
 pub mod devices;
+pub mod diff;
 pub mod file;
 pub mod host_id;
 pub mod vcpu;

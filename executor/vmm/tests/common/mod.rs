@@ -54,3 +54,18 @@ pub fn wait_for(cap: &Capture, text: &str) {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// Boot a fresh 64 MiB, 1-vCPU VM running 64-bit `code` placed at `at`, and wait until it
+/// printed "1" (every test guest prints it first).
+pub fn boot_guest(code: &[u8], at: u64) -> (tine_vmm::vm::RunningVm, Capture) {
+    use vm_memory::{Bytes, GuestAddress};
+    let ram = tine_vmm::GuestRam::new_memfd(64).unwrap();
+    ram.memory().write_slice(code, GuestAddress(at)).unwrap();
+    let out = Capture::default();
+    let mut vm = tine_vmm::Vm::create(1, ram, Box::new(out.clone())).unwrap();
+    vm.set_entry(tine_vmm::boot::EntryPoint::Linux64 { rip: at })
+        .unwrap();
+    let running = vm.start().unwrap();
+    wait_for(&out, "1");
+    (running, out)
+}

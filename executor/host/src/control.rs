@@ -1,0 +1,115 @@
+//! A running child's control socket, `control.sock` in its directory: the worker serves it
+//! for the life of its VM and the host connects to branch the VM. One JSON request line and
+//! one JSON reply line per connection. Only the host's user reaches it (mode 0600, in the
+//! host's own VM directory); it survives a daemon restart, so adopted VMs can be branched.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tine_vmm::vm::{RunningVm, SnapshotKind};
+
+pub const CONTROL_SOCKET: &str = "control.sock";
+/// Longest request line a worker reads: a request is a path and a word.
+const MAX_REQUEST: usize = 8 << 10;
+
+/// What a branch holds of the VM's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BranchKind {
+    /// A complete memory image: stands alone.
+    Full,
+    /// Only the pages written since the VM was forked, over the snapshot it was forked from.
+    Diff,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Request {
+    /// Pause, write a snapshot into `dir` (which must not exist), resume.
+    Branch { dir: PathBuf, kind: BranchKind },
+}
+
+#[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reply {
+    Branched {
+        /// How long the guest was paused, in microseconds.
+        paused_us: u64,
+        /// Pages the VM wrote since it was forked.
+        pages_written: u64,
+    },
+    Failed {
+        reason: String,
+    },
+}
+
+/// Bind the control socket in `vm_dir` (before the host learns the VM runs).
+pub fn bind(vm_dir: &Path) -> std::io::Result<UnixListener> {
+    let path = vm_dir.join(CONTROL_SOCKET);
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path)?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Serve requests for `vm`, one connection at a time, until the process ends.
+pub fn serve(listener: UnixListener, vm: &RunningVm) {
+    for conn in listener.incoming() {
+        let Ok(conn) = conn else { continue };
+        if let Err(e) = answer(conn, vm) {
+            tracing::warn!("control connection: {e}");
+        }
+    }
+}
+
+fn answer(conn: UnixStream, vm: &RunningVm) -> std::io::Result<()> {
+    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut line = String::new();
+    BufReader::new((&conn).take(MAX_REQUEST as u64)).read_line(&mut line)?;
+    let reply = match serde_json::from_str::<Request>(&line) {
+        Err(e) => Reply::Failed {
+            reason: format!("bad control request: {e}"),
+        },
+        Ok(Request::Branch { dir, kind }) => {
+            let kind = match kind {
+                BranchKind::Full => SnapshotKind::Full,
+                BranchKind::Diff => SnapshotKind::Diff,
+            };
+            match vm.branch(&dir, kind) {
+                Ok(b) => Reply::Branched {
+                    paused_us: b.paused.as_micros() as u64,
+                    pages_written: b.pages_written,
+                },
+                Err(e) => Reply::Failed {
+                    reason: e.to_string(),
+                },
+            }
+        }
+    };
+    let mut out = serde_json::to_vec(&reply).expect("reply serializes");
+    out.push(b'\n');
+    (&conn).write_all(&out)
+}
+
+/// Send `req` to the VM whose directory is `vm_dir` and wait up to `timeout` for its reply.
+pub fn request(vm_dir: &Path, req: &Request, timeout: Duration) -> std::io::Result<Reply> {
+    let conn = UnixStream::connect(vm_dir.join(CONTROL_SOCKET))?;
+    conn.set_read_timeout(Some(timeout))?;
+    conn.set_write_timeout(Some(Duration::from_secs(10)))?;
+    let mut line = serde_json::to_vec(req).expect("request serializes");
+    line.push(b'\n');
+    (&conn).write_all(&line)?;
+    let mut reply = String::new();
+    BufReader::new(&conn).read_line(&mut reply)?;
+    if reply.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "the VM closed its control socket without answering (did it exit?)",
+        ));
+    }
+    serde_json::from_str(&reply).map_err(std::io::Error::other)
+}

@@ -1,0 +1,301 @@
+//! Branching running VMs with a hand-made guest on /dev/kvm: the guest counts in a loop and
+//! stores each count into two pages far apart, first A then B. A branch taken mid-loop must
+//! hold memory and vCPU state of one instant (B == A, or B == A - 1 when the pause fell between
+//! the two stores), only the pages written since restore, and chains of diffs must restore by
+//! mapping their layers.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::{boot_guest, kvm_available, out8, Capture};
+
+use tine_vmm::error::{Error, RestoreError};
+use tine_vmm::snapshot::file::load_header;
+use tine_vmm::vm::{RestoreOptions, RunningVm, SnapshotKind};
+use tine_vmm::{GuestRam, Vm};
+use vm_memory::{Bytes, GuestAddress};
+
+const CODE: u64 = 0x10_0000;
+const A: u64 = 0x20_0000;
+const B: u64 = 0x300_0000;
+/// Written by the host (the VMM) into a child's RAM, never by the guest.
+const HOST_WRITE: u64 = 0x100_0000;
+
+/// Print "1", then forever: rcx += 1; [A] = rcx; [B] = rcx.
+fn counter_guest() -> Vec<u8> {
+    let mut c = Vec::new();
+    out8(&mut c, 0x3f8, b'1');
+    c.extend_from_slice(&[0x48, 0x31, 0xc9]); // xor rcx, rcx
+    let top = c.len();
+    c.extend_from_slice(&[0x48, 0xff, 0xc1]); // inc rcx
+    for addr in [A, B] {
+        c.extend_from_slice(&[0x48, 0x89, 0x0c, 0x25]); // mov [addr32], rcx
+        c.extend_from_slice(&(addr as u32).to_le_bytes());
+    }
+    let back = top as i64 - (c.len() as i64 + 2);
+    c.extend_from_slice(&[0xeb, back as i8 as u8]); // jmp top
+    c
+}
+
+fn opts(out: &Capture) -> RestoreOptions {
+    RestoreOptions {
+        console: Box::new(out.clone()),
+        vsock_uds: None,
+    }
+}
+
+/// Boot the counter guest and snapshot it (complete) into `dir` once it counts.
+fn make_root(dir: &Path) {
+    let (running, _) = boot_guest(&counter_guest(), CODE);
+    std::thread::sleep(Duration::from_millis(20));
+    running.snapshot(dir).unwrap();
+    running.stop();
+}
+
+fn counters(ram: &GuestRam) -> (u64, u64) {
+    let m = ram.memory();
+    (
+        m.read_obj::<u64>(GuestAddress(A)).unwrap(),
+        m.read_obj::<u64>(GuestAddress(B)).unwrap(),
+    )
+}
+
+/// The counters a snapshot holds, read from a restored (never started) VM.
+fn counters_in(dir: &Path) -> (u64, u64) {
+    let vm = Vm::restore(dir, opts(&Capture::default())).unwrap();
+    counters(vm.ram())
+}
+
+fn assert_one_instant((a, b): (u64, u64), what: &str) {
+    assert!(a > 0, "{what}: the guest never counted");
+    assert!(
+        b == a || b + 1 == a,
+        "{what}: A = {a} and B = {b} are from different instants"
+    );
+}
+
+/// Wait (up to 30 s) until a running child counted past `past`.
+fn counted_past(vm: &RunningVm, past: u64) {
+    let t0 = std::time::Instant::now();
+    while counters(vm.ram()).0 <= past {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the child does not count"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn start_child(dir: &Path) -> RunningVm {
+    Vm::restore(dir, opts(&Capture::default()))
+        .unwrap()
+        .start()
+        .unwrap()
+}
+
+#[test]
+fn diff_branches_hold_one_instant_and_only_the_written_pages() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    make_root(&root);
+    let at_root = counters_in(&root);
+    assert_one_instant(at_root, "root");
+
+    let child = start_child(&root);
+    // The VMM writes guest memory too (virtio rings do): such pages belong in the diff.
+    child
+        .ram()
+        .memory()
+        .write_obj(0xfeed_u64, GuestAddress(HOST_WRITE))
+        .unwrap();
+    counted_past(&child, at_root.0 + 1);
+    let mut previous = at_root;
+    for i in 0..20 {
+        std::thread::sleep(Duration::from_millis(2));
+        let dir = tmp.path().join(format!("b{i}"));
+        let b = child.branch(&dir, SnapshotKind::Diff).unwrap();
+        // A, B and the host's page: nothing else was written since the restore.
+        assert_eq!(b.pages_written, 3, "branch {i}");
+        let header = load_header(&dir).unwrap();
+        let d = header.diff.expect("a diff");
+        assert_eq!(d.parent, "root");
+        assert_eq!(d.pages, 3);
+        assert_eq!(
+            std::fs::metadata(dir.join("pages.bin")).unwrap().len(),
+            3 * 4096
+        );
+        assert!(!dir.join("memory.img").exists());
+        let c = counters_in(&dir);
+        assert_one_instant(c, &format!("branch {i}"));
+        assert!(c.0 >= previous.0, "branch {i} went back in time");
+        previous = c;
+        let vm = Vm::restore(&dir, opts(&Capture::default())).unwrap();
+        assert_eq!(
+            vm.ram()
+                .memory()
+                .read_obj::<u64>(GuestAddress(HOST_WRITE))
+                .unwrap(),
+            0xfeed
+        );
+    }
+    // The source runs on after its branches.
+    counted_past(&child, counters(child.ram()).0);
+    child.stop();
+}
+
+#[test]
+fn chains_of_diffs_restore_by_mapping_their_layers() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    make_root(&root);
+    let mut dir = root.clone();
+    let mut last = counters_in(&root);
+    for depth in 1..=6 {
+        let child = start_child(&dir);
+        // Each level leaves a mark of its own on a page nobody else writes.
+        child
+            .ram()
+            .memory()
+            .write_obj(depth, GuestAddress(HOST_WRITE + depth * 4096))
+            .unwrap();
+        counted_past(&child, last.0 + 1);
+        let next = tmp.path().join(format!("d{depth}"));
+        let b = child.branch(&next, SnapshotKind::Diff).unwrap();
+        child.stop();
+        assert_eq!(b.pages_written, 3, "depth {depth}: A, B and its mark");
+        let c = counters_in(&next);
+        assert_one_instant(c, &format!("depth {depth}"));
+        assert!(
+            c.0 > last.0,
+            "depth {depth} did not carry on from its parent"
+        );
+        last = c;
+        dir = next;
+    }
+    // The deepest layer sees every ancestor's mark, maps (not copies) its chain, and runs.
+    let vm = Vm::restore(&dir, opts(&Capture::default())).unwrap();
+    for depth in 1..=6u64 {
+        let mark: u64 = vm
+            .ram()
+            .memory()
+            .read_obj(GuestAddress(HOST_WRITE + depth * 4096))
+            .unwrap();
+        assert_eq!(mark, depth, "mark of depth {depth}");
+    }
+    let running = vm.start().unwrap();
+    counted_past(&running, last.0);
+    running.stop();
+
+    // A complete branch of the deepest child stands alone: no parent needed.
+    let child = start_child(&dir);
+    let full = tmp.path().join("full");
+    child.branch(&full, SnapshotKind::Full).unwrap();
+    child.stop();
+    assert!(load_header(&full).unwrap().diff.is_none());
+    let alone = tmp.path().join("alone");
+    std::fs::create_dir(&alone).unwrap();
+    let moved = alone.join("full");
+    std::fs::rename(&full, &moved).unwrap();
+    let c = counters_in(&moved);
+    assert_one_instant(c, "full");
+    assert!(c.0 >= last.0);
+    let vm = Vm::restore(&moved, opts(&Capture::default())).unwrap();
+    assert_eq!(
+        vm.ram()
+            .memory()
+            .read_obj::<u64>(GuestAddress(HOST_WRITE + 3 * 4096))
+            .unwrap(),
+        3
+    );
+}
+
+fn restore_err(dir: &Path) -> String {
+    match Vm::restore(dir, opts(&Capture::default())) {
+        Ok(_) => panic!("{} restored", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn broken_chains_are_refused_with_a_clear_error() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    make_root(&root);
+    let child = start_child(&root);
+    counted_past(&child, counters_in(&root).0 + 1);
+    let diff = tmp.path().join("diff");
+    child.branch(&diff, SnapshotKind::Diff).unwrap();
+    child.stop();
+    let copy = |name: &str| {
+        let d = tmp.path().join(name);
+        std::fs::create_dir(&d).unwrap();
+        for f in ["snapshot.json", "state.bin", "pages.bin", "pages.idx"] {
+            std::fs::copy(diff.join(f), d.join(f)).unwrap();
+        }
+        d
+    };
+
+    let truncated = copy("truncated");
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(truncated.join("pages.bin"))
+        .unwrap();
+    f.set_len(4096).unwrap();
+    assert!(
+        restore_err(&truncated).contains("truncated"),
+        "{}",
+        restore_err(&truncated)
+    );
+
+    let bad_index = copy("bad-index");
+    let mut idx = std::fs::read(bad_index.join("pages.idx")).unwrap();
+    idx[8] ^= 1;
+    std::fs::write(bad_index.join("pages.idx"), idx).unwrap();
+    let e = restore_err(&bad_index);
+    assert!(e.contains("pages.idx is corrupt"), "{e}");
+
+    let escape = copy("escape");
+    let h = std::fs::read_to_string(escape.join("snapshot.json")).unwrap();
+    std::fs::write(
+        escape.join("snapshot.json"),
+        h.replace("\"parent\": \"root\"", "\"parent\": \"../root\""),
+    )
+    .unwrap();
+    let e = restore_err(&escape);
+    assert!(e.contains("not a sibling directory name"), "{e}");
+
+    // The parent replaced by another snapshot under the same name: the diff does not apply.
+    let kept = tmp.path().join("kept-root");
+    std::fs::rename(&root, &kept).unwrap();
+    make_root(&root);
+    let e = restore_err(&diff);
+    assert!(e.contains("changed since the diff was taken"), "{e}");
+    match Vm::restore(&diff, opts(&Capture::default())) {
+        Err(Error::Restore(RestoreError::ParentChanged { .. })) => {}
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("restored"),
+    }
+
+    // A booted VM has no parent to take a diff over.
+    let (running, _) = boot_guest(&counter_guest(), CODE);
+    let e = running
+        .branch(&tmp.path().join("orphan"), SnapshotKind::Diff)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("a diff needs a VM restored from a snapshot"),
+        "{e}"
+    );
+    running.stop();
+}
