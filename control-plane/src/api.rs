@@ -31,6 +31,8 @@ type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 /// Snapshot creation boots and warms a guest: minutes in the nested lab.
 const CREATE_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(1800);
+/// A branch pauses a sandbox and writes its pages (a complete image for FULL).
+const BRANCH_TIMEOUT: Duration = Duration::from_secs(600);
 
 impl From<DbError> for Status {
     fn from(e: DbError) -> Status {
@@ -89,6 +91,7 @@ fn snapshot_msg(r: &SnapshotRow) -> pb::Snapshot {
             stored_bytes: l.stored_bytes,
             compressed_bytes: l.compressed_bytes,
         }),
+        branch: None,
     }
 }
 
@@ -194,6 +197,17 @@ impl Api {
 
     // ---- Snapshots ----
 
+    /// A snapshot just recorded, as the API shows it.
+    async fn recorded(&self, tag: &str) -> Result<pb::Snapshot, Status> {
+        let row = self
+            .ctx
+            .db
+            .snapshot(tag)
+            .await?
+            .ok_or_else(|| Status::internal("snapshot vanished"))?;
+        Ok(snapshot_msg(&row))
+    }
+
     async fn create_snapshot_inner(
         &self,
         r: pb::CreateSnapshotRequest,
@@ -262,13 +276,7 @@ impl Api {
                 layers,
             })
             .await?;
-        let row = self
-            .ctx
-            .db
-            .snapshot(&r.tag)
-            .await?
-            .ok_or_else(|| Status::internal("snapshot vanished"))?;
-        Ok(snapshot_msg(&row))
+        self.recorded(&r.tag).await
     }
 
     async fn delete_snapshot_inner(
@@ -291,6 +299,72 @@ impl Api {
         }
         Ok(pb::DeleteSnapshotResponse {
             deleted: deleted.into_iter().map(|s| s.tag).collect(),
+        })
+    }
+
+    /// Snapshot a ready sandbox on its executor as a child of the snapshot it was forked from.
+    async fn branch_inner(&self, r: pb::BranchRequest) -> Result<pb::Snapshot, Status> {
+        validate::name("sandbox_id", &r.sandbox_id)?;
+        validate::name("tag", &r.tag)?;
+        let mode = validate::branch_mode(r.mode, r.no_wait)?;
+        if self.ctx.db.snapshot(&r.tag).await?.is_some() {
+            return Err(Status::already_exists(format!(
+                "snapshot {} already exists",
+                r.tag
+            )));
+        }
+        let at = self
+            .ctx
+            .db
+            .sandbox_at(&r.sandbox_id)
+            .await?
+            .ok_or_else(|| Status::not_found(format!("sandbox {} does not exist", r.sandbox_id)))?;
+        if at.sandbox.state() != SandboxState::Ready {
+            return Err(Status::failed_precondition(format!(
+                "sandbox {} is {}, not ready: only a ready sandbox can be branched",
+                r.sandbox_id,
+                at.sandbox.state().as_str()
+            )));
+        }
+        let parent = self.ctx.db.snapshot(&at.sandbox.tag).await?;
+        if parent.is_none() && mode == pb::BranchMode::Diff {
+            return Err(Status::failed_precondition(format!(
+                "snapshot {} that sandbox {} was forked from has been deleted, so a diff has nothing to apply over: branch with mode FULL",
+                at.sandbox.tag, r.sandbox_id
+            )));
+        }
+        let mut client = self.ctx.executors.client(&at.addr)?;
+        let mut req = Request::new(r.clone());
+        req.set_timeout(BRANCH_TIMEOUT);
+        let made = client.branch(req).await?.into_inner();
+        let layers = made.layers.as_ref().map(layers_from).transpose()?;
+        let inserted = self
+            .ctx
+            .db
+            .insert_snapshot(&NewSnapshot {
+                tag: r.tag.clone(),
+                parent_tag: parent.as_ref().map(|p| p.tag.clone()),
+                image: parent
+                    .as_ref()
+                    .map_or_else(|| "unknown".to_string(), |p| p.image.clone()),
+                vcpus: made.vcpus,
+                mem_mib: made.mem_mib,
+                source_sandbox: Some(r.sandbox_id.clone()),
+                executor_id: at.sandbox.executor_id.clone(),
+                layers,
+            })
+            .await;
+        if let Err(e) = inserted {
+            // Not recorded, so not kept: the executor's copy would match no snapshot.
+            let req = xpb::DeleteSnapshotRequest { tag: r.tag.clone() };
+            if let Err(d) = client.delete_snapshot(req).await {
+                tracing::warn!(tag = %r.tag, "could not delete an unrecorded branch: {d}");
+            }
+            return Err(e.into());
+        }
+        Ok(pb::Snapshot {
+            branch: made.branch,
+            ..self.recorded(&r.tag).await?
         })
     }
 
@@ -843,16 +917,10 @@ impl Sandboxes for Api {
         let call = self.ctx.begin(
             Rpc::Branch,
             &req,
-            json!({"sandbox_id": r.sandbox_id, "tag": r.tag}),
+            json!({"sandbox_id": r.sandbox_id, "tag": r.tag, "mode": r.mode, "no_wait": r.no_wait}),
         )?;
-        let res = (|| {
-            validate::name("sandbox_id", &r.sandbox_id)?;
-            validate::name("tag", &r.tag)?;
-            Err(Status::unimplemented(
-                "Branch (snapshotting a running sandbox) is not implemented yet; this RPC's shape is final",
-            ))
-        })();
-        self.ctx.finish(call, res)
+        let res = self.branch_inner(req.into_inner()).await;
+        self.ctx.finish(call, res.map(Response::new))
     }
 }
 

@@ -72,6 +72,29 @@ impl Executor for FakeExecutor {
         }))
     }
 
+    async fn branch(
+        &self,
+        req: Request<pb::BranchRequest>,
+    ) -> Result<Response<pb::Snapshot>, Status> {
+        let r = req.into_inner();
+        if !self.state.lock().unwrap().live.contains(&r.sandbox_id) {
+            return Err(Status::not_found(format!("no VM {}", r.sandbox_id)));
+        }
+        Ok(Response::new(pb::Snapshot {
+            tag: r.tag,
+            vcpus: 1,
+            mem_mib: 512,
+            source_sandbox: r.sandbox_id,
+            branch: Some(pb::BranchInfo {
+                mode: r.mode,
+                pause_us: 900,
+                pages_written: 7,
+                took_us: 1000,
+            }),
+            ..Default::default()
+        }))
+    }
+
     async fn delete_snapshot(
         &self,
         req: Request<xpb::DeleteSnapshotRequest>,
@@ -832,14 +855,82 @@ async fn exec_and_files_are_relayed() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
+
+    // Branch: what is not carried out yet is refused, not taken as something else.
+    for (mode, no_wait) in [(pb::BranchMode::Live, false), (pb::BranchMode::Diff, true)] {
+        let err = sb
+            .branch(pb::BranchRequest {
+                sandbox_id: s.id.clone(),
+                tag: "b".into(),
+                mode: mode as i32,
+                no_wait,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::Unimplemented, "{}", err.message());
+    }
+    let err = sb
+        .branch(pb::BranchRequest {
+            sandbox_id: "sbx-0000000000000000".into(),
+            tag: "b".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    // A branch is recorded as a child of the sandbox's snapshot, made from that sandbox.
+    let b = sb
+        .branch(pb::BranchRequest {
+            sandbox_id: s.id.clone(),
+            tag: "b".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (
+            b.parent_tag.as_str(),
+            b.source_sandbox.as_str(),
+            b.image.as_str()
+        ),
+        ("py", s.id.as_str(), "python-numpy")
+    );
+    assert_eq!(b.executors, vec!["ex-a"]);
+    assert_eq!(b.branch.unwrap().pages_written, 7);
+    let (mut sn, _, _) = clients(cp.addr, Some(&t.user)).await;
+    let g = sn
+        .get_snapshot(pb::GetSnapshotRequest { tag: "b".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        g.ancestors
+            .iter()
+            .map(|a| a.tag.as_str())
+            .collect::<Vec<_>>(),
+        vec!["py"]
+    );
     let err = sb
         .branch(pb::BranchRequest {
             sandbox_id: s.id.clone(),
             tag: "b".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::Unimplemented);
+    assert_eq!(err.code(), Code::AlreadyExists);
+    let err = sn
+        .delete_snapshot(pb::DeleteSnapshotRequest {
+            tag: "py".into(),
+            cascade: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    // Children of the branch are placed where it is.
+    let ev = spawn_all(&mut sb, "b", 2, pb::PlacementPolicy::Spread).await;
+    assert_eq!(ready_on(&ev).get("ex-a"), Some(&2));
     cp.shutdown().await.unwrap();
 }
 

@@ -43,6 +43,12 @@ impl Executor for NullExecutor {
     ) -> Result<Response<pb::Snapshot>, Status> {
         unsupported("snapshots")
     }
+    async fn branch(
+        &self,
+        _: Request<pb::BranchRequest>,
+    ) -> Result<Response<pb::Snapshot>, Status> {
+        unsupported("branches")
+    }
     async fn delete_snapshot(
         &self,
         _: Request<xpb::DeleteSnapshotRequest>,

@@ -99,6 +99,27 @@ pub fn executor_addr(a: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// A branch's mode as this build carries it out: FULL or DIFF (UNSPECIFIED is DIFF). LIVE
+/// and `no_wait` are part of the API but not carried out yet: refused as UNIMPLEMENTED rather
+/// than silently taken as something else.
+pub fn branch_mode(mode: i32, no_wait: bool) -> Result<tine_proto::v1::BranchMode, Status> {
+    use tine_proto::v1::BranchMode;
+    let m = BranchMode::try_from(mode)
+        .map_err(|_| invalid("mode", format!("{mode} is not a BranchMode")))?;
+    if no_wait {
+        return Err(Status::unimplemented(
+            "no_wait: returning before the branch is written is not supported yet; branch with no_wait=false",
+        ));
+    }
+    match m {
+        BranchMode::Unspecified | BranchMode::Diff => Ok(BranchMode::Diff),
+        BranchMode::Full => Ok(BranchMode::Full),
+        BranchMode::Live => Err(Status::unimplemented(
+            "mode LIVE (copying pages while the sandbox runs) is not supported yet; use DIFF (the default) or FULL",
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -140,6 +140,31 @@ pub enum SandboxCommand {
     Eval { id: String, code: String },
     /// Copy a file: `ID:/path LOCAL` (out) or `LOCAL ID:/path` (in).
     Cp { from: String, to: String },
+    /// Snapshot a running sandbox under a new tag; it runs on, and children of the new tag
+    /// start from this instant.
+    Branch {
+        id: String,
+        #[arg(long)]
+        tag: String,
+        /// diff (the pages written since the fork, over its snapshot) or full (a complete
+        /// image); live is not supported yet.
+        #[arg(long, default_value = "diff")]
+        mode: String,
+        /// Return before the branch is written (not supported yet).
+        #[arg(long)]
+        no_wait: bool,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn branch_mode(m: &str) -> Result<pb::BranchMode> {
+    Ok(match m {
+        "diff" => pb::BranchMode::Diff,
+        "full" => pb::BranchMode::Full,
+        "live" => pb::BranchMode::Live,
+        other => bail!("--mode {other:?}: use diff, full or live"),
+    })
 }
 
 fn split_remote(s: &str) -> Option<(&str, &str)> {
@@ -249,6 +274,49 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                         s.tag,
                         s.executor,
                         s.ready_us as f64 / 1e3
+                    );
+                }
+                Ok(0)
+            }
+            SandboxCommand::Branch {
+                id,
+                tag,
+                mode,
+                no_wait,
+                json,
+            } => {
+                let t0 = Instant::now();
+                let s = sb
+                    .branch(pb::BranchRequest {
+                        sandbox_id: id.clone(),
+                        tag,
+                        mode: branch_mode(&mode)? as i32,
+                        no_wait,
+                    })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                let b = s.branch.unwrap_or_default();
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::json!({
+                            "tag": s.tag, "parent": s.parent_tag, "source_sandbox": s.source_sandbox,
+                            "executors": s.executors, "mode": mode,
+                            "pause_us": b.pause_us, "pages_written": b.pages_written,
+                            "took_us": b.took_us,
+                            "client_ms": t0.elapsed().as_secs_f64() * 1e3,
+                        })
+                    );
+                } else {
+                    print_snapshot(&s, "");
+                    println!(
+                        "[tine] branched {id} ({mode}): paused {:.2} ms, {} pages written since its fork ({:.1} MiB), {:.1} ms on the executor, {:.1} ms in all",
+                        b.pause_us as f64 / 1e3,
+                        b.pages_written,
+                        (b.pages_written * 4096) as f64 / (1 << 20) as f64,
+                        b.took_us as f64 / 1e3,
+                        t0.elapsed().as_secs_f64() * 1e3
                     );
                 }
                 Ok(0)

@@ -300,6 +300,15 @@ def test_branch_and_executors() -> None:
         (sb,) = c.spawn("py", n=1)
         snap = sb.branch("mid")
         assert snap.tag == "mid" and snap.parent_tag == "py" and snap.source_sandbox == sb.id
+        assert snap.branch is not None and snap.branch.mode == "diff" and snap.branch.pages_written == 12
+        assert sb.branch("whole", mode="full").branch.mode == "full"  # type: ignore[union-attr]
+        _raises("UNIMPLEMENTED", sb.branch, "x", mode="live")
+        _raises("UNIMPLEMENTED", sb.branch, "x", wait=False)
+        try:
+            sb.branch("x", mode="sideways")
+            raise AssertionError("a bad mode was sent")
+        except ValueError as e:
+            assert "sideways" in str(e)
         ex = c.executors()
         assert ex[0].id == "ex-1" and ex[0].state == "UP" and ex[0].max_sandboxes == 100
         assert ex[1].state == "7" and ex[1].cached_tags == ("py",)  # a state newer than this client

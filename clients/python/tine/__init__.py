@@ -9,6 +9,7 @@ The raw generated gRPC modules are ``tine.v1.tine_pb2`` and ``tine.v1.tine_pb2_g
 
 from tine.client import (
     DEFAULT_ADDR,
+    BranchInfo,
     Client,
     EvalResult,
     ExecResult,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_ADDR",
+    "BranchInfo",
     "Client",
     "EvalError",
     "EvalResult",

@@ -212,6 +212,8 @@ class Snapshot:
     source_sandbox: str
     ancestors: tuple[Snapshot, ...] = ()
     descendants: tuple[Snapshot, ...] = ()
+    #: How it was made, in the answer to ``Sandbox.branch`` only.
+    branch: BranchInfo | None = None
 
     @classmethod
     def _from_pb(cls, s: pb.Snapshot) -> Snapshot:
@@ -224,6 +226,28 @@ class Snapshot:
             created_unix_ms=s.created_unix_ms,
             executors=tuple(s.executors),
             source_sandbox=s.source_sandbox,
+            branch=BranchInfo._from_pb(s.branch) if s.HasField("branch") else None,
+        )
+
+
+@dataclass(frozen=True)
+class BranchInfo:
+    """How a branch was taken: ``mode`` (``"diff"`` or ``"full"``), how long the sandbox
+    was paused, the pages it had written since its fork, and the whole call on the executor."""
+
+    mode: str
+    pause_us: int
+    pages_written: int
+    took_us: int
+
+    @classmethod
+    def _from_pb(cls, b: pb.BranchInfo) -> BranchInfo:
+        names = {pb.BRANCH_MODE_DIFF: "diff", pb.BRANCH_MODE_FULL: "full", pb.BRANCH_MODE_LIVE: "live"}
+        return cls(
+            mode=names.get(b.mode, str(b.mode)),
+            pause_us=b.pause_us,
+            pages_written=b.pages_written,
+            took_us=b.took_us,
         )
 
 
@@ -472,9 +496,15 @@ class Sandbox:
         self._update(self._client._unary(self._client._sandboxes.GetSandbox, pb.GetSandboxRequest(id=self.id)))
         return self
 
-    def branch(self, tag: str) -> Snapshot:
-        """Snapshot this running sandbox as a child snapshot ``tag``."""
-        req = pb.BranchRequest(sandbox_id=self.id, tag=tag)
+    def branch(self, tag: str, mode: str = "diff", wait: bool = True) -> Snapshot:
+        """Snapshot this running sandbox as a child snapshot ``tag``; the sandbox runs on
+        and children of ``tag`` start from this instant. ``mode``: ``"diff"`` (the pages
+        written since the fork, over its snapshot) or ``"full"`` (a complete image);
+        ``"live"`` and ``wait=False`` are refused (UNIMPLEMENTED) by this release."""
+        modes = {"diff": pb.BRANCH_MODE_DIFF, "full": pb.BRANCH_MODE_FULL, "live": pb.BRANCH_MODE_LIVE}
+        if mode not in modes:
+            raise ValueError(f"tine: branch mode {mode!r}: use one of {sorted(modes)}")
+        req = pb.BranchRequest(sandbox_id=self.id, tag=tag, mode=modes[mode], no_wait=not wait)
         return Snapshot._from_pb(self._client._unary(self._client._sandboxes.Branch, req, None))
 
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::Stream;
 use tine_agent::client::{AgentErrorCode, ClientError, ExecOptions};
 use tine_host::ready::agent;
-use tine_host::{ErrorKind, Host, HostError, LayerInfo, ParentSpec, SpawnOptions};
+use tine_host::{BranchKind, ErrorKind, Host, HostError, LayerInfo, ParentSpec, SpawnOptions};
 use tine_proto::executor::v1 as xpb;
 use tine_proto::executor::v1::executor_server::Executor;
 use tine_proto::v1 as pb;
@@ -277,6 +277,45 @@ impl Executor for ExecutorService {
             executors: vec![self.state.id.to_string()],
             source_sandbox: String::new(),
             layers: made.layer.as_ref().map(layers_msg),
+            branch: None,
+        }))
+    }
+
+    async fn branch(
+        &self,
+        req: Request<pb::BranchRequest>,
+    ) -> Result<Response<pb::Snapshot>, Status> {
+        self.state.refuse_vm_work()?;
+        let r = req.into_inner();
+        let id = validate::sandbox_id("sandbox_id", &r.sandbox_id)?;
+        let tag = validate::tag("tag", &r.tag)?;
+        let mode = validate::branch_mode(r.mode, r.no_wait)?;
+        let kind = match mode {
+            pb::BranchMode::Full => BranchKind::Full,
+            _ => BranchKind::Diff,
+        };
+        let st = self.state.clone();
+        let b = tokio::task::spawn_blocking(move || st.host.branch(&id, &tag, kind))
+            .await
+            .map_err(internal)?
+            .map_err(|e| host_status(&e))?;
+        Ok(Response::new(pb::Snapshot {
+            tag: r.tag,
+            parent_tag: b.parent.to_string(),
+            // The control plane knows the image (the parent's).
+            image: String::new(),
+            vcpus: b.header.vcpus,
+            mem_mib: b.header.mem_size >> 20,
+            created_unix_ms: tine_host::records::now_ms() as i64,
+            executors: vec![self.state.id.to_string()],
+            source_sandbox: r.sandbox_id,
+            layers: None,
+            branch: Some(pb::BranchInfo {
+                mode: mode as i32,
+                pause_us: b.paused.as_micros() as u64,
+                pages_written: b.pages_written,
+                took_us: b.took.as_micros() as u64,
+            }),
         }))
     }
 

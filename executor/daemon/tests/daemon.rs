@@ -185,6 +185,76 @@ async fn executor_api_end_to_end() {
         "{text}"
     );
 
+    // Branch a running child: the branch is a child of its snapshot, made from that sandbox,
+    // and spawnable here once a slot is free.
+    let b = c
+        .branch(pb::BranchRequest {
+            sandbox_id: "sbx-a1".into(),
+            tag: "idle-b1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (b.parent_tag.as_str(), b.source_sandbox.as_str()),
+        ("idle", "sbx-a1")
+    );
+    let info = b.branch.unwrap();
+    assert_eq!(info.mode, pb::BranchMode::Diff as i32);
+    assert!(
+        info.pause_us > 0 && info.pause_us <= info.took_us,
+        "{info:?}"
+    );
+    for (req, code) in [
+        (
+            ("sbx-nope", "idle-b2", pb::BranchMode::Diff),
+            Code::NotFound,
+        ),
+        (
+            ("sbx-a1", "idle-b1", pb::BranchMode::Diff),
+            Code::AlreadyExists,
+        ),
+        (
+            ("sbx-a1", "idle-b2", pb::BranchMode::Live),
+            Code::Unimplemented,
+        ),
+        (
+            ("sbx-a1", "../x", pb::BranchMode::Diff),
+            Code::InvalidArgument,
+        ),
+    ] {
+        let e = c
+            .branch(pb::BranchRequest {
+                sandbox_id: req.0.into(),
+                tag: req.1.into(),
+                mode: req.2 as i32,
+                no_wait: false,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), code, "{req:?}: {e:?}");
+    }
+    let e = c
+        .delete_snapshot(xpb::DeleteSnapshotRequest { tag: "idle".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(
+        c.kill(xpb::KillRequest {
+            id: "sbx-a2".into()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .existed
+    );
+    let events = spawn(&mut c, "idle-b1", &["sbx-a2"]).await;
+    assert!(
+        matches!(events[0].result, Some(xpb::spawn_event::Result::ReadyUs(_))),
+        "{events:?}"
+    );
+
     // Restart without killing: the new daemon re-adopts both children.
     ex.shutdown(false).await.unwrap();
     let ex = start(tmp.path(), &token, 2).await;

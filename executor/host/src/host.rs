@@ -430,13 +430,21 @@ impl Host {
 
     /// Snapshots here whose diff applies over `tag`.
     fn local_descendants(&self, tag: &Tag) -> Vec<Tag> {
+        self.diff_parents()
+            .into_iter()
+            .filter(|(_, parent)| parent == tag)
+            .map(|(child, _)| child)
+            .collect()
+    }
+
+    /// (diff, the snapshot it applies over) for every diff snapshot here.
+    fn diff_parents(&self) -> Vec<(Tag, Tag)> {
         self.snapshot_tags()
             .into_iter()
-            .filter(|t| {
-                tine_vmm::snapshot::file::load_header(&self.snapshot_dir(t))
-                    .ok()
-                    .and_then(|h| h.diff)
-                    .is_some_and(|d| d.parent == tag.as_str())
+            .filter_map(|t| {
+                let h = tine_vmm::snapshot::file::load_header(&self.snapshot_dir(&t)).ok()?;
+                let parent = Tag::parse(h.diff?.parent).ok()?;
+                Some((t, parent))
             })
             .collect()
     }
@@ -521,12 +529,14 @@ impl Host {
     /// Trim the layer cache to its bound, sparing snapshots children here run from.
     pub fn enforce_cache_bound(&self) {
         if let Some(f) = &self.fetcher {
-            let live: std::collections::HashSet<Tag> = self
+            let mut live: std::collections::HashSet<Tag> = self
                 .vms()
                 .live
                 .values()
                 .filter_map(|l| l.record.tag.clone())
                 .collect();
+            // A diff here maps its parent's image: that image stays while the diff does.
+            live.extend(self.diff_parents().into_iter().map(|(_, parent)| parent));
             f.enforce_bound(&live);
         }
     }
