@@ -315,6 +315,8 @@ fn control_plane_end_to_end_with_the_python_client() {
             "eval-cli",
             "python-example",
             "python-tests",
+            "branch-cli",
+            "python-branch-demo",
             "executor-metrics",
             "shutdown",
         ],

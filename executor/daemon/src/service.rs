@@ -309,7 +309,7 @@ impl Executor for ExecutorService {
             created_unix_ms: tine_host::records::now_ms() as i64,
             executors: vec![self.state.id.to_string()],
             source_sandbox: r.sandbox_id,
-            layers: None,
+            layers: b.layer.as_ref().map(layers_msg),
             branch: Some(pb::BranchInfo {
                 mode: mode as i32,
                 pause_us: b.paused.as_micros() as u64,

@@ -44,6 +44,8 @@ pub struct Branch {
     pub pages_written: u64,
     /// The whole call, as the caller waited for it.
     pub took: Duration,
+    /// Its layer in the cluster's store (None: this host has no store).
+    pub layer: Option<crate::layers::LayerInfo>,
 }
 
 /// A VM this host started or re-adopted.
@@ -408,8 +410,25 @@ impl Host {
                     )));
                 }
             }
+            // As for snapshots made here: one the other hosts cannot fetch is not made.
+            let layer = match &self.fetcher {
+                Some(f) => {
+                    let _publishing = f.in_flight();
+                    f.grew();
+                    Some(match kind {
+                        crate::control::BranchKind::Diff => {
+                            f.layers.publish_diff(tag, &staging, &parent)?
+                        }
+                        crate::control::BranchKind::Full => {
+                            f.layers.publish(tag, &staging, Vec::new())?
+                        }
+                    })
+                }
+                None => None,
+            };
             self.install_snapshot(&staging, &dir, false, tag)?;
             Ok(Branch {
+                layer,
                 tag: tag.clone(),
                 parent: parent.clone(),
                 kind,

@@ -7,12 +7,14 @@
 use std::path::{Path, PathBuf};
 
 use tine_proto::names::Tag;
-use tine_snapshot_store::builder::{build_base, BuildOptions, LayerInput, DEFAULT_PAGE_SIZE};
+use tine_snapshot_store::builder::{
+    build_base, build_diff, BuildOptions, DirtyPages, LayerInput, DEFAULT_PAGE_SIZE,
+};
 use tine_snapshot_store::cache::LocalCache;
 use tine_snapshot_store::progress::NoProgress;
 use tine_snapshot_store::remote::RemoteStore;
 use tine_snapshot_store::{Digest, StoreError};
-use tine_vmm::snapshot::file::{HEADER_FILE, MEMORY_FILE, STATE_FILE};
+use tine_vmm::snapshot::file::{SnapshotHeader, HEADER_FILE, MEMORY_FILE, STATE_FILE};
 
 use crate::error::{HostError, Result};
 
@@ -169,16 +171,88 @@ impl Layers {
             },
         )
         .map_err(store_err("building the snapshot's layer"))?;
+        self.tag_and_push(tag, &layer.digest)
+    }
+
+    /// Make the diff snapshot in `dir` (a branch over `parent`, whose layer this cache holds)
+    /// a diff layer over the parent's layer, and push it under `tag`: only the pages the
+    /// branch holds are chunked, compressed and sent.
+    pub(crate) fn publish_diff(&self, tag: &Tag, dir: &Path, parent: &Tag) -> Result<LayerInfo> {
+        let read = |name: &str| {
+            let p = dir.join(name);
+            std::fs::read(&p).map_err(HostError::io(format!("reading {}", p.display())))
+        };
+        let header_raw = read(HEADER_FILE)?;
+        let bad = |source| HostError::BadSnapshot {
+            tag: tag.clone(),
+            source,
+        };
+        let header = tine_vmm::snapshot::file::load_header(dir).map_err(bad)?;
+        let Some(diff) = tine_vmm::snapshot::file::diff_pages(dir, &header).map_err(bad)? else {
+            return Err(HostError::Store {
+                what: format!("publishing branch {tag}"),
+                reason: "it is not a diff".into(),
+            });
+        };
+        let parent_head = self
+            .cache
+            .get_tag(parent.as_str())
+            .map_err(|e| HostError::Store {
+                what: format!("publishing branch {tag}"),
+                reason: format!("its parent {parent} is not a layer here: {e}"),
+            })?;
+        // build_diff reads the pages it is given from a full-size image: a sparse one holding
+        // only these pages, removed when done (a crash leaves it to the cache's temp sweep).
+        let image = self.cache.tmp_dir().join(format!(
+            "branch-{}.img",
+            tine_proto::names::SandboxId::random("t").as_str()
+        ));
+        let copy = || -> std::io::Result<Vec<u64>> {
+            use std::os::unix::fs::FileExt;
+            let out = std::fs::File::create(&image)?;
+            out.set_len(header.mem_size)?;
+            let mut buf = Vec::new();
+            let mut from = 0u64;
+            let mut list = Vec::new();
+            for r in &diff.runs {
+                buf.resize(r.len() as usize, 0);
+                diff.file.read_exact_at(&mut buf, from)?;
+                out.write_all_at(&buf, r.offset())?;
+                from += r.len();
+                list.extend(r.first..r.first + r.count);
+            }
+            Ok(list)
+        };
+        let built = (|| {
+            let list = copy().map_err(HostError::io(format!("staging the pages of {tag}")))?;
+            let blob = encode_vm_files(&header_raw, &read(STATE_FILE)?);
+            build_diff(
+                &self.cache,
+                &parent_head,
+                &LayerInput {
+                    memory: &image,
+                    page_size: DEFAULT_PAGE_SIZE,
+                    state: &blob,
+                },
+                DirtyPages::List(&list),
+                &BuildOptions::default(),
+            )
+            .map_err(store_err("building the branch's diff layer"))
+        })();
+        let _ = std::fs::remove_file(&image);
+        self.tag_and_push(tag, &built?.digest)
+    }
+    fn tag_and_push(&self, tag: &Tag, head: &Digest) -> Result<LayerInfo> {
         self.cache
-            .set_tag(tag.as_str(), &layer.digest)
+            .set_tag(tag.as_str(), head)
             .map_err(store_err("tagging the layer in the cache"))?;
         let remote = self.remote()?;
-        self.block_on(remote.push(&self.cache, &layer.digest, Some(tag.as_str()), &NoProgress))?
+        self.block_on(remote.push(&self.cache, head, Some(tag.as_str()), &NoProgress))?
             .map_err(|e| HostError::Store {
                 what: format!("pushing {tag} to {}", self.cfg.url),
                 reason: e.to_string(),
             })?;
-        self.info(&layer.digest)
+        self.info(head)
     }
 
     /// A snapshot is deleted: untag it here and in the store, so garbage collection takes its
@@ -256,11 +330,17 @@ impl Layers {
 
     /// Write a layer's VM files (header and state, from its state blob) into `dir`.
     pub(crate) fn write_vm_files(&self, tag: &Tag, blob: &[u8], dir: &Path) -> Result<()> {
-        let (header, state) = decode_vm_files(blob).ok_or_else(|| HostError::Fetch {
+        let malformed = || HostError::Fetch {
             tag: tag.clone(),
             store: self.cfg.url.clone(),
             reason: "the layer's VM state is malformed".into(),
-        })?;
+        };
+        let (header, state) = decode_vm_files(blob).ok_or_else(malformed)?;
+        // A branch's header names its parent's directory on the host that made it; here its
+        // chain is assembled into one image, so the snapshot is a complete one.
+        let mut h: SnapshotHeader = serde_json::from_slice(header).map_err(|_| malformed())?;
+        h.diff = None;
+        let header = &serde_json::to_vec_pretty(&h).expect("a header serializes")[..];
         std::fs::create_dir_all(dir)
             .map_err(HostError::io(format!("creating {}", dir.display())))?;
         for (name, bytes) in [(HEADER_FILE, header), (STATE_FILE, state)] {

@@ -741,15 +741,7 @@ fn spawn_phases_are_spans_of_the_callers_trace() {
 }
 
 fn spawn_of(host: &Host, tag: &Tag) -> SandboxId {
-    let id = SandboxId::random("t");
-    let out = Mutex::new(Vec::new());
-    host.spawn(tag, vec![id.clone()], &SpawnOptions::default(), |o| {
-        out.lock().unwrap().push(o)
-    })
-    .unwrap();
-    let o = out.into_inner().unwrap().pop().unwrap();
-    o.result.expect("child ready");
-    id
+    spawn_with(host, tag, &SpawnOptions::default())
 }
 
 /// The whole counts a counter child printed (the first line may be cut where its snapshot
@@ -861,6 +853,65 @@ fn branching_running_children() {
     let _ = (g2, g3);
 }
 
+fn spawn_with(host: &Host, tag: &Tag, opts: &SpawnOptions) -> SandboxId {
+    let id = SandboxId::random("t");
+    let out = Mutex::new(Vec::new());
+    host.spawn(tag, vec![id.clone()], opts, |o| out.lock().unwrap().push(o))
+        .unwrap();
+    let o = out.into_inner().unwrap().pop().unwrap();
+    o.result.expect("child ready");
+    id
+}
+
+/// A branch made on a host with a store becomes a diff layer over its parent's layer: only its
+/// pages travel, and another host forks it (eagerly or lazily) from that instant.
+fn a_branch_is_a_diff_layer_other_hosts_fork() {
+    let store = tempfile::tempdir().unwrap();
+    let a_dir = tempfile::tempdir().unwrap();
+    let snaps = a_dir.path().join("snapshots");
+    std::fs::create_dir_all(&snaps).unwrap();
+    write_counter_guest_snapshot(&snaps.join("counter"), 32).unwrap();
+    let root = Tag::parse("counter").unwrap();
+    let a = Host::open(with_store(config(a_dir.path(), 4, 0), store.path())).unwrap();
+    let base = a.publish(&root).unwrap();
+    let c = spawn_of(&a, &root);
+    let before = *counts_of(&a, &c, 10).last().unwrap();
+    let mid = Tag::parse("mid").unwrap();
+    let b = a.branch(&c, &mid, BranchKind::Diff).unwrap();
+    let layer = b.layer.expect("published");
+    assert_eq!(layer.parent, Some(base.head));
+    assert_eq!(layer.chain, vec![layer.head, base.head]);
+    // What the diff layer stores is the branch's pages, not another image.
+    assert!(
+        layer.raw_bytes - base.raw_bytes <= b.pages_written * 4096,
+        "{layer:?}"
+    );
+    a.kill_all();
+
+    for fetch in [FetchMode::Eager, FetchMode::Lazy { prefetch: true }] {
+        let h_dir = tempfile::tempdir().unwrap();
+        let h = Host::open(with_fetch(
+            with_store(config(h_dir.path(), 4, 0), store.path()),
+            fetch,
+        ))
+        .unwrap();
+        let g = spawn_with(
+            &h,
+            &mid,
+            &SpawnOptions {
+                layer: Some(layer.head),
+                ..SpawnOptions::default()
+            },
+        );
+        let first = counts_of(&h, &g, 1)[0];
+        assert!(
+            first > before,
+            "{fetch:?}: the branch's child starts at {first}, before {before}"
+        );
+        h.kill_all();
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some(BYSTANDER) {
@@ -883,8 +934,12 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 12] = [
+    let tests: [(&str, fn()); 13] = [
         ("spawn_list_kill_readopt", spawn_list_kill_readopt),
+        (
+            "a_branch_is_a_diff_layer_other_hosts_fork",
+            a_branch_is_a_diff_layer_other_hosts_fork,
+        ),
         ("branching_running_children", branching_running_children),
         (
             "stale_record_is_neither_adopted_nor_killed",

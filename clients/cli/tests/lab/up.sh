@@ -49,6 +49,29 @@ else
 fi
 cat "$W/py-tests"
 
+# Branch a running sandbox through the CLI, then fork from the branch: the child has the state
+# set before the branch, and the source runs on.
+"$T" sandbox spawn --tag py -n 1 >"$W/spawn-src" 2>&1
+SRC=$(grep 'ready in' "$W/spawn-src" | awk '{print $1}')
+"$T" sandbox eval "$SRC" 'mid_run = parent_value + 1' >/dev/null 2>&1
+if "$T" sandbox branch "$SRC" --tag py-mid >"$W/branch" 2>&1 \
+   && "$T" sandbox eval "$SRC" 'mid_run = 0' >/dev/null 2>&1 \
+   && "$T" sandbox spawn --tag py-mid -n 2 >"$W/spawn-mid" 2>&1; then
+  good=0
+  for id in $(grep 'ready in' "$W/spawn-mid" | awk '{print $1}'); do
+    [ "$("$T" sandbox eval "$id" 'mid_run' 2>&1)" = 22 ] && good=$((good + 1))
+  done
+  [ "$good" = 2 ] && [ "$("$T" sandbox eval "$SRC" 'mid_run' 2>&1)" = 0 ] && ok branch-cli \
+    || fail branch-cli "$good of 2 children of the branch returned 22"
+else
+  fail branch-cli "$(tail -5 "$W/branch" "$W/spawn-mid" 2>/dev/null)"
+fi
+cat "$W/branch" "$W/spawn-mid"
+"$T" snapshots get py-mid
+if "$VENV/bin/python" "$PY/examples/branch_and_diverge.py" py >"$W/py-branch" 2>&1; then ok python-branch-demo
+else fail python-branch-demo "$(tail -8 "$W/py-branch")"; fi
+cat "$W/py-branch"
+
 "$T" executors ls
 
 # The executor's own metrics: where each spawn's time went (a histogram per phase).

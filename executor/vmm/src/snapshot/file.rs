@@ -453,6 +453,16 @@ fn parent_of(dir: &Path, d: &DiffInfo) -> Result<PathBuf> {
     Ok(parent_dir_of(dir).join(&d.parent))
 }
 
+/// The pages of the diff snapshot in `dir` (whose checked header is `header`), checked as a
+/// restore checks them; None for a complete snapshot.
+pub fn diff_pages(dir: &Path, header: &SnapshotHeader) -> Result<Option<Overlay>> {
+    header
+        .diff
+        .as_ref()
+        .map(|d| load_overlay(dir, d, header.mem_size))
+        .transpose()
+}
+
 fn load_overlay(dir: &Path, d: &DiffInfo, mem_size: u64) -> Result<Overlay> {
     let idx_path = dir.join(INDEX_FILE);
     let raw = fs::read(&idx_path).map_err(|source| RestoreError::Unreadable {
