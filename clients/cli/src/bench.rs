@@ -25,6 +25,9 @@ pub enum BenchCommand {
     /// eager, lazy, lazy + working set) against a warm host, bytes fetched before ready, and
     /// the snapshot's stored size.
     Fetch(crate::bench_fetch::FetchBench),
+    /// Branch: the pause window of DIFF and FULL branches after N MiB written (beside a bare
+    /// pause + resume), the call's return time, and spawn-to-ready from depth 0..D of a chain.
+    Branch(crate::bench_branch::BranchBench),
 }
 
 #[derive(clap::Args)]
@@ -53,6 +56,7 @@ pub fn run(c: BenchCommand) -> Result<i32> {
         BenchCommand::Fork(f) => fork_bench(f),
         BenchCommand::Agent(a) => tine_agent::bench::run(&a).map(|()| 0),
         BenchCommand::Fetch(f) => crate::bench_fetch::run(f),
+        BenchCommand::Branch(b) => crate::bench_branch::run(b),
     }
 }
 

@@ -56,7 +56,7 @@ fn host_cfg(base: &HostConfig, data: &Path, store: &str, fetch: FetchMode) -> Ho
 
 /// Spawn one child of `tag` on `host` and time it to ready (the agent answered, clock and
 /// RNG fixed up).
-fn first_child(
+pub(crate) fn first_child(
     host: &Host,
     tag: &Tag,
     layer: Option<tine_snapshot_store::Digest>,
@@ -98,7 +98,7 @@ fn disk_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
-fn p50(v: &mut [f64]) -> f64 {
+pub(crate) fn p50(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[(v.len() - 1) / 2]
 }

@@ -1,6 +1,7 @@
 //! `tine`: fork(2) for microVMs — the command-line interface.
 
 mod bench;
+mod bench_branch;
 mod bench_fetch;
 mod defaults;
 mod doctor;

@@ -360,6 +360,7 @@ fn several_hosts_share_one_s3_store() {
             "a-down-spawns-on-bc",
             "corrupt-refused",
             "others-unaffected",
+            "branch-on-c-forked-on-b",
         ],
     );
     println!("{out}");

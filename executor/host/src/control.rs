@@ -31,6 +31,8 @@ pub enum BranchKind {
 pub enum Request {
     /// Pause, write a snapshot into `dir` (which must not exist), resume.
     Branch { dir: PathBuf, kind: BranchKind },
+    /// Pause and resume at once: the floor under a branch's pause window.
+    PauseResume,
 }
 
 #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,6 +43,9 @@ pub enum Reply {
         paused_us: u64,
         /// Pages the VM wrote since it was forked.
         pages_written: u64,
+    },
+    Paused {
+        paused_us: u64,
     },
     Failed {
         reason: String,
@@ -83,6 +88,19 @@ fn answer(conn: UnixStream, vm: &RunningVm) -> std::io::Result<()> {
                 Ok(b) => Reply::Branched {
                     paused_us: b.paused.as_micros() as u64,
                     pages_written: b.pages_written,
+                },
+                Err(e) => Reply::Failed {
+                    reason: e.to_string(),
+                },
+            }
+        }
+        Ok(Request::PauseResume) => {
+            let t0 = std::time::Instant::now();
+            let paused = vm.pause();
+            vm.resume();
+            match paused {
+                Ok(()) => Reply::Paused {
+                    paused_us: t0.elapsed().as_micros() as u64,
                 },
                 Err(e) => Reply::Failed {
                     reason: e.to_string(),

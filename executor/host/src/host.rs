@@ -394,6 +394,7 @@ impl Host {
                     pages_written,
                 } => (paused_us, pages_written),
                 crate::control::Reply::Failed { reason } => return Err(refuse(reason)),
+                other => return Err(refuse(format!("unexpected answer {other:?}"))),
             };
             let header = tine_vmm::snapshot::file::load_header(&staging).map_err(|source| {
                 HostError::BadSnapshot {
@@ -445,6 +446,22 @@ impl Host {
         let b = done?;
         tracing::info!(%id, %tag, parent = %b.parent, kind = ?b.kind, pages = b.pages_written, paused_us = b.paused.as_micros() as u64, took_ms = b.took.as_millis() as u64, "branched");
         Ok(b)
+    }
+
+    /// Pause VM `id` and resume it at once; how long it was paused (a branch's floor).
+    pub fn pause_resume(&self, id: &SandboxId) -> Result<Duration> {
+        let dir = self.vm_dir(id)?;
+        let refuse = |reason: String| HostError::Branch {
+            id: id.clone(),
+            reason,
+        };
+        match crate::control::request(&dir, &crate::control::Request::PauseResume, BRANCH_TIMEOUT)
+            .map_err(|e| refuse(format!("its VMM did not answer: {e}")))?
+        {
+            crate::control::Reply::Paused { paused_us } => Ok(Duration::from_micros(paused_us)),
+            crate::control::Reply::Failed { reason } => Err(refuse(reason)),
+            other => Err(refuse(format!("unexpected answer {other:?}"))),
+        }
     }
 
     /// Snapshots here whose diff applies over `tag`.

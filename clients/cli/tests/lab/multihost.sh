@@ -2,7 +2,8 @@
 # Several hosts against one S3-compatible store: a control plane, executors host-a, host-b
 # (lazy fetch) and host-c (eager fetch), each with its own data directory and port standing
 # for a host, and moto_server as the store. A snapshot made on host-a is spawned with spread
-# onto all three; host-a is killed and spawns go on on the others; a corrupted store is refused
+# onto all three; host-a is killed and spawns go on on the others; a branch made on host-c is
+# forked on host-b; a corrupted store is refused
 # by a fourth, cold executor while the others keep spawning.
 # Usage: multihost.sh TINE IMAGE WORKDIR VENV   (VENV: moto_server and grpcurl, deploy/dev/setup.sh)
 set -u
@@ -122,3 +123,21 @@ grep -q 'snapshot mh' "$W/spawn-d" && grep -q 'failed verification' "$W/spawn-d"
 "$T" sandbox spawn --tag mh -n 2 --executor host-b --executor host-c --ready-timeout-ms 300000 >"$W/spawn-bc" 2>&1
 cat "$W/spawn-bc"
 [ "$(grep -c 'ready in' "$W/spawn-bc")" = 2 ] && ok others-unaffected || fail others-unaffected "$(tail -2 "$W/spawn-bc")"
+
+# A branch of a child on host-c is a diff layer in the store (new objects, intact): host-b,
+# which has the parent, fetches only the branch and forks it from that instant.
+"$T" sandbox spawn --tag mh -n 1 --executor host-c --ready-timeout-ms 300000 >"$W/spawn-src" 2>&1
+SRC=$(grep 'ready in' "$W/spawn-src" | awk '{print $1}')
+"$T" sandbox eval "$SRC" 'branch_value = parent_value + 1' >/dev/null 2>&1
+if "$T" sandbox branch "$SRC" --tag mh-b >"$W/branch" 2>&1 \
+   && "$T" sandbox spawn --tag mh-b -n 2 --executor host-b --ready-timeout-ms 300000 >"$W/spawn-branch" 2>&1; then
+  good=0
+  for id in $(grep 'ready in' "$W/spawn-branch" | awk '{print $1}'); do
+    [ "$("$T" sandbox eval "$id" 'branch_value' 2>&1)" = 778 ] && good=$((good + 1))
+  done
+  [ "$good" = 2 ] && ok branch-on-c-forked-on-b || fail branch-on-c-forked-on-b "$good of 2 children on host-b returned 778"
+else
+  fail branch-on-c-forked-on-b "$(tail -3 "$W/branch" "$W/spawn-branch" 2>/dev/null)"
+fi
+cat "$W/branch" "$W/spawn-branch"
+"$T" snapshots get mh-b
