@@ -327,7 +327,7 @@ impl Api {
             )));
         }
         let parent = self.ctx.db.snapshot(&at.sandbox.tag).await?;
-        if parent.is_none() && mode == pb::BranchMode::Diff {
+        if parent.is_none() && mode != pb::BranchMode::Full {
             return Err(Status::failed_precondition(format!(
                 "snapshot {} that sandbox {} was forked from has been deleted, so a diff has nothing to apply over: branch with mode FULL",
                 at.sandbox.tag, r.sandbox_id

@@ -857,7 +857,7 @@ async fn exec_and_files_are_relayed() {
     assert_eq!(err.code(), Code::InvalidArgument);
 
     // Branch: what is not carried out yet is refused, not taken as something else.
-    for (mode, no_wait) in [(pb::BranchMode::Live, false), (pb::BranchMode::Diff, true)] {
+    for (mode, no_wait) in [(pb::BranchMode::Live, true), (pb::BranchMode::Diff, true)] {
         let err = sb
             .branch(pb::BranchRequest {
                 sandbox_id: s.id.clone(),

@@ -99,9 +99,8 @@ pub fn executor_addr(a: &str) -> Result<(), Status> {
     Ok(())
 }
 
-/// A branch's mode as this build carries it out: FULL or DIFF (UNSPECIFIED is DIFF). LIVE
-/// and `no_wait` are part of the API but not carried out yet: refused as UNIMPLEMENTED rather
-/// than silently taken as something else.
+/// A branch's mode: FULL, DIFF (also for UNSPECIFIED) or LIVE. `no_wait` is part of the API
+/// but not carried out yet: refused as UNIMPLEMENTED rather than silently ignored.
 pub fn branch_mode(mode: i32, no_wait: bool) -> Result<tine_proto::v1::BranchMode, Status> {
     use tine_proto::v1::BranchMode;
     let m = BranchMode::try_from(mode)
@@ -114,9 +113,7 @@ pub fn branch_mode(mode: i32, no_wait: bool) -> Result<tine_proto::v1::BranchMod
     match m {
         BranchMode::Unspecified | BranchMode::Diff => Ok(BranchMode::Diff),
         BranchMode::Full => Ok(BranchMode::Full),
-        BranchMode::Live => Err(Status::unimplemented(
-            "mode LIVE (copying pages while the sandbox runs) is not supported yet; use DIFF (the default) or FULL",
-        )),
+        BranchMode::Live => Ok(BranchMode::Live),
     }
 }
 

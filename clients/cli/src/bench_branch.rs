@@ -59,6 +59,18 @@ struct Row {
     pages: Vec<f64>,
 }
 
+impl Row {
+    fn new(what: &str, mib: u64) -> Row {
+        Row {
+            what: what.into(),
+            mib,
+            pause_ms: Vec::new(),
+            took_ms: Vec::new(),
+            pages: Vec::new(),
+        }
+    }
+}
+
 pub fn run(b: BranchBench) -> Result<i32> {
     if b.runs == 0 {
         bail!("--runs must be at least 1");
@@ -72,27 +84,10 @@ pub fn run(b: BranchBench) -> Result<i32> {
 
     let mut rows: Vec<Row> = Vec::new();
     for &mib in &b.write_mib {
-        let mut floor = Row {
-            what: "pause + resume (floor)".into(),
-            mib,
-            pause_ms: vec![],
-            took_ms: vec![],
-            pages: vec![],
-        };
-        let mut diff = Row {
-            what: "branch DIFF".into(),
-            mib,
-            pause_ms: vec![],
-            took_ms: vec![],
-            pages: vec![],
-        };
-        let mut full = Row {
-            what: "branch FULL".into(),
-            mib,
-            pause_ms: vec![],
-            took_ms: vec![],
-            pages: vec![],
-        };
+        let mut floor = Row::new("pause + resume (floor)", mib);
+        let mut diff = Row::new("branch DIFF", mib);
+        let mut live = Row::new("branch LIVE", mib);
+        let mut full = Row::new("branch FULL", mib);
         for i in 0..b.runs {
             eprint!("\r  {mib} MiB written: run {}/{}", i + 1, b.runs);
             let (id, _, _) = first_child(&host, &b.tag, None)?;
@@ -101,7 +96,11 @@ pub fn run(b: BranchBench) -> Result<i32> {
                 let p = host.pause_resume(&id)?;
                 floor.pause_ms.push(ms(p));
                 floor.took_ms.push(ms(p));
-                for (row, kind) in [(&mut diff, BranchKind::Diff), (&mut full, BranchKind::Full)] {
+                for (row, kind) in [
+                    (&mut diff, BranchKind::Diff),
+                    (&mut live, BranchKind::Live),
+                    (&mut full, BranchKind::Full),
+                ] {
                     let t = tmp_tag(&format!("{mib}-{i}-{kind:?}").to_lowercase());
                     let br = host.branch(&id, &t, kind)?;
                     row.pause_ms.push(ms(br.paused));
@@ -115,7 +114,7 @@ pub fn run(b: BranchBench) -> Result<i32> {
             measured?;
         }
         eprintln!();
-        rows.extend([floor, diff, full]);
+        rows.extend([floor, diff, live, full]);
     }
 
     // A chain of diffs: each level a child of the one above that wrote 1 MiB, then branched.
@@ -206,7 +205,7 @@ pub fn run(b: BranchBench) -> Result<i32> {
         println!("{:<10} {m:>12.1} {q:>12.1} {:>9.2}x", d, m / base);
         json_depths.push(serde_json::json!({"depth": d, "ready_ms_p50": m, "ready_ms_p90": q, "ratio_vs_depth0": m / base}));
     }
-    println!("DIFF writes only the pages the sandbox wrote since its fork (found through pagemap) inside the pause; FULL writes the whole image inside it. A child of depth D maps its root image and D layers' pages (no copy).");
+    println!("DIFF writes only the pages the sandbox wrote since its fork (found through pagemap) inside the pause; LIVE writes the same after the sandbox resumed, from a fork of its VMM (the pause: vCPU state saved + fork); FULL writes the whole image inside the pause. A child of depth D maps its root image and D layers' pages (no copy).");
     let doc = serde_json::json!({
         "bench": "branch", "tag": b.tag.as_str(), "mem_bytes": header.mem_size, "runs": b.runs,
         "pause": json_rows, "depth": json_depths,

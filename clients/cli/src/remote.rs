@@ -146,8 +146,9 @@ pub enum SandboxCommand {
         id: String,
         #[arg(long)]
         tag: String,
-        /// diff (the pages written since the fork, over its snapshot) or full (a complete
-        /// image); live is not supported yet.
+        /// diff (the pages written since the fork, over its snapshot, written inside the
+        /// pause), live (the same, written after the sandbox resumes) or full (a complete
+        /// image).
         #[arg(long, default_value = "diff")]
         mode: String,
         /// Return before the branch is written (not supported yet).

@@ -55,13 +55,19 @@ def main() -> int:
             ok &= good
             print(f"  child {i} {child.id}: ready in {child.ready_us / 1000:.1f} ms, steps = {got}{'' if good else '  WRONG, want ' + want}")
 
-        deeper = children[0].branch(deeper_tag)
+        # Live: child 0 is paused only while its state is saved; its pages are copied after.
+        deeper = children[0].branch(deeper_tag, mode="live")
         (grandchild,) = client.spawn(deeper_tag, n=1)
         live.append(grandchild)
         got = grandchild.eval("steps")
         good = got == str([0, 1, 4, 100])
         ok &= good
-        print(f"  {deeper.tag} (a branch of child 0) -> {grandchild.id}: steps = {got}{'' if good else '  WRONG'}")
+        lb = deeper.branch
+        assert lb is not None
+        print(
+            f"  {deeper.tag} (a live branch of child 0, paused {lb.pause_us / 1000:.2f} ms) -> "
+            f"{grandchild.id}: steps = {got}{'' if good else '  WRONG'}"
+        )
     except (tine.TineError, tine.EvalError) as e:
         print(f"failed: {e}", file=sys.stderr)
         ok = False

@@ -240,7 +240,7 @@ class Sandboxes(pb_grpc.SandboxesServicer):
     def Branch(self, request: Any, context: Any) -> Any:
         _auth(context)
         sb = self._get(request.sandbox_id, context)
-        if request.mode == pb.BRANCH_MODE_LIVE or request.no_wait:
+        if request.no_wait:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "not supported yet")
         info = pb.BranchInfo(mode=request.mode, pause_us=800, pages_written=12, took_us=900)
         snap = pb.Snapshot(tag=request.tag, parent_tag=sb.tag, source_sandbox=sb.id, branch=info)

@@ -302,7 +302,7 @@ def test_branch_and_executors() -> None:
         assert snap.tag == "mid" and snap.parent_tag == "py" and snap.source_sandbox == sb.id
         assert snap.branch is not None and snap.branch.mode == "diff" and snap.branch.pages_written == 12
         assert sb.branch("whole", mode="full").branch.mode == "full"  # type: ignore[union-attr]
-        _raises("UNIMPLEMENTED", sb.branch, "x", mode="live")
+        assert sb.branch("lively", mode="live").branch.mode == "live"  # type: ignore[union-attr]
         _raises("UNIMPLEMENTED", sb.branch, "x", wait=False)
         try:
             sb.branch("x", mode="sideways")

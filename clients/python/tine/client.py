@@ -499,8 +499,9 @@ class Sandbox:
     def branch(self, tag: str, mode: str = "diff", wait: bool = True) -> Snapshot:
         """Snapshot this running sandbox as a child snapshot ``tag``; the sandbox runs on
         and children of ``tag`` start from this instant. ``mode``: ``"diff"`` (the pages
-        written since the fork, over its snapshot) or ``"full"`` (a complete image);
-        ``"live"`` and ``wait=False`` are refused (UNIMPLEMENTED) by this release."""
+        written since the fork, over its snapshot), ``"live"`` (the same, copied after the
+        sandbox resumes: the shortest pause) or ``"full"`` (a complete image);
+        ``wait=False`` is refused (UNIMPLEMENTED) by this release."""
         modes = {"diff": pb.BRANCH_MODE_DIFF, "full": pb.BRANCH_MODE_FULL, "live": pb.BRANCH_MODE_LIVE}
         if mode not in modes:
             raise ValueError(f"tine: branch mode {mode!r}: use one of {sorted(modes)}")

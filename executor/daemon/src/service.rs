@@ -292,6 +292,7 @@ impl Executor for ExecutorService {
         let mode = validate::branch_mode(r.mode, r.no_wait)?;
         let kind = match mode {
             pb::BranchMode::Full => BranchKind::Full,
+            pb::BranchMode::Live => BranchKind::Live,
             _ => BranchKind::Diff,
         };
         let st = self.state.clone();

@@ -206,6 +206,29 @@ async fn executor_api_end_to_end() {
         info.pause_us > 0 && info.pause_us <= info.took_us,
         "{info:?}"
     );
+    // Live: a diff too, copied after the child resumed.
+    let live = c
+        .branch(pb::BranchRequest {
+            sandbox_id: "sbx-a1".into(),
+            tag: "idle-live".into(),
+            mode: pb::BranchMode::Live as i32,
+            no_wait: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(live.branch.unwrap().mode, pb::BranchMode::Live as i32);
+    assert_eq!(live.parent_tag, "idle");
+    let e = c
+        .branch(pb::BranchRequest {
+            sandbox_id: "sbx-a1".into(),
+            tag: "idle-b2".into(),
+            mode: pb::BranchMode::Diff as i32,
+            no_wait: true,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unimplemented, "{e:?}");
     for (req, code) in [
         (
             ("sbx-nope", "idle-b2", pb::BranchMode::Diff),
@@ -214,10 +237,6 @@ async fn executor_api_end_to_end() {
         (
             ("sbx-a1", "idle-b1", pb::BranchMode::Diff),
             Code::AlreadyExists,
-        ),
-        (
-            ("sbx-a1", "idle-b2", pb::BranchMode::Live),
-            Code::Unimplemented,
         ),
         (
             ("sbx-a1", "../x", pb::BranchMode::Diff),

@@ -24,6 +24,9 @@ pub enum BranchKind {
     Full,
     /// Only the pages written since the VM was forked, over the snapshot it was forked from.
     Diff,
+    /// A diff written after the VM resumes: paused only to save its state and fork its VMM
+    /// (whose copy-on-write memory keeps the instant while the guest runs on).
+    Live,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -80,11 +83,12 @@ fn answer(conn: UnixStream, vm: &RunningVm) -> std::io::Result<()> {
             reason: format!("bad control request: {e}"),
         },
         Ok(Request::Branch { dir, kind }) => {
-            let kind = match kind {
-                BranchKind::Full => SnapshotKind::Full,
-                BranchKind::Diff => SnapshotKind::Diff,
+            let branched = match kind {
+                BranchKind::Full => vm.branch(&dir, SnapshotKind::Full),
+                BranchKind::Diff => vm.branch(&dir, SnapshotKind::Diff),
+                BranchKind::Live => vm.branch_live(&dir, SnapshotKind::Diff),
             };
-            match vm.branch(&dir, kind) {
+            match branched {
                 Ok(b) => Reply::Branched {
                     paused_us: b.paused.as_micros() as u64,
                     pages_written: b.pages_written,

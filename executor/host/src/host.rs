@@ -417,7 +417,7 @@ impl Host {
                     let _publishing = f.in_flight();
                     f.grew();
                     Some(match kind {
-                        crate::control::BranchKind::Diff => {
+                        crate::control::BranchKind::Diff | crate::control::BranchKind::Live => {
                             f.layers.publish_diff(tag, &staging, &parent)?
                         }
                         crate::control::BranchKind::Full => {

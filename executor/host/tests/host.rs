@@ -793,6 +793,14 @@ fn branching_running_children() {
     let n = counts_of(&host, &c1, 0).len();
     counts_of(&host, &c1, n + 5);
 
+    // Live: the same diff, its pages copied after the child resumed.
+    let l1 = Tag::parse("l1").unwrap();
+    let live = host.branch(&c1, &l1, BranchKind::Live).unwrap();
+    assert_eq!(live.header.diff.as_ref().unwrap().parent, "counter");
+    assert!(live.pages_written >= b.pages_written);
+    let gl = spawn_of(&host, &l1);
+    assert!(counts_of(&host, &gl, 1)[0] > before);
+
     // A child of the branch counts on from the branch's instant.
     let g1 = spawn_of(&host, &b1);
     let first = counts_of(&host, &g1, 1)[0];
@@ -847,10 +855,10 @@ fn branching_running_children() {
     assert!(counts_of(&host, &g4, 1)[0] > before);
 
     host.kill_all();
-    for t in [&b2, &b1, &f1, &b3, &root] {
+    for t in [&b2, &b1, &f1, &b3, &l1, &root] {
         assert!(host.delete_snapshot(t).unwrap(), "{t}");
     }
-    let _ = (g2, g3);
+    let _ = (g2, g3, gl);
 }
 
 fn spawn_with(host: &Host, tag: &Tag, opts: &SpawnOptions) -> SandboxId {

@@ -366,6 +366,12 @@ pub enum SnapshotError {
     NoParent { dir: PathBuf },
     #[error("snapshot {}: a diff must sit beside its parent {}", .dir.display(), .parent.display())]
     ParentNotSibling { dir: PathBuf, parent: PathBuf },
+    #[error("snapshot {}: copying the guest's memory from a fork of the VMM: {source}", .dir.display())]
+    LiveCopy {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("snapshot {}: reading which pages the guest wrote: {source}", .dir.display())]
     Pagemap {
         dir: PathBuf,

@@ -30,9 +30,9 @@ use crate::error::{
 use crate::layout::*;
 use crate::memory::{GuestRam, Origin};
 use crate::snapshot::devices::{SerialSnapshot, VirtioKind};
-use crate::snapshot::diff;
 use crate::snapshot::file::{self as snapfile, MemoryOut, SnapshotHeader};
 use crate::snapshot::{self, MachineState};
+use crate::snapshot::{diff, live_copy};
 use crate::vcpu::{install_kick_handler, kick_signal, VcpuControl, VcpuOutcome, VcpuRunner, Want};
 use crate::{cpuid, host, regs};
 
@@ -583,6 +583,55 @@ impl RunningVm {
         let paused = t0.elapsed();
         let (header, pages) = written?;
         tracing::info!(?paused, ?kind, pages, dir = %dir.display(), "branch written");
+        Ok(Branched {
+            header,
+            paused,
+            pages_written: pages,
+        })
+    }
+
+    /// [`branch`](Self::branch) with the sandbox paused only to save its vCPU and device
+    /// state and fork this process: the fork's memory is the guest's at that instant
+    /// (copy-on-write: a page the guest writes afterwards is copied for it, the fork keeps the
+    /// old one), and the fork writes the pages while the guest runs on. Returns once they are
+    /// on disk; `paused` is the pause alone.
+    pub fn branch_live(&self, dir: &Path, kind: SnapshotKind) -> Result<Branched> {
+        let t0 = Instant::now();
+        let Some(origin) = self.ram.origin() else {
+            // Booted RAM is a shared mapping: a fork would see the guest's later writes.
+            return Err(SnapshotError::NoParent {
+                dir: dir.to_path_buf(),
+            }
+            .into());
+        };
+        let parent_name = match kind {
+            SnapshotKind::Diff => Some(snapfile::parent_link(dir, origin)?),
+            SnapshotKind::Full => None,
+        };
+        let mut paused = None;
+        let mut pages = 0;
+        let written = (|| {
+            let state = self.pause_and_save(dir)?;
+            snapfile::write_with(dir, &state, |tmp| {
+                let copied = live_copy::fork_and_copy(&self.ram, kind, tmp, || {
+                    self.resume();
+                    paused = Some(t0.elapsed());
+                });
+                let copied = copied.map_err(|source| SnapshotError::LiveCopy {
+                    dir: dir.to_path_buf(),
+                    source,
+                })?;
+                pages = copied;
+                match parent_name {
+                    Some(name) => Ok(Some(snapfile::diff_info(tmp, name, origin)?)),
+                    None => Ok(None),
+                }
+            })
+        })();
+        self.resume();
+        let header = written?;
+        let paused = paused.unwrap_or_else(|| t0.elapsed());
+        tracing::info!(?paused, total = ?t0.elapsed(), ?kind, pages, dir = %dir.display(), "live branch written");
         Ok(Branched {
             header,
             paused,

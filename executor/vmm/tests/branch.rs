@@ -299,3 +299,59 @@ fn broken_chains_are_refused_with_a_clear_error() {
     );
     running.stop();
 }
+
+#[test]
+fn live_branches_hold_one_instant_while_the_guest_runs_on() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    make_root(&root);
+    let at_root = counters_in(&root);
+    let child = start_child(&root);
+    child
+        .ram()
+        .memory()
+        .write_obj(0xfeed_u64, GuestAddress(HOST_WRITE))
+        .unwrap();
+    counted_past(&child, at_root.0 + 1);
+    let mut previous = at_root;
+    for i in 0..20 {
+        let dir = tmp.path().join(format!("live{i}"));
+        let b = child.branch_live(&dir, SnapshotKind::Diff).unwrap();
+        assert_eq!(b.pages_written, 3, "live branch {i}");
+        assert_eq!(load_header(&dir).unwrap().diff.unwrap().parent, "root");
+        assert!(!dir.join(".copy-status").exists());
+        let c = counters_in(&dir);
+        assert_one_instant(c, &format!("live branch {i}"));
+        assert!(c.0 >= previous.0, "live branch {i} went back in time");
+        previous = c;
+        // The source is no further back than its branch.
+        assert!(counters(child.ram()).0 >= c.0);
+    }
+    // A live complete image stands alone and holds the host's write too.
+    let full = tmp.path().join("live-full");
+    child.branch_live(&full, SnapshotKind::Full).unwrap();
+    assert!(load_header(&full).unwrap().diff.is_none());
+    let vm = Vm::restore(&full, opts(&Capture::default())).unwrap();
+    assert_one_instant(counters(vm.ram()), "live full");
+    assert_eq!(
+        vm.ram()
+            .memory()
+            .read_obj::<u64>(GuestAddress(HOST_WRITE))
+            .unwrap(),
+        0xfeed
+    );
+    counted_past(&child, counters(child.ram()).0);
+    child.stop();
+
+    // A booted VM's RAM is shared with its file: no live branch of it.
+    let (running, _) = boot_guest(&counter_guest(), CODE);
+    let e = running
+        .branch_live(&tmp.path().join("nope"), SnapshotKind::Full)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("restored from a snapshot"), "{e}");
+    running.stop();
+}

@@ -105,6 +105,16 @@ pub fn write_pages(ram: &GuestRam, runs: &[PageRun], path: &Path) -> std::io::Re
     out.into_inner().map_err(|e| e.into_error())?.sync_all()
 }
 
+/// Write a diff's files into `dir`: `pages.bin` (the pages of `runs`) and `pages.idx` (the
+/// runs), both synced. The guest must not write meanwhile (paused, or this is a fork's copy).
+pub fn write_diff_files(ram: &GuestRam, runs: &[PageRun], dir: &Path) -> std::io::Result<()> {
+    write_pages(ram, runs, &dir.join(PAGES_FILE))?;
+    let index = bincode::serialize(runs).map_err(std::io::Error::other)?;
+    let mut f = File::create(dir.join(INDEX_FILE))?;
+    f.write_all(&index)?;
+    f.sync_all()
+}
+
 fn ram_bytes<'a>(ram: &'a GuestRam, r: &PageRun) -> std::io::Result<&'a [u8]> {
     let ptr = ram.image_host_ptr(r.offset(), r.len()).ok_or_else(|| {
         std::io::Error::other(format!(

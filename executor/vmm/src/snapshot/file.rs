@@ -167,42 +167,86 @@ fn copy_range(src: &File, dst: &File, start: u64, end: u64) -> std::io::Result<(
 /// Write a complete snapshot to `dir` (which must not exist): everything goes to a temporary
 /// sibling first and appears under `dir` only once fully on disk.
 pub fn write(dir: &Path, state: &MachineState, memory: MemoryOut) -> Result<SnapshotHeader> {
+    let parent_name = match &memory {
+        MemoryOut::Diff { parent, .. } => Some(parent_link(dir, parent)?),
+        _ => None,
+    };
+    write_with(dir, state, |tmp| match memory {
+        MemoryOut::Image(file) => {
+            write_memory(file, state.mem_size, &tmp.join(MEMORY_FILE))?;
+            Ok(None)
+        }
+        MemoryOut::Flatten { ram, written } => {
+            let path = tmp.join(MEMORY_FILE);
+            diff::flatten(ram, written, &path).map_err(write_err(&path))?;
+            Ok(None)
+        }
+        MemoryOut::Diff {
+            ram,
+            written,
+            parent,
+        } => {
+            diff::write_diff_files(ram, written, tmp).map_err(write_err(tmp))?;
+            let name = parent_name.expect("a diff has a parent name");
+            Ok(Some(diff_info(tmp, name, parent)?))
+        }
+    })
+}
+
+/// The name a diff in `dir` gives its parent: the parent's directory name, which must sit
+/// beside `dir`.
+pub fn parent_link(dir: &Path, parent: &Origin) -> Result<String> {
+    let same = |a: &Path, b: &Path| {
+        let a = a.canonicalize().ok();
+        a.is_some() && a == b.canonicalize().ok()
+    };
+    let siblings = parent
+        .dir
+        .parent()
+        .is_some_and(|p| same(p, parent_dir_of(dir)));
+    match parent.dir.file_name().and_then(|n| n.to_str()) {
+        Some(name) if siblings => Ok(name.to_string()),
+        _ => Err(SnapshotError::ParentNotSibling {
+            dir: dir.to_path_buf(),
+            parent: parent.dir.clone(),
+        }
+        .into()),
+    }
+}
+
+/// What the header says of the diff files written into `tmp`.
+pub fn diff_info(tmp: &Path, parent_name: String, parent: &Origin) -> Result<DiffInfo> {
+    let path = tmp.join(INDEX_FILE);
+    let index = fs::read(&path).map_err(write_err(&path))?;
+    let runs: Vec<PageRun> =
+        bincode::deserialize(&index).map_err(|source| SnapshotError::EncodeState {
+            dir: tmp.to_path_buf(),
+            source,
+        })?;
+    Ok(DiffInfo {
+        parent: parent_name,
+        parent_state_sha256: parent.state_sha256.clone(),
+        pages: diff::page_count(&runs),
+        index_sha256: hex::encode(Sha256::digest(&index)),
+    })
+}
+
+/// Write a snapshot to `dir` (which must not exist) with its memory written by `memory` into
+/// the temporary directory it is given (returning the diff it wrote, if it wrote one):
+/// everything goes to a temporary sibling first and appears under `dir` only once fully on
+/// disk.
+pub fn write_with(
+    dir: &Path,
+    state: &MachineState,
+    memory: impl FnOnce(&Path) -> Result<Option<DiffInfo>>,
+) -> Result<SnapshotHeader> {
     if dir.exists() {
         return Err(SnapshotError::AlreadyExists {
             dir: dir.to_path_buf(),
         }
         .into());
     }
-    // A diff names its parent as a sibling: it must be one.
-    let diff_info = match &memory {
-        MemoryOut::Diff {
-            written, parent, ..
-        } => {
-            let same = |a: &Path, b: &Path| {
-                let a = a.canonicalize().ok();
-                a.is_some() && a == b.canonicalize().ok()
-            };
-            let siblings = parent
-                .dir
-                .parent()
-                .is_some_and(|p| same(p, parent_dir_of(dir)));
-            match parent.dir.file_name().and_then(|n| n.to_str()) {
-                Some(name) if siblings => Some((name.to_string(), *written, *parent)),
-                _ => {
-                    return Err(SnapshotError::ParentNotSibling {
-                        dir: dir.to_path_buf(),
-                        parent: parent.dir.clone(),
-                    }
-                    .into())
-                }
-            }
-        }
-        _ => None,
-    };
-    let parent = dir
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let parent = parent_dir_of(dir);
     fs::create_dir_all(parent).map_err(write_err(parent))?;
     let name = dir
         .file_name()
@@ -214,6 +258,7 @@ pub fn write(dir: &Path, state: &MachineState, memory: MemoryOut) -> Result<Snap
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir(&tmp).map_err(write_err(&tmp))?;
     let result = (|| {
+        let diff = memory(&tmp)?;
         let body = bincode::serialize(state).map_err(|source| SnapshotError::EncodeState {
             dir: dir.to_path_buf(),
             source,
@@ -230,33 +275,8 @@ pub fn write(dir: &Path, state: &MachineState, memory: MemoryOut) -> Result<Snap
             mem_size: state.mem_size,
             state_len: body.len() as u64,
             state_sha256: hex::encode(Sha256::digest(&body)),
-            diff: None,
+            diff,
         };
-        let mut header = header;
-        match memory {
-            MemoryOut::Image(file) => write_memory(file, state.mem_size, &tmp.join(MEMORY_FILE))?,
-            MemoryOut::Flatten { ram, written } => {
-                let path = tmp.join(MEMORY_FILE);
-                diff::flatten(ram, written, &path).map_err(write_err(&path))?;
-            }
-            MemoryOut::Diff { ram, .. } => {
-                let (parent, written, origin) = diff_info.expect("diff info for a diff");
-                let pages = tmp.join(PAGES_FILE);
-                diff::write_pages(ram, written, &pages).map_err(write_err(&pages))?;
-                let index =
-                    bincode::serialize(written).map_err(|source| SnapshotError::EncodeState {
-                        dir: dir.to_path_buf(),
-                        source,
-                    })?;
-                write_synced(&tmp.join(INDEX_FILE), &index)?;
-                header.diff = Some(DiffInfo {
-                    parent,
-                    parent_state_sha256: origin.state_sha256.clone(),
-                    pages: diff::page_count(written),
-                    index_sha256: hex::encode(Sha256::digest(&index)),
-                });
-            }
-        }
         let header_json =
             serde_json::to_vec_pretty(&header).map_err(|source| SnapshotError::EncodeHeader {
                 dir: dir.to_path_buf(),

@@ -14,6 +14,7 @@ pub mod devices;
 pub mod diff;
 pub mod file;
 pub mod host_id;
+pub mod live_copy;
 pub mod vcpu;
 
 use kvm_bindings::{

@@ -1,0 +1,119 @@
+//! The memory half of a live branch: fork this (VMM) process while the guest is paused, let the
+//! guest run on in the parent at once, and write the pages from the fork. fork(2) gives the
+//! child the parent's private pages copy-on-write, so the child sees guest memory exactly as it
+//! was at the fork however the guest writes afterwards (KVM drops its writable mappings of the
+//! pages fork write-protects, so a guest write after the fork faults and gets its own copy).
+//! Which pages were written since the restore is read from the child's own pagemap, so that scan
+//! is outside the pause too.
+//!
+//! The child runs only this copy: it allocates (glibc's malloc is made safe across fork) but
+//! takes no other lock, logs nothing, and leaves with `_exit`, reporting through a status file.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use super::diff;
+use crate::memory::GuestRam;
+use crate::vm::SnapshotKind;
+
+/// Longest a copy may take before the fork is killed (a large FULL image on a slow disk).
+const COPY_TIMEOUT: Duration = Duration::from_secs(600);
+const STATUS_FILE: &str = ".copy-status";
+
+/// Fork, call `resumed` in the parent as soon as the fork exists (the guest may run), wait for
+/// the fork to write `kind` of `ram` into `dir`, and return the pages written since restore.
+pub fn fork_and_copy(
+    ram: &GuestRam,
+    kind: SnapshotKind,
+    dir: &Path,
+    resumed: impl FnOnce(),
+) -> std::io::Result<u64> {
+    let status = dir.join(STATUS_FILE);
+    // SAFETY: the child only runs `copy` (allocation, file I/O, pagemap reads: no locks other
+    // than malloc's, which glibc re-initialises in the child) and then `_exit`s.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        let e = std::io::Error::last_os_error();
+        resumed();
+        return Err(e);
+    }
+    if pid == 0 {
+        let code = match copy(ram, kind, dir) {
+            Ok(pages) => report(&status, &format!("ok {pages}")).map_or(2, |()| 0),
+            Err(e) => {
+                let _ = report(&status, &format!("error {e}"));
+                1
+            }
+        };
+        // SAFETY: leaving the forked child without running the parent's destructors or
+        // atexit handlers.
+        unsafe { libc::_exit(code) };
+    }
+    resumed();
+    let waited = wait(pid);
+    let said = std::fs::read_to_string(&status).unwrap_or_default();
+    let _ = std::fs::remove_file(&status);
+    let code = waited?;
+    match said.split_once(' ') {
+        Some(("ok", n)) if code == 0 => n
+            .trim()
+            .parse()
+            .map_err(|_| std::io::Error::other(format!("the copy reported {said:?}"))),
+        Some(("error", e)) => Err(std::io::Error::other(e.trim().to_string())),
+        _ => Err(std::io::Error::other(format!(
+            "the copying fork exited with status {code} without a report"
+        ))),
+    }
+}
+
+fn copy(ram: &GuestRam, kind: SnapshotKind, dir: &Path) -> std::io::Result<u64> {
+    let written = diff::private_runs(ram)?;
+    match kind {
+        SnapshotKind::Diff => diff::write_diff_files(ram, &written, dir)?,
+        SnapshotKind::Full => diff::flatten(ram, &written, &dir.join(super::file::MEMORY_FILE))?,
+    }
+    Ok(diff::page_count(&written))
+}
+
+fn report(path: &Path, what: &str) -> std::io::Result<()> {
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(what.as_bytes())?;
+    f.sync_all()
+}
+
+/// Reap the fork; kill it if it outlives [`COPY_TIMEOUT`]. Returns its exit code.
+fn wait(pid: libc::pid_t) -> std::io::Result<i32> {
+    let t0 = Instant::now();
+    loop {
+        let mut st = 0;
+        // SAFETY: waiting for our own child.
+        let r = unsafe { libc::waitpid(pid, &mut st, libc::WNOHANG) };
+        if r == pid {
+            if libc::WIFEXITED(st) {
+                return Ok(libc::WEXITSTATUS(st));
+            }
+            return Err(std::io::Error::other(format!(
+                "the copying fork died (wait status {st:#x})"
+            )));
+        }
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        if t0.elapsed() > COPY_TIMEOUT {
+            // SAFETY: our own child; reaped right after.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, &mut st, 0);
+            }
+            return Err(std::io::Error::other(format!(
+                "the copy took longer than {COPY_TIMEOUT:?}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
