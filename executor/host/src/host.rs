@@ -1154,9 +1154,11 @@ impl Host {
                 }
             }
         };
+        // `..partial-…`: the VMM's own temporary directory beside a staging one (a snapshot
+        // or branch whose writer was killed before it renamed it).
         sweep(
             self.cfg.snapshots_dir(),
-            &[".partial-", ".fetch-", ".replaced-"],
+            &[".partial-", "..partial-", ".fetch-", ".replaced-"],
         );
         sweep(self.cfg.vms_dir(), &["parent-"]);
     }

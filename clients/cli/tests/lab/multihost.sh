@@ -129,7 +129,16 @@ cat "$W/spawn-bc"
 "$T" sandbox spawn --tag mh -n 1 --executor host-c --ready-timeout-ms 300000 >"$W/spawn-src" 2>&1
 SRC=$(grep 'ready in' "$W/spawn-src" | awk '{print $1}')
 "$T" sandbox eval "$SRC" 'branch_value = parent_value + 1' >/dev/null 2>&1
-if "$T" sandbox branch "$SRC" --tag mh-b >"$W/branch" 2>&1 \
+# The branch through the public API with a generic gRPC client (LIVE: paused only to save the
+# state and fork the VMM), then the branch's record: its parent and its two-layer chain.
+"$VENV/bin/grpcurl" -plaintext -H "authorization: Bearer $TINE_TOKEN" \
+  -d "{\"sandbox_id\":\"$SRC\",\"tag\":\"mh-b\",\"mode\":\"BRANCH_MODE_LIVE\"}" \
+  "127.0.0.1:$CP" tine.v1.Sandboxes/Branch >"$W/branch" 2>&1
+"$VENV/bin/grpcurl" -plaintext -H "authorization: Bearer $TINE_TOKEN" -d '{"tag":"mh-b"}' \
+  "127.0.0.1:$CP" tine.v1.Snapshots/GetSnapshot >"$W/get-branch" 2>&1
+cat "$W/get-branch"
+links=$(python3 -c 'import json,sys; print(len(json.load(open(sys.argv[1]))["snapshot"]["layers"]["chain"]))' "$W/get-branch" 2>/dev/null)
+if grep -q '"parentTag": "mh"' "$W/branch" && grep -q '"pagesWritten"' "$W/branch" && [ "$links" = 2 ] \
    && "$T" sandbox spawn --tag mh-b -n 2 --executor host-b --ready-timeout-ms 300000 >"$W/spawn-branch" 2>&1; then
   good=0
   for id in $(grep 'ready in' "$W/spawn-branch" | awk '{print $1}'); do
@@ -137,7 +146,7 @@ if "$T" sandbox branch "$SRC" --tag mh-b >"$W/branch" 2>&1 \
   done
   [ "$good" = 2 ] && ok branch-on-c-forked-on-b || fail branch-on-c-forked-on-b "$good of 2 children on host-b returned 778"
 else
-  fail branch-on-c-forked-on-b "$(tail -3 "$W/branch" "$W/spawn-branch" 2>/dev/null)"
+  fail branch-on-c-forked-on-b "chain of $links layer(s); $(tail -3 "$W/branch" "$W/spawn-branch" 2>/dev/null)"
 fi
 cat "$W/branch" "$W/spawn-branch"
 "$T" snapshots get mh-b

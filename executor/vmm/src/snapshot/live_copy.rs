@@ -30,6 +30,8 @@ pub fn fork_and_copy(
     resumed: impl FnOnce(),
 ) -> std::io::Result<u64> {
     let status = dir.join(STATUS_FILE);
+    // SAFETY: getpid has no preconditions.
+    let parent = unsafe { libc::getpid() };
     // SAFETY: the child only runs `copy` (allocation, file I/O, pagemap reads: no locks other
     // than malloc's, which glibc re-initialises in the child) and then `_exit`s.
     let pid = unsafe { libc::fork() };
@@ -39,6 +41,15 @@ pub fn fork_and_copy(
         return Err(e);
     }
     if pid == 0 {
+        // A VMM killed mid-copy takes its copy along (its half-written files are never
+        // renamed into place; the host sweeps them).
+        // SAFETY: prctl and getppid on ourselves.
+        unsafe {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            if libc::getppid() != parent {
+                libc::_exit(3);
+            }
+        }
         let code = match copy(ram, kind, dir) {
             Ok(pages) => report(&status, &format!("ok {pages}")).map_or(2, |()| 0),
             Err(e) => {
