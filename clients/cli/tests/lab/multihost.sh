@@ -79,7 +79,18 @@ hosts=$(grep 'ready in' "$W/spawn12" | grep -o 'on host-[abc]' | sort -u | tr '\
 [ "$hosts" = "on host-a on host-b on host-c " ] && ok spread-abc || fail spread-abc "children on: $hosts"
 good=0
 for id in $(grep 'ready in' "$W/spawn12" | awk '{print $1}'); do
-  [ "$("$T" sandbox eval "$id" 'parent_value' 2>&1)" = 777 ] && good=$((good + 1))
+  v=$("$T" sandbox eval "$id" 'parent_value' 2>&1)
+  if [ "$v" = 777 ]; then good=$((good + 1)); else
+    # What the child said and what its VMM and console last printed, to tell a guest that
+    # died from a wrong page or a slow host.
+    echo "eval in $id returned: $v"
+    for d in "$W"/host-*/vms/"$id"; do
+      [ -d "$d" ] || continue
+      echo "--- $d/vmm.log"; tail -15 "$d/vmm.log" 2>/dev/null
+      echo "--- $d/console.log"; tail -15 "$d/console.log" 2>/dev/null
+    done
+    grep -h "$id" "$W"/host-*.err | tail -10
+  fi
 done
 [ "$good" = 12 ] && ok parent-value-everywhere || fail parent-value-everywhere "$good of 12 returned 777"
 grep -h 'fetched snapshot from the store\|serving snapshot lazily' "$W"/host-*.err
