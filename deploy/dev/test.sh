@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 bash deploy/dev/setup.sh
+# A full run builds once from scratch: incremental caches would only double the disk it needs.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 export PATH="${TINE_VENV:-$HOME/.cache/tine/venv}/bin:$PATH"
 
 echo "== fmt"; cargo fmt --all -- --check
