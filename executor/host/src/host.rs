@@ -385,15 +385,13 @@ impl Host {
             dir: staging.clone(),
             kind,
         };
-        let reply = crate::control::request(&record.dir, &req, BRANCH_TIMEOUT)
-            .map_err(|e| refuse(format!("its VMM did not answer: {e}")));
+        let reply = ask_vmm(id, &record.dir, &req);
         let done = (|| {
             let (paused_us, pages_written) = match reply? {
                 crate::control::Reply::Branched {
                     paused_us,
                     pages_written,
                 } => (paused_us, pages_written),
-                crate::control::Reply::Failed { reason } => return Err(refuse(reason)),
                 other => return Err(refuse(format!("unexpected answer {other:?}"))),
             };
             let header = tine_vmm::snapshot::file::load_header(&staging).map_err(|source| {
@@ -455,11 +453,8 @@ impl Host {
             id: id.clone(),
             reason,
         };
-        match crate::control::request(&dir, &crate::control::Request::PauseResume, BRANCH_TIMEOUT)
-            .map_err(|e| refuse(format!("its VMM did not answer: {e}")))?
-        {
+        match ask_vmm(id, &dir, &crate::control::Request::PauseResume)? {
             crate::control::Reply::Paused { paused_us } => Ok(Duration::from_micros(paused_us)),
-            crate::control::Reply::Failed { reason } => Err(refuse(reason)),
             other => Err(refuse(format!("unexpected answer {other:?}"))),
         }
     }
@@ -1161,6 +1156,25 @@ impl Host {
             &[".partial-", "..partial-", ".fetch-", ".replaced-"],
         );
         sweep(self.cfg.vms_dir(), &["parent-"]);
+    }
+}
+
+/// Send `req` to VM `id`'s VMM (its directory `dir`); a VMM that does not answer, or answers
+/// that it failed, is the call's error.
+fn ask_vmm(
+    id: &SandboxId,
+    dir: &std::path::Path,
+    req: &crate::control::Request,
+) -> Result<crate::control::Reply> {
+    let refuse = |reason: String| HostError::Branch {
+        id: id.clone(),
+        reason,
+    };
+    match crate::control::request(dir, req, BRANCH_TIMEOUT)
+        .map_err(|e| refuse(format!("its VMM did not answer: {e}")))?
+    {
+        crate::control::Reply::Failed { reason } => Err(refuse(reason)),
+        reply => Ok(reply),
     }
 }
 

@@ -623,7 +623,7 @@ impl RunningVm {
                 })?;
                 pages = copied;
                 match parent_name {
-                    Some(name) => Ok(Some(snapfile::diff_info(tmp, name, origin)?)),
+                    Some(name) => Ok(Some(snapfile::diff_info_written(tmp, name, origin)?)),
                     None => Ok(None),
                 }
             })

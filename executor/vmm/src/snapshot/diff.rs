@@ -107,12 +107,14 @@ pub fn write_pages(ram: &GuestRam, runs: &[PageRun], path: &Path) -> std::io::Re
 
 /// Write a diff's files into `dir`: `pages.bin` (the pages of `runs`) and `pages.idx` (the
 /// runs), both synced. The guest must not write meanwhile (paused, or this is a fork's copy).
-pub fn write_diff_files(ram: &GuestRam, runs: &[PageRun], dir: &Path) -> std::io::Result<()> {
+/// Returns the index as written.
+pub fn write_diff_files(ram: &GuestRam, runs: &[PageRun], dir: &Path) -> std::io::Result<Vec<u8>> {
     write_pages(ram, runs, &dir.join(PAGES_FILE))?;
     let index = bincode::serialize(runs).map_err(std::io::Error::other)?;
     let mut f = File::create(dir.join(INDEX_FILE))?;
     f.write_all(&index)?;
-    f.sync_all()
+    f.sync_all()?;
+    Ok(index)
 }
 
 fn ram_bytes<'a>(ram: &'a GuestRam, r: &PageRun) -> std::io::Result<&'a [u8]> {

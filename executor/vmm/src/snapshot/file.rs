@@ -186,9 +186,9 @@ pub fn write(dir: &Path, state: &MachineState, memory: MemoryOut) -> Result<Snap
             written,
             parent,
         } => {
-            diff::write_diff_files(ram, written, tmp).map_err(write_err(tmp))?;
+            let index = diff::write_diff_files(ram, written, tmp).map_err(write_err(tmp))?;
             let name = parent_name.expect("a diff has a parent name");
-            Ok(Some(diff_info(tmp, name, parent)?))
+            Ok(Some(diff_info(tmp, &index, name, parent)?))
         }
     })
 }
@@ -214,12 +214,15 @@ pub fn parent_link(dir: &Path, parent: &Origin) -> Result<String> {
     }
 }
 
-/// What the header says of the diff files written into `tmp`.
-pub fn diff_info(tmp: &Path, parent_name: String, parent: &Origin) -> Result<DiffInfo> {
-    let path = tmp.join(INDEX_FILE);
-    let index = fs::read(&path).map_err(write_err(&path))?;
+/// What the header says of a diff whose index (as written into `tmp`) is `index`.
+pub fn diff_info(
+    tmp: &Path,
+    index: &[u8],
+    parent_name: String,
+    parent: &Origin,
+) -> Result<DiffInfo> {
     let runs: Vec<PageRun> =
-        bincode::deserialize(&index).map_err(|source| SnapshotError::EncodeState {
+        bincode::deserialize(index).map_err(|source| SnapshotError::EncodeState {
             dir: tmp.to_path_buf(),
             source,
         })?;
@@ -227,8 +230,15 @@ pub fn diff_info(tmp: &Path, parent_name: String, parent: &Origin) -> Result<Dif
         parent: parent_name,
         parent_state_sha256: parent.state_sha256.clone(),
         pages: diff::page_count(&runs),
-        index_sha256: hex::encode(Sha256::digest(&index)),
+        index_sha256: hex::encode(Sha256::digest(index)),
     })
+}
+
+/// [`diff_info`] of the index another process wrote into `tmp`.
+pub fn diff_info_written(tmp: &Path, parent_name: String, parent: &Origin) -> Result<DiffInfo> {
+    let path = tmp.join(INDEX_FILE);
+    let index = fs::read(&path).map_err(write_err(&path))?;
+    diff_info(tmp, &index, parent_name, parent)
 }
 
 /// Write a snapshot to `dir` (which must not exist) with its memory written by `memory` into

@@ -81,7 +81,7 @@ pub fn fork_and_copy(
 fn copy(ram: &GuestRam, kind: SnapshotKind, dir: &Path) -> std::io::Result<u64> {
     let written = diff::private_runs(ram)?;
     match kind {
-        SnapshotKind::Diff => diff::write_diff_files(ram, &written, dir)?,
+        SnapshotKind::Diff => drop(diff::write_diff_files(ram, &written, dir)?),
         SnapshotKind::Full => diff::flatten(ram, &written, &dir.join(super::file::MEMORY_FILE))?,
     }
     Ok(diff::page_count(&written))
