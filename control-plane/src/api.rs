@@ -18,8 +18,8 @@ use tracing::Instrument;
 
 use crate::calls::{Ctx, Rpc};
 use crate::db::{
-    DbError, ExecutorReport, ExecutorRow, NewSnapshot, SandboxRow, SandboxState, SnapshotLayers,
-    SnapshotRow,
+    DbError, ExecutorReport, ExecutorRow, NewSnapshot, NewState, SandboxRow, SandboxState,
+    SnapshotLayers, SnapshotRow, SnapshotStatus,
 };
 use crate::executors::ExecClient;
 use crate::now_ms;
@@ -39,7 +39,9 @@ impl From<DbError> for Status {
         match &e {
             DbError::NoSnapshot(_) => Status::not_found(e.to_string()),
             DbError::SnapshotExists(_) => Status::already_exists(e.to_string()),
-            DbError::HasDescendants { .. } => Status::failed_precondition(e.to_string()),
+            DbError::HasDescendants { .. } | DbError::StillWriting(_) | DbError::NotWriting(_) => {
+                Status::failed_precondition(e.to_string())
+            }
             DbError::Sql(_) | DbError::Migrate(_) => {
                 tracing::error!("{e}");
                 Status::internal(e.to_string())
@@ -74,6 +76,11 @@ fn layers_from(l: &pb::SnapshotLayers) -> Result<SnapshotLayers, Status> {
 }
 
 fn snapshot_msg(r: &SnapshotRow) -> pb::Snapshot {
+    let (state, error) = match r.status(now_ms()) {
+        SnapshotStatus::Ready => (pb::SnapshotState::Ready, String::new()),
+        SnapshotStatus::Writing { .. } => (pb::SnapshotState::Writing, String::new()),
+        SnapshotStatus::Failed(why) => (pb::SnapshotState::Failed, why),
+    };
     pb::Snapshot {
         tag: r.tag.clone(),
         parent_tag: r.parent_tag.clone().unwrap_or_default(),
@@ -92,7 +99,38 @@ fn snapshot_msg(r: &SnapshotRow) -> pb::Snapshot {
             compressed_bytes: l.compressed_bytes,
         }),
         branch: None,
+        state: state as i32,
+        error,
     }
+}
+
+/// The next event of an executor's branch stream; its end before the snapshot is an error.
+async fn next_branch_event(
+    events: &mut Streaming<xpb::BranchEvent>,
+) -> Result<xpb::branch_event::Event, Status> {
+    match events.message().await? {
+        Some(xpb::BranchEvent { event: Some(e) }) => Ok(e),
+        Some(_) => Err(Status::internal("the executor sent an empty branch event")),
+        None => Err(Status::internal(
+            "the executor ended the branch without reporting the snapshot",
+        )),
+    }
+}
+
+/// The deadline a client set on its call (`grpc-timeout`), if any.
+fn call_deadline<T>(req: &Request<T>) -> Option<Duration> {
+    let v = req.metadata().get("grpc-timeout")?.to_str().ok()?;
+    let (n, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = n.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 fn sandbox_msg(r: &SandboxRow) -> pb::Sandbox {
@@ -274,6 +312,7 @@ impl Api {
                 source_sandbox: None,
                 executor_id: executor,
                 layers,
+                state: NewState::Ready,
             })
             .await?;
         self.recorded(&r.tag).await
@@ -306,7 +345,7 @@ impl Api {
     async fn branch_inner(&self, r: pb::BranchRequest) -> Result<pb::Snapshot, Status> {
         validate::name("sandbox_id", &r.sandbox_id)?;
         validate::name("tag", &r.tag)?;
-        let mode = validate::branch_mode(r.mode, r.no_wait)?;
+        let mode = validate::branch_mode(r.mode)?;
         if self.ctx.db.snapshot(&r.tag).await?.is_some() {
             return Err(Status::already_exists(format!(
                 "snapshot {} already exists",
@@ -336,22 +375,92 @@ impl Api {
         let mut client = self.ctx.executors.client(&at.addr)?;
         let mut req = Request::new(r.clone());
         req.set_timeout(BRANCH_TIMEOUT);
-        let made = client.branch(req).await?.into_inner();
+        let mut events = client.start_branch(req).await?.into_inner();
+        let new = NewSnapshot {
+            tag: r.tag.clone(),
+            parent_tag: parent.as_ref().map(|p| p.tag.clone()),
+            image: parent
+                .as_ref()
+                .map_or_else(|| "unknown".to_string(), |p| p.image.clone()),
+            vcpus: 0,
+            mem_mib: 0,
+            source_sandbox: Some(r.sandbox_id.clone()),
+            executor_id: at.sandbox.executor_id.clone(),
+            layers: None,
+            state: NewState::Ready,
+        };
+        let made = match next_branch_event(&mut events).await? {
+            xpb::branch_event::Event::Done(made) => made,
+            xpb::branch_event::Event::Resumed(resumed) if r.no_wait => {
+                // The sandbox runs again: record the snapshot as writing and let a task of
+                // our own see the branch to its end (or failure).
+                let deadline = BRANCH_TIMEOUT + Duration::from_secs(30);
+                self.ctx
+                    .db
+                    .insert_snapshot(&NewSnapshot {
+                        // Its size is the source's: that of the snapshot it was forked from.
+                        vcpus: parent.as_ref().map_or(0, |p| p.vcpus as u32),
+                        mem_mib: parent.as_ref().map_or(0, |p| p.mem_mib as u64),
+                        state: NewState::Writing {
+                            until_ms: now_ms() + deadline.as_millis() as i64,
+                        },
+                        ..new
+                    })
+                    .await?;
+                let db = self.ctx.db.clone();
+                let (tag, executor) = (r.tag.clone(), at.sandbox.executor_id.clone());
+                tokio::spawn(async move {
+                    let end = tokio::time::timeout(deadline, next_branch_event(&mut events)).await;
+                    let made = match end {
+                        Ok(Ok(xpb::branch_event::Event::Done(made))) => {
+                            made.layers.as_ref().map(layers_from).transpose()
+                        }
+                        Ok(Ok(xpb::branch_event::Event::Resumed(_))) => {
+                            Err(Status::internal("the executor reported the resume twice"))
+                        }
+                        Ok(Err(e)) => Err(e),
+                        Err(_) => Err(Status::deadline_exceeded(format!(
+                            "the executor did not finish the branch within {deadline:?}"
+                        ))),
+                    };
+                    let recorded = match made {
+                        Ok(layers) => db.finish_snapshot(&tag, &executor, layers.as_ref()).await,
+                        Err(e) => {
+                            let why = format!("{}: {}", code_name(e.code()), e.message());
+                            tracing::warn!(%tag, "branch failed after its sandbox resumed: {why}");
+                            db.fail_snapshot(&tag, &why).await
+                        }
+                    };
+                    if let Err(e) = recorded {
+                        tracing::warn!(%tag, "could not record the end of a branch: {e}");
+                    }
+                });
+                return Ok(pb::Snapshot {
+                    branch: Some(pb::BranchInfo {
+                        mode: mode as i32,
+                        pause_us: resumed.pause_us,
+                        pages_written: 0,
+                        took_us: 0,
+                    }),
+                    ..self.recorded(&r.tag).await?
+                });
+            }
+            xpb::branch_event::Event::Resumed(_) => match next_branch_event(&mut events).await? {
+                xpb::branch_event::Event::Done(made) => made,
+                xpb::branch_event::Event::Resumed(_) => {
+                    return Err(Status::internal("the executor reported the resume twice"))
+                }
+            },
+        };
         let layers = made.layers.as_ref().map(layers_from).transpose()?;
         let inserted = self
             .ctx
             .db
             .insert_snapshot(&NewSnapshot {
-                tag: r.tag.clone(),
-                parent_tag: parent.as_ref().map(|p| p.tag.clone()),
-                image: parent
-                    .as_ref()
-                    .map_or_else(|| "unknown".to_string(), |p| p.image.clone()),
                 vcpus: made.vcpus,
                 mem_mib: made.mem_mib,
-                source_sandbox: Some(r.sandbox_id.clone()),
-                executor_id: at.sandbox.executor_id.clone(),
                 layers,
+                ..new
             })
             .await;
         if let Err(e) = inserted {
@@ -370,9 +479,53 @@ impl Api {
 
     // ---- Sandboxes ----
 
+    /// Wait until snapshot `tag` can be spawned from: it exists and is READY. One still being
+    /// written is waited for until `deadline` (the call's), or refused at once with `no_wait`.
+    async fn await_snapshot(
+        &self,
+        tag: &str,
+        no_wait: bool,
+        deadline: Option<Duration>,
+    ) -> Result<(), Status> {
+        let t0 = std::time::Instant::now();
+        // Give up a little before the caller does, to answer with the reason.
+        let patience = deadline.map(|d| d.saturating_sub(d / 10));
+        loop {
+            let row = self
+                .ctx
+                .db
+                .snapshot(tag)
+                .await?
+                .ok_or_else(|| Status::not_found(format!("snapshot {tag} does not exist")))?;
+            match row.status(now_ms()) {
+                SnapshotStatus::Ready => return Ok(()),
+                SnapshotStatus::Failed(why) => {
+                    return Err(Status::failed_precondition(format!(
+                        "snapshot {tag} failed: {why}"
+                    )))
+                }
+                SnapshotStatus::Writing { .. } if no_wait => {
+                    return Err(Status::failed_precondition(format!(
+                        "snapshot {tag} is still being written: spawn again once it is READY, or without no_wait to wait for it"
+                    )))
+                }
+                SnapshotStatus::Writing { .. } => {
+                    if patience.is_some_and(|p| t0.elapsed() >= p) {
+                        return Err(Status::deadline_exceeded(format!(
+                            "snapshot {tag} was still being written after {:?}",
+                            t0.elapsed()
+                        )));
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
     async fn start_spawn(
         &self,
         r: pb::SpawnRequest,
+        deadline: Option<Duration>,
     ) -> Result<ReceiverStream<Result<pb::SpawnEvent, Status>>, Status> {
         validate::name("tag", &r.tag)?;
         validate::spawn_count(r.count)?;
@@ -386,7 +539,13 @@ impl Api {
             Ok(_) => Policy::Spread,
             Err(_) => return Err(Status::invalid_argument("placement.policy: unknown value")),
         };
-        let loads = self.ctx.db.executor_loads(&r.tag).await?;
+        let mut loads = self.ctx.db.executor_loads(&r.tag).await?;
+        // Held or in the store means it exists and is complete; only otherwise is a second
+        // look needed (it may not exist, have failed, or still be written).
+        if !loads.iter().any(|l| l.holds) && loads.first().is_none_or(|l| l.head_digest.is_none()) {
+            self.await_snapshot(&r.tag, r.no_wait, deadline).await?;
+            loads = self.ctx.db.executor_loads(&r.tag).await?;
+        }
         let holders: Vec<String> = loads
             .iter()
             .filter(|l| l.holds)
@@ -394,16 +553,6 @@ impl Api {
             .collect();
         // In the store, any executor can fetch it: holding it is a preference, not a filter.
         let head_digest = loads.first().and_then(|l| l.head_digest.clone());
-        // Held or in the store means it exists; only otherwise is a second look needed.
-        if holders.is_empty()
-            && head_digest.is_none()
-            && self.ctx.db.snapshot(&r.tag).await?.is_none()
-        {
-            return Err(Status::not_found(format!(
-                "snapshot {} does not exist",
-                r.tag
-            )));
-        }
         let counts: HashMap<&str, i64> = loads
             .iter()
             .map(|l| (l.executor.id.as_str(), l.live))
@@ -773,9 +922,10 @@ impl Sandboxes for Api {
         let r = req.get_ref();
         let p = r.placement.clone().unwrap_or_default();
         let args = json!({"tag": r.tag, "count": r.count, "policy": p.policy, "executors": p.executors,
-                          "ready_timeout_ms": r.ready_timeout_ms});
+                          "ready_timeout_ms": r.ready_timeout_ms, "no_wait": r.no_wait});
         let call = self.ctx.begin(Rpc::Spawn, &req, args)?;
-        let res = self.start_spawn(req.into_inner()).await;
+        let deadline = call_deadline(&req);
+        let res = self.start_spawn(req.into_inner(), deadline).await;
         self.ctx.finish(call, res.map(Response::new))
     }
 

@@ -25,6 +25,10 @@ pub enum DbError {
         tag: String,
         descendants: Vec<String>,
     },
+    #[error("snapshot {0} is still being written: delete it once it is READY or FAILED")]
+    StillWriting(String),
+    #[error("snapshot {0} is no longer being written (it failed or was deleted meanwhile)")]
+    NotWriting(String),
 }
 
 pub type Result<T, E = DbError> = std::result::Result<T, E>;
@@ -94,6 +98,24 @@ pub struct SnapshotRow {
     /// Executors holding it (comma-joined by the query, split here).
     #[sqlx(default)]
     pub executors: Option<String>,
+    /// 'writing', 'ready' or 'failed' (read through [`SnapshotRow::status`]).
+    #[sqlx(default)]
+    pub state: String,
+    #[sqlx(default)]
+    pub error: Option<String>,
+    #[sqlx(default)]
+    pub writing_until_ms: Option<i64>,
+}
+
+/// Whether a snapshot can be spawned from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SnapshotStatus {
+    Ready,
+    /// Its layer is being written; finished or failed by `until_ms` at the latest.
+    Writing {
+        until_ms: i64,
+    },
+    Failed(String),
 }
 
 impl SnapshotRow {
@@ -113,6 +135,24 @@ impl SnapshotRow {
             stored_bytes: self.stored_bytes.unwrap_or(0) as u64,
             compressed_bytes: self.compressed_bytes.unwrap_or(0) as u64,
         })
+    }
+
+    /// Its state at `now_ms`: a 'writing' row past its deadline has failed.
+    pub fn status(&self, now_ms: i64) -> SnapshotStatus {
+        match self.state.as_str() {
+            "writing" => match self.writing_until_ms {
+                Some(until_ms) if until_ms > now_ms => SnapshotStatus::Writing { until_ms },
+                _ => SnapshotStatus::Failed(
+                    "its branch was not reported complete in time (the control plane waiting for it may have restarted); delete it and branch again".into(),
+                ),
+            },
+            "failed" => SnapshotStatus::Failed(
+                self.error
+                    .clone()
+                    .unwrap_or_else(|| "no reason recorded".into()),
+            ),
+            _ => SnapshotStatus::Ready,
+        }
     }
 
     pub fn executor_list(&self) -> Vec<String> {
@@ -198,6 +238,16 @@ pub struct NewSnapshot {
     pub executor_id: String,
     /// Its layers in the cluster's store, when the executor that made it has one.
     pub layers: Option<SnapshotLayers>,
+    pub state: NewState,
+}
+
+/// How a new snapshot is recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NewState {
+    /// Complete, held by its executor.
+    Ready,
+    /// Being written: [`Db::finish_snapshot`] or [`Db::fail_snapshot`] follows, by `until_ms`.
+    Writing { until_ms: i64 },
 }
 
 /// A snapshot's layer chain in the store.
@@ -218,6 +268,7 @@ pub const LOST_GRACE_MS: i64 = 30_000;
 
 const SNAPSHOT_COLUMNS: &str = "s.tag, s.parent_tag, s.image, s.vcpus, s.mem_mib, s.source_sandbox, s.created_ms, \
      s.head_digest, s.parent_digest, s.chain, s.memory_bytes, s.stored_bytes, s.compressed_bytes, \
+     s.state, s.error, s.writing_until_ms, \
      (SELECT group_concat(executor_id, ',') FROM snapshot_copies c WHERE c.tag = s.tag) AS executors";
 
 #[derive(Clone)]
@@ -387,8 +438,9 @@ impl Db {
         let mut tx = self.pool.begin().await?;
         let r = sqlx::query(
             "INSERT INTO snapshots (tag, parent_tag, image, vcpus, mem_mib, source_sandbox, created_ms, \
-               head_digest, parent_digest, chain, memory_bytes, stored_bytes, compressed_bytes) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(tag) DO NOTHING",
+               head_digest, parent_digest, chain, memory_bytes, stored_bytes, compressed_bytes, \
+               state, writing_until_ms) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(tag) DO NOTHING",
         )
         .bind(&s.tag)
         .bind(&s.parent_tag)
@@ -403,17 +455,80 @@ impl Db {
         .bind(s.layers.as_ref().map(|l| l.memory_bytes as i64))
         .bind(s.layers.as_ref().map(|l| l.stored_bytes as i64))
         .bind(s.layers.as_ref().map(|l| l.compressed_bytes as i64))
+        .bind(match s.state {
+            NewState::Ready => "ready",
+            NewState::Writing { .. } => "writing",
+        })
+        .bind(match s.state {
+            NewState::Ready => None,
+            NewState::Writing { until_ms } => Some(until_ms),
+        })
         .execute(&mut *tx)
         .await?;
         if r.rows_affected() == 0 {
             return Err(DbError::SnapshotExists(s.tag.clone()));
         }
+        if s.state == NewState::Ready {
+            sqlx::query("INSERT OR IGNORE INTO snapshot_copies (tag, executor_id) VALUES (?, ?)")
+                .bind(&s.tag)
+                .bind(&s.executor_id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// A snapshot recorded as writing is complete on `executor_id` (and in the store, with
+    /// `layers`). Fails with [`DbError::NotWriting`] if it is no longer writing.
+    pub async fn finish_snapshot(
+        &self,
+        tag: &str,
+        executor_id: &str,
+        layers: Option<&SnapshotLayers>,
+    ) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        let r = sqlx::query(
+            "UPDATE snapshots SET state = 'ready', writing_until_ms = NULL, \
+               head_digest = ?, parent_digest = ?, chain = ?, memory_bytes = ?, stored_bytes = ?, \
+               compressed_bytes = ? \
+             WHERE tag = ? AND state = 'writing' AND writing_until_ms > ?",
+        )
+        .bind(layers.map(|l| l.head_digest.clone()))
+        .bind(layers.and_then(|l| l.parent_digest.clone()))
+        .bind(layers.map(|l| l.chain.join(",")))
+        .bind(layers.map(|l| l.memory_bytes as i64))
+        .bind(layers.map(|l| l.stored_bytes as i64))
+        .bind(layers.map(|l| l.compressed_bytes as i64))
+        .bind(tag)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?;
+        if r.rows_affected() == 0 {
+            return Err(DbError::NotWriting(tag.to_string()));
+        }
         sqlx::query("INSERT OR IGNORE INTO snapshot_copies (tag, executor_id) VALUES (?, ?)")
-            .bind(&s.tag)
-            .bind(&s.executor_id)
+            .bind(tag)
+            .bind(executor_id)
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
+        Ok(())
+    }
+
+    /// A snapshot recorded as writing failed: nothing can be spawned from it.
+    pub async fn fail_snapshot(&self, tag: &str, error: &str) -> Result<()> {
+        let r = sqlx::query(
+            "UPDATE snapshots SET state = 'failed', error = ?, writing_until_ms = NULL \
+             WHERE tag = ? AND state = 'writing'",
+        )
+        .bind(error)
+        .bind(tag)
+        .execute(&self.pool)
+        .await?;
+        if r.rows_affected() == 0 {
+            return Err(DbError::NotWriting(tag.to_string()));
+        }
         Ok(())
     }
 
@@ -469,7 +584,16 @@ impl Db {
         let Some(me) = self.snapshot(tag).await? else {
             return Err(DbError::NoSnapshot(tag.to_string()));
         };
+        if let SnapshotStatus::Writing { .. } = me.status(now_ms()) {
+            return Err(DbError::StillWriting(tag.to_string()));
+        }
         let descendants = self.descendants(tag).await?;
+        if let Some(w) = descendants
+            .iter()
+            .find(|d| matches!(d.status(now_ms()), SnapshotStatus::Writing { .. }))
+        {
+            return Err(DbError::StillWriting(w.tag.clone()));
+        }
         if !descendants.is_empty() && !cascade {
             return Err(DbError::HasDescendants {
                 tag: tag.to_string(),
@@ -604,7 +728,8 @@ async fn set_copies(
         .await?;
     for tag in tags {
         sqlx::query(
-            "INSERT OR IGNORE INTO snapshot_copies (tag, executor_id) SELECT tag, ? FROM snapshots WHERE tag = ?",
+            // Only complete snapshots: one still being written is the branch's to finish.
+            "INSERT OR IGNORE INTO snapshot_copies (tag, executor_id) SELECT tag, ? FROM snapshots WHERE tag = ? AND state = 'ready'",
         )
         .bind(executor)
         .bind(tag)
@@ -612,4 +737,71 @@ async fn set_copies(
         .await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn writing(tag: &str, until_ms: i64) -> NewSnapshot {
+        NewSnapshot {
+            tag: tag.into(),
+            parent_tag: None,
+            image: "img".into(),
+            vcpus: 1,
+            mem_mib: 64,
+            source_sandbox: None,
+            executor_id: "ex".into(),
+            layers: None,
+            state: NewState::Writing { until_ms },
+        }
+    }
+
+    #[tokio::test]
+    async fn a_writing_snapshot_nobody_finishes_fails_at_its_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("cp.db")).await.unwrap();
+        // The executor row a finished snapshot's copy refers to.
+        db.upsert_executor("ex", "http://127.0.0.1:1", &ExecutorReport::default())
+            .await
+            .unwrap();
+        db.insert_snapshot(&writing("late", now_ms() - 1))
+            .await
+            .unwrap();
+        db.insert_snapshot(&writing("live", now_ms() + 60_000))
+            .await
+            .unwrap();
+        let late = db.snapshot("late").await.unwrap().unwrap();
+        assert!(
+            matches!(late.status(now_ms()), SnapshotStatus::Failed(why) if why.contains("restarted"))
+        );
+        // Too late to finish; deleting it is allowed.
+        assert!(matches!(
+            db.finish_snapshot("late", "ex", None).await,
+            Err(DbError::NotWriting(_))
+        ));
+        db.delete_snapshot("late", false).await.unwrap();
+        // One in time: not deletable while writing, and held by nobody until finished.
+        assert!(matches!(
+            db.delete_snapshot("live", false).await,
+            Err(DbError::StillWriting(_))
+        ));
+        assert!(db
+            .snapshot("live")
+            .await
+            .unwrap()
+            .unwrap()
+            .executor_list()
+            .is_empty());
+        db.finish_snapshot("live", "ex", None).await.unwrap();
+        let live = db.snapshot("live").await.unwrap().unwrap();
+        assert_eq!(live.status(now_ms()), SnapshotStatus::Ready);
+        assert_eq!(live.executor_list(), vec!["ex"]);
+        // Finished once: neither finished nor failed again.
+        assert!(db.fail_snapshot("live", "late news").await.is_err());
+        assert_eq!(
+            db.snapshot("live").await.unwrap().unwrap().status(now_ms()),
+            SnapshotStatus::Ready
+        );
+    }
 }

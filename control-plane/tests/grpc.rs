@@ -36,11 +36,37 @@ struct FakeState {
     /// Children it really has room for (None: unlimited), to play an executor whose
     /// capacity is smaller than the control plane believes.
     room: Option<usize>,
+    /// StartBranch holds its last event until this is notified (None: sends it at once).
+    branch_gate: Option<Arc<tokio::sync::Notify>>,
+    /// StartBranch ends with this error after the resume instead of the snapshot.
+    branch_failure: Option<String>,
 }
 
 #[derive(Clone, Default)]
 struct FakeExecutor {
     state: Arc<Mutex<FakeState>>,
+}
+
+impl FakeExecutor {
+    /// The snapshot a branch of a live child makes.
+    fn branched(&self, r: &pb::BranchRequest) -> Result<pb::Snapshot, Status> {
+        if !self.state.lock().unwrap().live.contains(&r.sandbox_id) {
+            return Err(Status::not_found(format!("no VM {}", r.sandbox_id)));
+        }
+        Ok(pb::Snapshot {
+            tag: r.tag.clone(),
+            vcpus: 1,
+            mem_mib: 512,
+            source_sandbox: r.sandbox_id.clone(),
+            branch: Some(pb::BranchInfo {
+                mode: r.mode,
+                pause_us: 900,
+                pages_written: 7,
+                took_us: 1000,
+            }),
+            ..Default::default()
+        })
+    }
 }
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -76,23 +102,40 @@ impl Executor for FakeExecutor {
         &self,
         req: Request<pb::BranchRequest>,
     ) -> Result<Response<pb::Snapshot>, Status> {
-        let r = req.into_inner();
-        if !self.state.lock().unwrap().live.contains(&r.sandbox_id) {
-            return Err(Status::not_found(format!("no VM {}", r.sandbox_id)));
-        }
-        Ok(Response::new(pb::Snapshot {
-            tag: r.tag,
-            vcpus: 1,
-            mem_mib: 512,
-            source_sandbox: r.sandbox_id,
-            branch: Some(pb::BranchInfo {
-                mode: r.mode,
-                pause_us: 900,
-                pages_written: 7,
-                took_us: 1000,
-            }),
-            ..Default::default()
+        Ok(Response::new(self.branched(&req.into_inner())?))
+    }
+
+    type StartBranchStream = ReceiverStream<Result<xpb::BranchEvent, Status>>;
+
+    async fn start_branch(
+        &self,
+        req: Request<pb::BranchRequest>,
+    ) -> Result<Response<Self::StartBranchStream>, Status> {
+        let done = self.branched(&req.into_inner())?;
+        let (gate, failure) = {
+            let st = self.state.lock().unwrap();
+            (st.branch_gate.clone(), st.branch_failure.clone())
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(2);
+        let resumed = xpb::branch_event::Event::Resumed(xpb::BranchResumed { pause_us: 900 });
+        tx.send(Ok(xpb::BranchEvent {
+            event: Some(resumed),
         }))
+        .await
+        .unwrap();
+        tokio::spawn(async move {
+            if let Some(g) = gate {
+                g.notified().await;
+            }
+            let last = match failure {
+                Some(why) => Err(Status::internal(why)),
+                None => Ok(xpb::BranchEvent {
+                    event: Some(xpb::branch_event::Event::Done(done)),
+                }),
+            };
+            let _ = tx.send(last).await;
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
     }
 
     async fn delete_snapshot(
@@ -383,6 +426,7 @@ async fn add_snapshot(cp: &RunningServer, tag: &str, parent: Option<&str>, execu
             source_sandbox: None,
             executor_id: executor.into(),
             layers: None,
+            state: tine_control_plane::db::NewState::Ready,
         })
         .await
         .unwrap();
@@ -404,6 +448,7 @@ async fn spawn_all(
                 executors: vec![],
             }),
             ready_timeout_ms: 0,
+            no_wait: false,
         })
         .await
         .unwrap()
@@ -856,19 +901,17 @@ async fn exec_and_files_are_relayed() {
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
 
-    // Branch: what is not carried out yet is refused, not taken as something else.
-    for (mode, no_wait) in [(pb::BranchMode::Live, true), (pb::BranchMode::Diff, true)] {
-        let err = sb
-            .branch(pb::BranchRequest {
-                sandbox_id: s.id.clone(),
-                tag: "b".into(),
-                mode: mode as i32,
-                no_wait,
-            })
-            .await
-            .unwrap_err();
-        assert_eq!(err.code(), Code::Unimplemented, "{}", err.message());
-    }
+    // Branch: a mode it does not know is refused, not taken as another.
+    let err = sb
+        .branch(pb::BranchRequest {
+            sandbox_id: s.id.clone(),
+            tag: "b".into(),
+            mode: 9,
+            no_wait: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
     let err = sb
         .branch(pb::BranchRequest {
             sandbox_id: "sbx-0000000000000000".into(),
@@ -931,6 +974,168 @@ async fn exec_and_files_are_relayed() {
     // Children of the branch are placed where it is.
     let ev = spawn_all(&mut sb, "b", 2, pb::PlacementPolicy::Spread).await;
     assert_eq!(ready_on(&ev).get("ex-a"), Some(&2));
+    cp.shutdown().await.unwrap();
+}
+
+async fn snapshot_state(sn: &mut SnapshotsClient<Svc>, tag: &str) -> (pb::SnapshotState, String) {
+    let s = sn
+        .get_snapshot(pb::GetSnapshotRequest { tag: tag.into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap();
+    (s.state(), s.error)
+}
+
+fn branch_req(id: &str, tag: &str, mode: pb::BranchMode, no_wait: bool) -> pb::BranchRequest {
+    pb::BranchRequest {
+        sandbox_id: id.into(),
+        tag: tag.into(),
+        mode: mode as i32,
+        no_wait,
+    }
+}
+
+fn spawn_one(tag: &str, no_wait: bool) -> pb::SpawnRequest {
+    pb::SpawnRequest {
+        tag: tag.into(),
+        count: 1,
+        no_wait,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_branch_that_does_not_wait_is_writing_until_its_executor_finishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (fake, addr) = start_executor(&t.executor).await;
+    register(cp.addr, &t, "ex-a", addr, 8, &[], &[]).await;
+    add_snapshot(&cp, "py", None, "ex-a").await;
+    let (mut sn, mut sb, _) = clients(cp.addr, Some(&t.user)).await;
+    let ev = spawn_all(&mut sb, "py", 1, pb::PlacementPolicy::Spread).await;
+    let Some(pb::spawn_event::Result::Ready(s)) = &ev[0].result else {
+        panic!("{ev:?}")
+    };
+    let gate = Arc::new(tokio::sync::Notify::new());
+    fake.state.lock().unwrap().branch_gate = Some(gate.clone());
+
+    // The answer comes once the sandbox resumes, while the executor still writes.
+    let b = sb
+        .branch(branch_req(&s.id, "w", pb::BranchMode::Live, true))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(b.state(), pb::SnapshotState::Writing);
+    assert_eq!((b.parent_tag.as_str(), b.vcpus, b.mem_mib), ("py", 1, 512));
+    assert_eq!(b.branch.unwrap().pause_us, 900);
+    assert!(b.executors.is_empty(), "{:?}", b.executors);
+    assert_eq!(
+        snapshot_state(&mut sn, "w").await.0,
+        pb::SnapshotState::Writing
+    );
+
+    // Spawns asked not to wait are refused; others wait, bounded by their deadline.
+    let err = sb.spawn(spawn_one("w", true)).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("still being written"),
+        "{}",
+        err.message()
+    );
+    let mut req = Request::new(spawn_one("w", false));
+    req.set_timeout(std::time::Duration::from_millis(600));
+    let err = sb.spawn(req).await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{}", err.message());
+    let err = sn
+        .delete_snapshot(pb::DeleteSnapshotRequest {
+            tag: "w".into(),
+            cascade: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert_eq!(fake.state.lock().unwrap().spawn_calls, 1);
+
+    // A waiting spawn goes ahead once the executor reports the snapshot complete.
+    let mut waiting_sb = sb.clone();
+    let waiting = tokio::spawn(async move {
+        let mut req = Request::new(spawn_one("w", false));
+        req.set_timeout(std::time::Duration::from_secs(30));
+        let mut events = waiting_sb.spawn(req).await.unwrap().into_inner();
+        let mut out = Vec::new();
+        while let Some(ev) = events.next().await {
+            out.push(ev.unwrap());
+        }
+        out
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished());
+    gate.notify_one();
+    let ev = waiting.await.unwrap();
+    assert_eq!(ready_on(&ev).get("ex-a"), Some(&1), "{ev:?}");
+    let w = sn
+        .get_snapshot(pb::GetSnapshotRequest { tag: "w".into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap();
+    assert_eq!(
+        (w.state(), w.executors),
+        (pb::SnapshotState::Ready, vec!["ex-a".to_string()])
+    );
+
+    // A branch that fails after the resume becomes FAILED with the executor's reason.
+    let gate = Arc::new(tokio::sync::Notify::new());
+    {
+        let mut st = fake.state.lock().unwrap();
+        st.branch_gate = Some(gate.clone());
+        st.branch_failure = Some("writing the diff: No space left on device".into());
+    }
+    let f = sb
+        .branch(branch_req(&s.id, "f", pb::BranchMode::Diff, true))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(f.state(), pb::SnapshotState::Writing);
+    gate.notify_one();
+    let mut state = snapshot_state(&mut sn, "f").await;
+    for _ in 0..100 {
+        if state.0 != pb::SnapshotState::Writing {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        state = snapshot_state(&mut sn, "f").await;
+    }
+    assert_eq!(state.0, pb::SnapshotState::Failed);
+    assert!(state.1.contains("No space left on device"), "{}", state.1);
+    let err = sb.spawn(spawn_one("f", false)).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(err.message().contains("No space left"), "{}", err.message());
+    // A failed snapshot can be deleted and its tag branched again.
+    sn.delete_snapshot(pb::DeleteSnapshotRequest {
+        tag: "f".into(),
+        cascade: false,
+    })
+    .await
+    .unwrap();
+    fake.state.lock().unwrap().branch_failure = None;
+    fake.state.lock().unwrap().branch_gate = None;
+    let again = sb
+        .branch(branch_req(&s.id, "f", pb::BranchMode::Diff, false))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.state(), pb::SnapshotState::Ready);
+    // Spawn audit records carry the flag.
+    let spawns: Vec<_> = audit_lines(dir.path())
+        .into_iter()
+        .filter(|l| l["rpc"] == "tine.v1.Sandboxes/Spawn" && l["args"]["no_wait"] == true)
+        .collect();
+    assert!(!spawns.is_empty());
     cp.shutdown().await.unwrap();
 }
 

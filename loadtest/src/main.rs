@@ -121,6 +121,7 @@ async fn main() -> Result<()> {
                             source_sandbox: None,
                             executor_id: "null-0".into(),
                             layers: None,
+                            state: tine_control_plane::db::NewState::Ready,
                         })
                         .await?;
                 }

@@ -49,6 +49,13 @@ impl Executor for NullExecutor {
     ) -> Result<Response<pb::Snapshot>, Status> {
         unsupported("branches")
     }
+    type StartBranchStream = BoxStream<xpb::BranchEvent>;
+    async fn start_branch(
+        &self,
+        _: Request<pb::BranchRequest>,
+    ) -> Result<Response<Self::StartBranchStream>, Status> {
+        unsupported("branches")
+    }
     async fn delete_snapshot(
         &self,
         _: Request<xpb::DeleteSnapshotRequest>,

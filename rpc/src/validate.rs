@@ -99,17 +99,11 @@ pub fn executor_addr(a: &str) -> Result<(), Status> {
     Ok(())
 }
 
-/// A branch's mode: FULL, DIFF (also for UNSPECIFIED) or LIVE. `no_wait` is part of the API
-/// but not carried out yet: refused as UNIMPLEMENTED rather than silently ignored.
-pub fn branch_mode(mode: i32, no_wait: bool) -> Result<tine_proto::v1::BranchMode, Status> {
+/// A branch's mode: FULL, DIFF (also for UNSPECIFIED) or LIVE.
+pub fn branch_mode(mode: i32) -> Result<tine_proto::v1::BranchMode, Status> {
     use tine_proto::v1::BranchMode;
     let m = BranchMode::try_from(mode)
         .map_err(|_| invalid("mode", format!("{mode} is not a BranchMode")))?;
-    if no_wait {
-        return Err(Status::unimplemented(
-            "no_wait: returning before the branch is written is not supported yet; branch with no_wait=false",
-        ));
-    }
     match m {
         BranchMode::Unspecified | BranchMode::Diff => Ok(BranchMode::Diff),
         BranchMode::Full => Ok(BranchMode::Full),

@@ -115,6 +115,10 @@ pub enum SandboxCommand {
         executors: Vec<String>,
         #[arg(long, default_value_t = 0)]
         ready_timeout_ms: u32,
+        /// Fail at once if the snapshot is still being written (a branch taken with
+        /// --no-wait) instead of waiting for it.
+        #[arg(long)]
+        no_wait: bool,
         #[arg(long)]
         json: bool,
     },
@@ -151,7 +155,8 @@ pub enum SandboxCommand {
         /// image).
         #[arg(long, default_value = "diff")]
         mode: String,
-        /// Return before the branch is written (not supported yet).
+        /// Return as soon as the sandbox resumes: the snapshot is WRITING until complete
+        /// (`tine snapshot get TAG` shows when it is READY); spawns from it wait for it.
         #[arg(long)]
         no_wait: bool,
         #[arg(long)]
@@ -184,6 +189,7 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                 policy,
                 executors,
                 ready_timeout_ms,
+                no_wait,
                 json,
             } => {
                 let policy = match policy.as_str() {
@@ -202,6 +208,7 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                             executors,
                         }),
                         ready_timeout_ms,
+                        no_wait,
                     })
                     .await
                     .map_err(status_err)?
@@ -303,11 +310,19 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                         "{}",
                         serde_json::json!({
                             "tag": s.tag, "parent": s.parent_tag, "source_sandbox": s.source_sandbox,
-                            "executors": s.executors, "mode": mode,
+                            "executors": s.executors, "mode": mode, "state": state_name(s.state),
                             "pause_us": b.pause_us, "pages_written": b.pages_written,
                             "took_us": b.took_us,
                             "client_ms": t0.elapsed().as_secs_f64() * 1e3,
                         })
+                    );
+                } else if no_wait {
+                    print_snapshot(&s, "");
+                    println!(
+                        "[tine] branched {id} ({mode}): paused {:.2} ms, resumed; the snapshot is {} ({:.1} ms in all)",
+                        b.pause_us as f64 / 1e3,
+                        state_name(s.state),
+                        t0.elapsed().as_secs_f64() * 1e3
                     );
                 } else {
                     print_snapshot(&s, "");
@@ -469,9 +484,22 @@ pub enum SnapshotsCommand {
     },
 }
 
+fn state_name(state: i32) -> &'static str {
+    match pb::SnapshotState::try_from(state) {
+        Ok(pb::SnapshotState::Writing) => "WRITING",
+        Ok(pb::SnapshotState::Failed) => "FAILED",
+        _ => "READY",
+    }
+}
+
 fn print_snapshot(s: &pb::Snapshot, indent: &str) {
+    let state = match pb::SnapshotState::try_from(s.state) {
+        Ok(pb::SnapshotState::Writing) => " WRITING".to_string(),
+        Ok(pb::SnapshotState::Failed) => format!(" FAILED: {}", s.error),
+        _ => String::new(),
+    };
     println!(
-        "{indent}{:<20} parent {:<16} image {:<16} {} vCPU {:>6} MiB on [{}]",
+        "{indent}{:<20} parent {:<16} image {:<16} {} vCPU {:>6} MiB on [{}]{state}",
         s.tag,
         if s.parent_tag.is_empty() {
             "-"

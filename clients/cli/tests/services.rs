@@ -117,6 +117,7 @@ impl Cluster {
                 source_sandbox: None,
                 executor_id: executor.into(),
                 layers,
+                state: tine_control_plane::db::NewState::Ready,
             })
             .await
             .unwrap();

@@ -68,7 +68,13 @@ class Snapshots(pb_grpc.SnapshotsServicer):
             ancestors.append(self.st.snapshots[p])
             p = self.st.snapshots[p].parent_tag
         descendants = [s for s in self.st.snapshots.values() if s.parent_tag == snap.tag]
-        return pb.GetSnapshotResponse(snapshot=snap, ancestors=ancestors, descendants=descendants)
+        shown = pb.Snapshot()
+        shown.CopyFrom(snap)
+        if snap.state == pb.SNAPSHOT_STATE_WRITING:
+            failed = snap.tag.endswith("-fails")
+            snap.state = pb.SNAPSHOT_STATE_FAILED if failed else pb.SNAPSHOT_STATE_READY
+            snap.error = "disk full" if failed else ""
+        return pb.GetSnapshotResponse(snapshot=shown, ancestors=ancestors, descendants=descendants)
 
     def CreateSnapshot(self, request: Any, context: Any) -> Any:
         _auth(context)
@@ -108,6 +114,9 @@ class Sandboxes(pb_grpc.SandboxesServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "count must be at least 1")
         if request.tag not in self.st.snapshots and request.tag not in ("flaky", "broken-stream"):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no snapshot {request.tag!r}")
+        snap = self.st.snapshots.get(request.tag)
+        if snap is not None and snap.state == pb.SNAPSHOT_STATE_WRITING and request.no_wait:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"snapshot {request.tag} is still being written")
         # Children become ready in reverse order, to check the client re-sorts them.
         for i in reversed(range(request.count)):
             if request.tag == "flaky" and i == 1:
@@ -240,10 +249,10 @@ class Sandboxes(pb_grpc.SandboxesServicer):
     def Branch(self, request: Any, context: Any) -> Any:
         _auth(context)
         sb = self._get(request.sandbox_id, context)
-        if request.no_wait:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "not supported yet")
         info = pb.BranchInfo(mode=request.mode, pause_us=800, pages_written=12, took_us=900)
-        snap = pb.Snapshot(tag=request.tag, parent_tag=sb.tag, source_sandbox=sb.id, branch=info)
+        # Without waiting: WRITING, READY once looked at (tag "x-fails": FAILED).
+        state = pb.SNAPSHOT_STATE_WRITING if request.no_wait else pb.SNAPSHOT_STATE_READY
+        snap = pb.Snapshot(tag=request.tag, parent_tag=sb.tag, source_sandbox=sb.id, branch=info, state=state)
         self.st.snapshots[request.tag] = snap
         return snap
 

@@ -303,7 +303,13 @@ def test_branch_and_executors() -> None:
         assert snap.branch is not None and snap.branch.mode == "diff" and snap.branch.pages_written == 12
         assert sb.branch("whole", mode="full").branch.mode == "full"  # type: ignore[union-attr]
         assert sb.branch("lively", mode="live").branch.mode == "live"  # type: ignore[union-attr]
-        _raises("UNIMPLEMENTED", sb.branch, "x", wait=False)
+        writing = sb.branch("later", wait=False)
+        assert writing.state == "WRITING" and writing.branch is not None and writing.branch.pause_us == 800
+        _raises("FAILED_PRECONDITION", c.spawn, "later", wait_for_snapshot=False)
+        assert c.wait_snapshot("later", timeout_s=5).state == "READY"
+        sb.branch("x-fails", wait=False)
+        _raises("FAILED_PRECONDITION", c.wait_snapshot, "x-fails", 5)
+        assert c.snapshot("x-fails").error == "disk full"
         try:
             sb.branch("x", mode="sideways")
             raise AssertionError("a bad mode was sent")

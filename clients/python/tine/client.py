@@ -16,6 +16,7 @@ import dataclasses
 import ipaddress
 import math
 import os
+import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -214,6 +215,10 @@ class Snapshot:
     descendants: tuple[Snapshot, ...] = ()
     #: How it was made, in the answer to ``Sandbox.branch`` only.
     branch: BranchInfo | None = None
+    #: ``"READY"``, ``"WRITING"`` (a branch taken with ``wait=False``, still being written)
+    #: or ``"FAILED"`` (then ``error`` says why).
+    state: str = "READY"
+    error: str = ""
 
     @classmethod
     def _from_pb(cls, s: pb.Snapshot) -> Snapshot:
@@ -227,7 +232,17 @@ class Snapshot:
             executors=tuple(s.executors),
             source_sandbox=s.source_sandbox,
             branch=BranchInfo._from_pb(s.branch) if s.HasField("branch") else None,
+            state=_SNAPSHOT_STATES.get(s.state, str(s.state)),
+            error=s.error,
         )
+
+
+_SNAPSHOT_STATES = {
+    pb.SNAPSHOT_STATE_UNSPECIFIED: "READY",
+    pb.SNAPSHOT_STATE_READY: "READY",
+    pb.SNAPSHOT_STATE_WRITING: "WRITING",
+    pb.SNAPSHOT_STATE_FAILED: "FAILED",
+}
 
 
 @dataclass(frozen=True)
@@ -500,8 +515,9 @@ class Sandbox:
         """Snapshot this running sandbox as a child snapshot ``tag``; the sandbox runs on
         and children of ``tag`` start from this instant. ``mode``: ``"diff"`` (the pages
         written since the fork, over its snapshot), ``"live"`` (the same, copied after the
-        sandbox resumes: the shortest pause) or ``"full"`` (a complete image);
-        ``wait=False`` is refused (UNIMPLEMENTED) by this release."""
+        sandbox resumes: the shortest pause) or ``"full"`` (a complete image).
+        ``wait=False`` returns as soon as the sandbox resumes, with the snapshot WRITING;
+        spawns from it wait until it is READY (``Client.wait_snapshot`` waits too)."""
         modes = {"diff": pb.BRANCH_MODE_DIFF, "full": pb.BRANCH_MODE_FULL, "live": pb.BRANCH_MODE_LIVE}
         if mode not in modes:
             raise ValueError(f"tine: branch mode {mode!r}: use one of {sorted(modes)}")
@@ -643,6 +659,21 @@ class Client:
         r = self._unary(self._snapshots.ListSnapshots, pb.ListSnapshotsRequest())
         return [Snapshot._from_pb(s) for s in r.snapshots]
 
+    def wait_snapshot(self, tag: str, timeout_s: float = 600.0, poll_s: float = 0.05) -> Snapshot:
+        """Wait until snapshot ``tag`` is no longer WRITING and return it. Raises
+        ``TineError`` with FAILED_PRECONDITION (and the reason) if its branch failed, or
+        DEADLINE_EXCEEDED if it is still being written after ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while True:
+            snap = self.snapshot(tag)
+            if snap.state == "FAILED":
+                raise TineError("FAILED_PRECONDITION", f"snapshot {tag!r} failed: {snap.error}")
+            if snap.state != "WRITING":
+                return snap
+            if time.monotonic() >= end:
+                raise TineError("DEADLINE_EXCEEDED", f"snapshot {tag!r} still being written after {timeout_s} s")
+            time.sleep(poll_s)
+
     def snapshot(self, tag: str) -> Snapshot:
         """One snapshot, with its ancestors (nearest first) and all its descendants."""
         r = self._unary(self._snapshots.GetSnapshot, pb.GetSnapshotRequest(tag=tag))
@@ -690,14 +721,16 @@ class Client:
         executors: Sequence[str] = (),
         memory_limit_mib: int = 0,
         cpu_millis: int = 0,
+        wait_for_snapshot: bool = True,
     ) -> Iterator[SpawnEvent]:
         """Fork ``n`` children of snapshot ``tag``; yields one ``SpawnEvent`` per child as
         it becomes ready or fails, in that order (not by index).
 
         ``policy``: "spread" (balance across executors) or "pack" (fill one first);
         ``timeout_s``: per-child readiness deadline (None: the server's default);
-        ``executors``: only these executors. Leaving the loop early cancels the stream;
-        children already yielded keep running.
+        ``executors``: only these executors; ``wait_for_snapshot=False``: fail with
+        FAILED_PRECONDITION instead of waiting when ``tag`` is still being written.
+        Leaving the loop early cancels the stream; children already yielded keep running.
         """
         if n < 0:
             raise ValueError(f"tine: spawn count must be >= 0, not {n}")
@@ -711,6 +744,7 @@ class Client:
             resources=pb.Resources(memory_limit_mib=memory_limit_mib, cpu_millis=cpu_millis),
             placement=pb.Placement(policy=pol, executors=list(executors)),
             ready_timeout_ms=_ms(timeout_s),
+            no_wait=not wait_for_snapshot,
         )
         for ev in self._stream(self._sandboxes.Spawn, req, None):
             kind = ev.WhichOneof("result")
@@ -738,6 +772,7 @@ class Client:
         executors: Sequence[str] = (),
         memory_limit_mib: int = 0,
         cpu_millis: int = 0,
+        wait_for_snapshot: bool = True,
     ) -> list[Sandbox]:
         """Fork ``n`` children of snapshot ``tag`` and wait for all of them; returns them
         in request order. Raises ``SpawnError`` if any child failed: its ``failures`` say
@@ -753,6 +788,7 @@ class Client:
                 executors=executors,
                 memory_limit_mib=memory_limit_mib,
                 cpu_millis=cpu_millis,
+                wait_for_snapshot=wait_for_snapshot,
             ):
                 if ev.sandbox is not None:
                     ready[ev.index] = ev.sandbox

@@ -16,7 +16,7 @@ use tine_proto::executor::v1::executor_server::Executor;
 use tine_proto::v1 as pb;
 use tine_rpc::limits::MAX_SPAWN;
 use tine_rpc::status::child_error;
-use tine_rpc::{validate, ExecutorId, SandboxId};
+use tine_rpc::{validate, ExecutorId, SandboxId, Tag};
 use tine_snapshot_store::Digest;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -60,6 +60,14 @@ pub fn host_status(e: &HostError) -> Status {
 }
 
 /// A snapshot's layers as the API reports them.
+fn kind_of(mode: pb::BranchMode) -> BranchKind {
+    match mode {
+        pb::BranchMode::Full => BranchKind::Full,
+        pb::BranchMode::Live => BranchKind::Live,
+        _ => BranchKind::Diff,
+    }
+}
+
 pub fn layers_msg(l: &LayerInfo) -> pb::SnapshotLayers {
     pb::SnapshotLayers {
         head_digest: l.head.to_string(),
@@ -165,6 +173,49 @@ fn meminfo() -> (u64, u64) {
 #[derive(Clone)]
 pub struct ExecutorService {
     pub state: Arc<State>,
+}
+
+impl ExecutorService {
+    fn branch_args(
+        &self,
+        r: &pb::BranchRequest,
+    ) -> Result<(SandboxId, Tag, pb::BranchMode), Status> {
+        self.state.refuse_vm_work()?;
+        Ok((
+            validate::sandbox_id("sandbox_id", &r.sandbox_id)?,
+            validate::tag("tag", &r.tag)?,
+            validate::branch_mode(r.mode)?,
+        ))
+    }
+
+    /// The snapshot a branch made, as the control plane records it.
+    fn branch_msg(
+        &self,
+        r: pb::BranchRequest,
+        mode: pb::BranchMode,
+        b: &tine_host::Branch,
+    ) -> pb::Snapshot {
+        pb::Snapshot {
+            tag: r.tag,
+            parent_tag: b.parent.to_string(),
+            // The control plane knows the image (the parent's).
+            image: String::new(),
+            vcpus: b.header.vcpus,
+            mem_mib: b.header.mem_size >> 20,
+            created_unix_ms: tine_host::records::now_ms() as i64,
+            executors: vec![self.state.id.to_string()],
+            source_sandbox: r.sandbox_id,
+            layers: b.layer.as_ref().map(layers_msg),
+            branch: Some(pb::BranchInfo {
+                mode: mode as i32,
+                pause_us: b.paused.as_micros() as u64,
+                pages_written: b.pages_written,
+                took_us: b.took.as_micros() as u64,
+            }),
+            state: pb::SnapshotState::Ready as i32,
+            error: String::new(),
+        }
+    }
 }
 
 /// Feeds a blocking `Read` (the agent upload) from the gRPC stream; an error in the
@@ -278,6 +329,8 @@ impl Executor for ExecutorService {
             source_sandbox: String::new(),
             layers: made.layer.as_ref().map(layers_msg),
             branch: None,
+            state: pb::SnapshotState::Ready as i32,
+            error: String::new(),
         }))
     }
 
@@ -285,39 +338,52 @@ impl Executor for ExecutorService {
         &self,
         req: Request<pb::BranchRequest>,
     ) -> Result<Response<pb::Snapshot>, Status> {
-        self.state.refuse_vm_work()?;
         let r = req.into_inner();
-        let id = validate::sandbox_id("sandbox_id", &r.sandbox_id)?;
-        let tag = validate::tag("tag", &r.tag)?;
-        let mode = validate::branch_mode(r.mode, r.no_wait)?;
-        let kind = match mode {
-            pb::BranchMode::Full => BranchKind::Full,
-            pb::BranchMode::Live => BranchKind::Live,
-            _ => BranchKind::Diff,
-        };
+        if r.no_wait {
+            return Err(Status::invalid_argument(
+                "no_wait: this call answers once the snapshot is complete; StartBranch reports the resume",
+            ));
+        }
+        let (id, tag, mode) = self.branch_args(&r)?;
         let st = self.state.clone();
-        let b = tokio::task::spawn_blocking(move || st.host.branch(&id, &tag, kind))
+        let b = tokio::task::spawn_blocking(move || st.host.branch(&id, &tag, kind_of(mode)))
             .await
             .map_err(internal)?
             .map_err(|e| host_status(&e))?;
-        Ok(Response::new(pb::Snapshot {
-            tag: r.tag,
-            parent_tag: b.parent.to_string(),
-            // The control plane knows the image (the parent's).
-            image: String::new(),
-            vcpus: b.header.vcpus,
-            mem_mib: b.header.mem_size >> 20,
-            created_unix_ms: tine_host::records::now_ms() as i64,
-            executors: vec![self.state.id.to_string()],
-            source_sandbox: r.sandbox_id,
-            layers: b.layer.as_ref().map(layers_msg),
-            branch: Some(pb::BranchInfo {
-                mode: mode as i32,
-                pause_us: b.paused.as_micros() as u64,
-                pages_written: b.pages_written,
-                took_us: b.took.as_micros() as u64,
-            }),
-        }))
+        Ok(Response::new(self.branch_msg(r, mode, &b)))
+    }
+
+    type StartBranchStream = ReceiverStream<Result<xpb::BranchEvent, Status>>;
+
+    async fn start_branch(
+        &self,
+        req: Request<pb::BranchRequest>,
+    ) -> Result<Response<Self::StartBranchStream>, Status> {
+        let r = req.into_inner();
+        let (id, tag, mode) = self.branch_args(&r)?;
+        let (tx, rx) = mpsc::channel(2);
+        let svc = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let resumed_tx = tx.clone();
+            let made = svc
+                .state
+                .host
+                .branch_then(&id, &tag, kind_of(mode), move |paused| {
+                    let ev = xpb::branch_event::Event::Resumed(xpb::BranchResumed {
+                        pause_us: paused.as_micros() as u64,
+                    });
+                    let _ = resumed_tx.blocking_send(Ok(xpb::BranchEvent { event: Some(ev) }));
+                });
+            // The branch runs to its end even if the caller went away: it is kept either way.
+            let last = match made {
+                Ok(b) => Ok(xpb::BranchEvent {
+                    event: Some(xpb::branch_event::Event::Done(svc.branch_msg(r, mode, &b))),
+                }),
+                Err(e) => Err(host_status(&e)),
+            };
+            let _ = tx.blocking_send(last);
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
     }
 
     async fn delete_snapshot(

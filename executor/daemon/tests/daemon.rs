@@ -219,6 +219,7 @@ async fn executor_api_end_to_end() {
         .into_inner();
     assert_eq!(live.branch.unwrap().mode, pb::BranchMode::Live as i32);
     assert_eq!(live.parent_tag, "idle");
+    // The unary call answers only with the finished snapshot, so it refuses no_wait ...
     let e = c
         .branch(pb::BranchRequest {
             sandbox_id: "sbx-a1".into(),
@@ -228,7 +229,48 @@ async fn executor_api_end_to_end() {
         })
         .await
         .unwrap_err();
-    assert_eq!(e.code(), Code::Unimplemented, "{e:?}");
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    // ... and StartBranch reports the resume first, then the snapshot.
+    for (tag, mode) in [
+        ("idle-s-live", pb::BranchMode::Live),
+        ("idle-s-diff", pb::BranchMode::Diff),
+    ] {
+        let mut events = c
+            .start_branch(pb::BranchRequest {
+                sandbox_id: "sbx-a1".into(),
+                tag: tag.into(),
+                mode: mode as i32,
+                no_wait: true,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut got = Vec::new();
+        while let Some(ev) = events.message().await.unwrap() {
+            got.push(ev.event.unwrap());
+        }
+        let [xpb::branch_event::Event::Resumed(r), xpb::branch_event::Event::Done(d)] = &got[..]
+        else {
+            panic!("{mode:?}: {got:?}")
+        };
+        let info = d.branch.unwrap();
+        assert_eq!(r.pause_us, info.pause_us, "{mode:?}");
+        assert_eq!((d.tag.as_str(), d.parent_tag.as_str()), (tag, "idle"));
+        assert_eq!(d.state(), pb::SnapshotState::Ready);
+    }
+    // A branch that fails ends the stream with the error.
+    let mut events = c
+        .start_branch(pb::BranchRequest {
+            sandbox_id: "sbx-a1".into(),
+            tag: "idle-s-live".into(),
+            mode: pb::BranchMode::Live as i32,
+            no_wait: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let e = events.message().await.unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
     for (req, code) in [
         (
             ("sbx-nope", "idle-b2", pb::BranchMode::Diff),

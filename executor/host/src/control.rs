@@ -2,6 +2,7 @@
 //! for the life of its VM and the host connects to branch the VM. One JSON request line and
 //! one JSON reply line per connection. Only the host's user reaches it (mode 0600, in the
 //! host's own VM directory); it survives a daemon restart, so adopted VMs can be branched.
+//! A live branch sends one interim line, `resumed`, when the guest runs again.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -41,6 +42,10 @@ pub enum Request {
 #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Reply {
+    /// Interim (live branches only): the guest runs again; the pages are still being written.
+    Resumed {
+        paused_us: u64,
+    },
     Branched {
         /// How long the guest was paused, in microseconds.
         paused_us: u64,
@@ -86,7 +91,13 @@ fn answer(conn: UnixStream, vm: &RunningVm) -> std::io::Result<()> {
             let branched = match kind {
                 BranchKind::Full => vm.branch(&dir, SnapshotKind::Full),
                 BranchKind::Diff => vm.branch(&dir, SnapshotKind::Diff),
-                BranchKind::Live => vm.branch_live(&dir, SnapshotKind::Diff),
+                BranchKind::Live => vm.branch_live_then(&dir, SnapshotKind::Diff, |paused| {
+                    let resumed = Reply::Resumed {
+                        paused_us: paused.as_micros() as u64,
+                    };
+                    // A host that went away misses only the interim news.
+                    let _ = send(&conn, &resumed);
+                }),
             };
             match branched {
                 Ok(b) => Reply::Branched {
@@ -112,26 +123,46 @@ fn answer(conn: UnixStream, vm: &RunningVm) -> std::io::Result<()> {
             }
         }
     };
-    let mut out = serde_json::to_vec(&reply).expect("reply serializes");
+    send(&conn, &reply)
+}
+
+fn send(conn: &UnixStream, reply: &Reply) -> std::io::Result<()> {
+    let mut out = serde_json::to_vec(reply).expect("reply serializes");
     out.push(b'\n');
-    (&conn).write_all(&out)
+    (&*conn).write_all(&out)
 }
 
 /// Send `req` to the VM whose directory is `vm_dir` and wait up to `timeout` for its reply.
 pub fn request(vm_dir: &Path, req: &Request, timeout: Duration) -> std::io::Result<Reply> {
+    request_then(vm_dir, req, timeout, |_| {})
+}
+
+/// [`request`], handing interim replies ([`Reply::Resumed`]) to `interim` as they come.
+pub fn request_then(
+    vm_dir: &Path,
+    req: &Request,
+    timeout: Duration,
+    mut interim: impl FnMut(&Reply),
+) -> std::io::Result<Reply> {
     let conn = UnixStream::connect(vm_dir.join(CONTROL_SOCKET))?;
     conn.set_read_timeout(Some(timeout))?;
     conn.set_write_timeout(Some(Duration::from_secs(10)))?;
     let mut line = serde_json::to_vec(req).expect("request serializes");
     line.push(b'\n');
     (&conn).write_all(&line)?;
-    let mut reply = String::new();
-    BufReader::new(&conn).read_line(&mut reply)?;
-    if reply.is_empty() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::UnexpectedEof,
-            "the VM closed its control socket without answering (did it exit?)",
-        ));
+    let mut lines = BufReader::new(&conn);
+    loop {
+        let mut line = String::new();
+        lines.read_line(&mut line)?;
+        if line.is_empty() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the VM closed its control socket without answering (did it exit?)",
+            ));
+        }
+        match serde_json::from_str(&line).map_err(std::io::Error::other)? {
+            r @ Reply::Resumed { .. } => interim(&r),
+            r => return Ok(r),
+        }
     }
-    serde_json::from_str(&reply).map_err(std::io::Error::other)
 }

@@ -342,6 +342,19 @@ impl Host {
         tag: &Tag,
         kind: crate::control::BranchKind,
     ) -> Result<Branch> {
+        self.branch_then(id, tag, kind, |_| {})
+    }
+
+    /// [`branch`](Self::branch), calling `resumed` with the pause as soon as the VM runs
+    /// again, before the snapshot is complete (a live branch's pages are still being copied;
+    /// any branch may still have its layer to publish).
+    pub fn branch_then(
+        &self,
+        id: &SandboxId,
+        tag: &Tag,
+        kind: crate::control::BranchKind,
+        resumed: impl FnOnce(Duration),
+    ) -> Result<Branch> {
         let t0 = Instant::now();
         let refuse = |reason: String| HostError::Branch {
             id: id.clone(),
@@ -385,7 +398,12 @@ impl Host {
             dir: staging.clone(),
             kind,
         };
-        let reply = ask_vmm(id, &record.dir, &req);
+        let mut resumed = Some(resumed);
+        let reply = ask_vmm_then(id, &record.dir, &req, |r| {
+            if let (crate::control::Reply::Resumed { paused_us }, Some(f)) = (r, resumed.take()) {
+                f(Duration::from_micros(*paused_us));
+            }
+        });
         let done = (|| {
             let (paused_us, pages_written) = match reply? {
                 crate::control::Reply::Branched {
@@ -394,6 +412,9 @@ impl Host {
                 } => (paused_us, pages_written),
                 other => return Err(refuse(format!("unexpected answer {other:?}"))),
             };
+            if let Some(f) = resumed.take() {
+                f(Duration::from_micros(paused_us));
+            }
             let header = tine_vmm::snapshot::file::load_header(&staging).map_err(|source| {
                 HostError::BadSnapshot {
                     tag: tag.clone(),
@@ -1166,11 +1187,20 @@ fn ask_vmm(
     dir: &std::path::Path,
     req: &crate::control::Request,
 ) -> Result<crate::control::Reply> {
+    ask_vmm_then(id, dir, req, |_| {})
+}
+
+fn ask_vmm_then(
+    id: &SandboxId,
+    dir: &std::path::Path,
+    req: &crate::control::Request,
+    interim: impl FnMut(&crate::control::Reply),
+) -> Result<crate::control::Reply> {
     let refuse = |reason: String| HostError::Branch {
         id: id.clone(),
         reason,
     };
-    match crate::control::request(dir, req, BRANCH_TIMEOUT)
+    match crate::control::request_then(dir, req, BRANCH_TIMEOUT, interim)
         .map_err(|e| refuse(format!("its VMM did not answer: {e}")))?
     {
         crate::control::Reply::Failed { reason } => Err(refuse(reason)),

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{IoEventAddress, Kvm, VcpuFd, VmFd};
@@ -596,6 +596,17 @@ impl RunningVm {
     /// old one), and the fork writes the pages while the guest runs on. Returns once they are
     /// on disk; `paused` is the pause alone.
     pub fn branch_live(&self, dir: &Path, kind: SnapshotKind) -> Result<Branched> {
+        self.branch_live_then(dir, kind, |_| {})
+    }
+
+    /// [`branch_live`](Self::branch_live), calling `resumed` with the pause as soon as the
+    /// guest runs again (while the fork is still writing).
+    pub fn branch_live_then(
+        &self,
+        dir: &Path,
+        kind: SnapshotKind,
+        resumed: impl FnOnce(Duration),
+    ) -> Result<Branched> {
         let t0 = Instant::now();
         let Some(origin) = self.ram.origin() else {
             // Booted RAM is a shared mapping: a fork would see the guest's later writes.
@@ -615,7 +626,9 @@ impl RunningVm {
             snapfile::write_with(dir, &state, |tmp| {
                 let copied = live_copy::fork_and_copy(&self.ram, kind, tmp, || {
                     self.resume();
-                    paused = Some(t0.elapsed());
+                    let p = t0.elapsed();
+                    paused = Some(p);
+                    resumed(p);
                 });
                 let copied = copied.map_err(|source| SnapshotError::LiveCopy {
                     dir: dir.to_path_buf(),
