@@ -141,16 +141,20 @@ cat "$W/spawn-bc"
 SRC=$(grep 'ready in' "$W/spawn-src" | awk '{print $1}')
 "$T" sandbox eval "$SRC" 'branch_value = parent_value + 1' >/dev/null 2>&1
 # The branch through the public API with a generic gRPC client (LIVE: paused only to save the
-# state and fork the VMM), then the branch's record: its parent and its two-layer chain.
+# state and fork the VMM; no_wait: the answer comes once the source resumes). The spawn on
+# host-b waits until the branch is written and in the store; then the branch's record: its
+# parent and its two-layer chain.
 "$VENV/bin/grpcurl" -plaintext -H "authorization: Bearer $TINE_TOKEN" \
-  -d "{\"sandbox_id\":\"$SRC\",\"tag\":\"mh-b\",\"mode\":\"BRANCH_MODE_LIVE\"}" \
+  -d "{\"sandbox_id\":\"$SRC\",\"tag\":\"mh-b\",\"mode\":\"BRANCH_MODE_LIVE\",\"no_wait\":true}" \
   "127.0.0.1:$CP" tine.v1.Sandboxes/Branch >"$W/branch" 2>&1
+"$T" sandbox spawn --tag mh-b -n 2 --executor host-b --ready-timeout-ms 300000 >"$W/spawn-branch" 2>&1
+spawned=$?
 "$VENV/bin/grpcurl" -plaintext -H "authorization: Bearer $TINE_TOKEN" -d '{"tag":"mh-b"}' \
   "127.0.0.1:$CP" tine.v1.Snapshots/GetSnapshot >"$W/get-branch" 2>&1
 cat "$W/get-branch"
 links=$(python3 -c 'import json,sys; print(len(json.load(open(sys.argv[1]))["snapshot"]["layers"]["chain"]))' "$W/get-branch" 2>/dev/null)
-if grep -q '"parentTag": "mh"' "$W/branch" && grep -q '"pagesWritten"' "$W/branch" && [ "$links" = 2 ] \
-   && "$T" sandbox spawn --tag mh-b -n 2 --executor host-b --ready-timeout-ms 300000 >"$W/spawn-branch" 2>&1; then
+if grep -q '"parentTag": "mh"' "$W/branch" && grep -q '"pauseUs"' "$W/branch" && [ "$links" = 2 ] \
+   && [ "$spawned" = 0 ]; then
   good=0
   for id in $(grep 'ready in' "$W/spawn-branch" | awk '{print $1}'); do
     [ "$("$T" sandbox eval "$id" 'branch_value' 2>&1)" = 778 ] && good=$((good + 1))

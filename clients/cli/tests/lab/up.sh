@@ -68,6 +68,20 @@ else
 fi
 cat "$W/branch" "$W/spawn-mid"
 "$T" snapshots get py-mid
+# Without waiting: the answer comes once the source resumes (the snapshot WRITING unless it
+# finished first), and a spawn right after waits for the snapshot, then has its state.
+"$T" sandbox eval "$SRC" 'mid_run = 5' >/dev/null 2>&1
+if "$T" sandbox branch "$SRC" --tag py-nw --mode live --no-wait >"$W/branch-nw" 2>&1 \
+   && "$T" sandbox spawn --tag py-nw -n 1 >"$W/spawn-nw" 2>&1; then
+  id=$(grep 'ready in' "$W/spawn-nw" | awk '{print $1}')
+  if grep -Eq 'the snapshot is (WRITING|READY)' "$W/branch-nw" \
+     && [ "$("$T" sandbox eval "$id" 'mid_run' 2>&1)" = 5 ]; then ok branch-no-wait
+  else fail branch-no-wait "$(tail -3 "$W/branch-nw" "$W/spawn-nw")"; fi
+else
+  fail branch-no-wait "$(tail -5 "$W/branch-nw" "$W/spawn-nw" 2>/dev/null)"
+fi
+cat "$W/branch-nw" "$W/spawn-nw"
+"$T" snapshots get py-nw
 if "$VENV/bin/python" "$PY/examples/branch_and_diverge.py" py >"$W/py-branch" 2>&1; then ok python-branch-demo
 else fail python-branch-demo "$(tail -8 "$W/py-branch")"; fi
 cat "$W/py-branch"
