@@ -973,6 +973,97 @@ fn a_source_killed_mid_branch_leaves_a_whole_snapshot_or_none() {
     host.kill_all();
 }
 
+/// A tmpfs of `mib` MiB mounted at `at` for the life of the guard (None without the right to
+/// mount: not root).
+struct SmallDisk(std::ffi::CString);
+
+impl SmallDisk {
+    fn mount(at: &Path, mib: u64) -> Option<SmallDisk> {
+        use std::os::unix::ffi::OsStrExt;
+        let target = std::ffi::CString::new(at.as_os_str().as_bytes()).unwrap();
+        let opts = std::ffi::CString::new(format!("size={mib}m,mode=0700")).unwrap();
+        // SAFETY: valid NUL-terminated strings; mount has no memory-safety preconditions.
+        let rc = unsafe {
+            libc::mount(
+                c"tmpfs".as_ptr(),
+                target.as_ptr(),
+                c"tmpfs".as_ptr(),
+                0,
+                opts.as_ptr().cast(),
+            )
+        };
+        (rc == 0).then_some(SmallDisk(target))
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        // SAFETY: a NUL-terminated path; a lazy unmount also works with files still open.
+        unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// Fill the file system under `dir` until a write fails; the filler's path.
+fn fill(dir: &Path) -> std::path::PathBuf {
+    use std::io::Write;
+    let path = dir.join("filler");
+    let mut f = std::fs::File::create(&path).unwrap();
+    let block = vec![0xa5u8; 64 << 10];
+    while f.write_all(&block).is_ok() {}
+    let small = [0x5au8; 512];
+    while f.write_all(&small).is_ok() {}
+    path
+}
+
+/// The snapshots' disk full while a running child is branched: each kind fails with the
+/// reason, leaves no snapshot and no staging behind, and the child runs on; with room again
+/// the same branch succeeds.
+fn a_full_disk_fails_the_branch_and_keeps_the_source() {
+    let tmp = tempfile::tempdir().unwrap();
+    let snaps = tmp.path().join("snapshots");
+    std::fs::create_dir_all(&snaps).unwrap();
+    let Some(_disk) = SmallDisk::mount(&snaps, 80) else {
+        println!("     SKIPPED: mounting a small tmpfs needs root");
+        return;
+    };
+    write_counter_guest_snapshot(&snaps.join("counter"), 32).unwrap();
+    let root = Tag::parse("counter").unwrap();
+    let host = Host::open_exclusive(config(tmp.path(), 8, 1)).unwrap();
+    let c = spawn_of(&host, &root);
+    counts_of(&host, &c, 3);
+    let filler = fill(&snaps);
+    for (i, kind) in [BranchKind::Full, BranchKind::Diff, BranchKind::Live]
+        .into_iter()
+        .enumerate()
+    {
+        let tag = Tag::parse(format!("full{i}")).unwrap();
+        let e = host.branch(&c, &tag, kind).unwrap_err();
+        println!("     {kind:?} on a full disk: {e}");
+        assert!(
+            format!("{e:#}").contains("No space left on device"),
+            "{kind:?}: {e:#}"
+        );
+        assert!(!host.snapshot_dir(&tag).exists());
+        let left: Vec<_> = std::fs::read_dir(&snaps)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with('.'))
+            .collect();
+        assert!(left.is_empty(), "{kind:?} left {left:?}");
+        // The source runs on.
+        let n = counts_of(&host, &c, 0).len();
+        counts_of(&host, &c, n + 3);
+    }
+    std::fs::remove_file(&filler).unwrap();
+    let tag = Tag::parse("roomy").unwrap();
+    let before = *counts_of(&host, &c, 0).last().unwrap();
+    host.branch(&c, &tag, BranchKind::Live).unwrap();
+    let g = spawn_of(&host, &tag);
+    assert!(counts_of(&host, &g, 1)[0] > before);
+    host.kill_all();
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some(BYSTANDER) {
@@ -995,8 +1086,12 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 14] = [
+    let tests: [(&str, fn()); 15] = [
         ("spawn_list_kill_readopt", spawn_list_kill_readopt),
+        (
+            "a_full_disk_fails_the_branch_and_keeps_the_source",
+            a_full_disk_fails_the_branch_and_keeps_the_source,
+        ),
         (
             "a_source_killed_mid_branch_leaves_a_whole_snapshot_or_none",
             a_source_killed_mid_branch_leaves_a_whole_snapshot_or_none,

@@ -7,9 +7,11 @@
 //! is outside the pause too.
 //!
 //! The child runs only this copy: it allocates (glibc's malloc is made safe across fork) but
-//! takes no other lock, logs nothing, and leaves with `_exit`, reporting through a status file.
+//! takes no other lock, logs nothing, and leaves with `_exit`, reporting through a pipe (not a
+//! file: a copy that failed for want of disk space must still be able to say so).
 
-use std::io::Write;
+use std::io::Read;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -19,7 +21,6 @@ use crate::vm::SnapshotKind;
 
 /// Longest a copy may take before the fork is killed (a large FULL image on a slow disk).
 const COPY_TIMEOUT: Duration = Duration::from_secs(600);
-const STATUS_FILE: &str = ".copy-status";
 
 /// Fork, call `resumed` in the parent as soon as the fork exists (the guest may run), wait for
 /// the fork to write `kind` of `ram` into `dir`, and return the pages written since restore.
@@ -29,7 +30,17 @@ pub fn fork_and_copy(
     dir: &Path,
     resumed: impl FnOnce(),
 ) -> std::io::Result<u64> {
-    let status = dir.join(STATUS_FILE);
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills the two descriptors; close-on-exec keeps them out of anything the
+    // VMM may exec meanwhile.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        let e = std::io::Error::last_os_error();
+        resumed();
+        return Err(e);
+    }
+    // SAFETY: both descriptors were just created and are owned here alone.
+    let (report_rx, report_tx) =
+        unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
     // SAFETY: getpid has no preconditions.
     let parent = unsafe { libc::getpid() };
     // SAFETY: the child only runs `copy` (allocation, file I/O, pagemap reads: no locks other
@@ -51,9 +62,9 @@ pub fn fork_and_copy(
             }
         }
         let code = match copy(ram, kind, dir) {
-            Ok(pages) => report(&status, &format!("ok {pages}")).map_or(2, |()| 0),
+            Ok(pages) => report(&report_tx, &format!("ok {pages}")).map_or(2, |()| 0),
             Err(e) => {
-                let _ = report(&status, &format!("error {e}"));
+                let _ = report(&report_tx, &format!("error {e}"));
                 1
             }
         };
@@ -61,10 +72,12 @@ pub fn fork_and_copy(
         // atexit handlers.
         unsafe { libc::_exit(code) };
     }
+    drop(report_tx);
     resumed();
     let waited = wait(pid);
-    let said = std::fs::read_to_string(&status).unwrap_or_default();
-    let _ = std::fs::remove_file(&status);
+    // The fork has exited: its report (one short write) is in the pipe, or there is none.
+    let mut said = String::new();
+    let _ = std::fs::File::from(report_rx).read_to_string(&mut said);
     let code = waited?;
     match said.split_once(' ') {
         Some(("ok", n)) if code == 0 => n
@@ -87,10 +100,17 @@ fn copy(ram: &GuestRam, kind: SnapshotKind, dir: &Path) -> std::io::Result<u64> 
     Ok(diff::page_count(&written))
 }
 
-fn report(path: &Path, what: &str) -> std::io::Result<()> {
-    let mut f = std::fs::File::create(path)?;
-    f.write_all(what.as_bytes())?;
-    f.sync_all()
+/// One write, shorter than PIPE_BUF: atomic, and never blocks on an empty pipe.
+fn report(fd: &OwnedFd, what: &str) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let bytes = &what.as_bytes()[..what.len().min(libc::PIPE_BUF - 1)];
+    // SAFETY: writing from a valid buffer to our own pipe.
+    let n = unsafe { libc::write(fd.as_raw_fd(), bytes.as_ptr().cast(), bytes.len()) };
+    if n as usize == bytes.len() {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 /// Reap the fork; kill it if it outlives [`COPY_TIMEOUT`]. Returns its exit code.
