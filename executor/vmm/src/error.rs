@@ -366,6 +366,8 @@ pub enum SnapshotError {
     NoParent { dir: PathBuf },
     #[error("snapshot {}: a diff must sit beside its parent {}", .dir.display(), .parent.display())]
     ParentNotSibling { dir: PathBuf, parent: PathBuf },
+    #[error("snapshot {}: not taken as this VM's new diff base: {reason}", .dir.display())]
+    Rebase { dir: PathBuf, reason: String },
     #[error("snapshot {}: copying the guest's memory from a fork of the VMM: {source}", .dir.display())]
     LiveCopy {
         dir: PathBuf,

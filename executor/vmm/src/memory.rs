@@ -6,13 +6,13 @@
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
 use crate::error::{ConfigError, MemoryError, Result};
 use crate::layout::{MMIO_GAP_END, MMIO_GAP_START};
-use crate::snapshot::diff::Overlay;
+use crate::snapshot::diff::{Overlay, PageRun, PAGE};
 
 /// Smallest guest we accept: Linux with an initramfs needs more than this anyway.
 pub const MIN_MEM_MIB: u64 = 32;
@@ -51,9 +51,81 @@ pub struct GuestRam {
     ranges: Vec<RamRange>,
     memory: GuestMemoryMmap,
     size: u64,
+    /// Changes only when a running VM is rebased onto its own branch.
+    layers: Mutex<Layers>,
+}
+
+/// What guest RAM is mapped from, over `file`, and what a diff of it is taken over.
+struct Layers {
     /// Diff layers mapped over `file`, oldest first.
     overlays: Vec<Overlay>,
     origin: Option<Origin>,
+}
+
+/// A diff layer's page file mapped read-only, populated when made (before a pause), to
+/// compare guest RAM with.
+pub struct LayerView {
+    ptr: *mut libc::c_void,
+    len: usize,
+}
+
+impl LayerView {
+    pub fn open(layer: &Overlay) -> Result<Self> {
+        let len = layer.runs.iter().map(PageRun::len).sum::<u64>() as usize;
+        if len == 0 {
+            return Ok(Self {
+                ptr: std::ptr::null_mut(),
+                len,
+            });
+        }
+        // SAFETY: a fresh read-only shared mapping of the (size-checked) page file, unmapped
+        // on drop; nothing else refers to it.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                layer.file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(MemoryError::Overlay {
+                offset: 0,
+                len: len as u64,
+                source: std::io::Error::last_os_error(),
+            }
+            .into());
+        }
+        Ok(Self { ptr, len })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `ptr` maps `len` readable bytes for as long as `self` lives.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+}
+
+impl Drop for LayerView {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: unmapping exactly the mapping made in `open`.
+            unsafe { libc::munmap(self.ptr, self.len) };
+        }
+    }
+}
+
+/// What [`GuestRam::rebase`] did with a layer's pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Rebased {
+    /// Now mapped from the layer's page file (and shared with its children).
+    pub pages_mapped: u64,
+    /// Changed since the layer was written: still private, part of the next diff.
+    pub pages_kept: u64,
 }
 
 impl GuestRam {
@@ -169,9 +241,46 @@ impl GuestRam {
             ranges,
             memory,
             size,
-            overlays: Vec::new(),
-            origin: None,
+            layers: Mutex::new(Layers {
+                overlays: Vec::new(),
+                origin: None,
+            }),
         })
+    }
+
+    fn layers(&self) -> MutexGuard<'_, Layers> {
+        self.layers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Map image pages `run` from `file` at `file_offset`, copy-on-write, over guest RAM.
+    fn map_from(&self, file: &File, run: PageRun, file_offset: u64) -> Result<()> {
+        let addr =
+            self.image_host_ptr(run.offset(), run.len())
+                .ok_or(MemoryError::OverlayOutside {
+                    offset: run.offset(),
+                    len: run.len(),
+                })?;
+        // SAFETY: the run lies inside one of our own RAM mappings (checked above), so
+        // MAP_FIXED only replaces pages of that mapping, never foreign memory.
+        let p = unsafe {
+            libc::mmap(
+                addr.cast(),
+                run.len() as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                file.as_raw_fd(),
+                file_offset as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(MemoryError::Overlay {
+                offset: run.offset(),
+                len: run.len(),
+                source: std::io::Error::last_os_error(),
+            }
+            .into());
+        }
+        Ok(())
     }
 
     /// Copy-on-write RAM of a snapshot chain: `base` (the root's image) mapped private, then
@@ -183,52 +292,90 @@ impl GuestRam {
         overlays: Vec<Overlay>,
         origin: Origin,
     ) -> Result<Self> {
-        let mut ram = Self::from_file(base, size, Sharing::Private)?;
+        let ram = Self::from_file(base, size, Sharing::Private)?;
         for ov in &overlays {
             let mut file_offset = 0u64;
             for r in &ov.runs {
-                let addr =
-                    ram.image_host_ptr(r.offset(), r.len())
-                        .ok_or(MemoryError::OverlayOutside {
-                            offset: r.offset(),
-                            len: r.len(),
-                        })?;
-                // SAFETY: the run lies inside one of our own RAM mappings (checked above), so
-                // MAP_FIXED only replaces pages of that mapping, never foreign memory.
-                let p = unsafe {
-                    libc::mmap(
-                        addr.cast(),
-                        r.len() as usize,
-                        libc::PROT_READ | libc::PROT_WRITE,
-                        libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
-                        ov.file.as_raw_fd(),
-                        file_offset as libc::off_t,
-                    )
-                };
-                if p == libc::MAP_FAILED {
-                    return Err(MemoryError::Overlay {
-                        offset: r.offset(),
-                        len: r.len(),
-                        source: std::io::Error::last_os_error(),
-                    }
-                    .into());
-                }
+                ram.map_from(&ov.file, *r, file_offset)?;
                 file_offset += r.len();
             }
         }
-        ram.overlays = overlays;
-        ram.origin = Some(origin);
+        *ram.layers() = Layers {
+            overlays,
+            origin: Some(origin),
+        };
         Ok(ram)
     }
 
-    /// The diff layers mapped over the base image, oldest first.
-    pub fn overlays(&self) -> &[Overlay] {
-        &self.overlays
+    /// Calls `f` with the diff layers mapped over the base image, oldest first.
+    pub fn with_overlays<R>(&self, f: impl FnOnce(&[Overlay]) -> R) -> R {
+        f(&self.layers().overlays)
     }
 
-    /// The snapshot this RAM was restored from (None: fresh or page-by-page RAM).
-    pub fn origin(&self) -> Option<&Origin> {
-        self.origin.as_ref()
+    /// How many diff layers are mapped over the base image.
+    pub fn depth(&self) -> usize {
+        self.layers().overlays.len()
+    }
+
+    /// The snapshot this RAM is a diff over (None: fresh or page-by-page RAM).
+    pub fn origin(&self) -> Option<Origin> {
+        self.layers().origin.clone()
+    }
+
+    /// Make `layer` (a diff over this RAM's origin, written from this RAM, whose snapshot is
+    /// `origin`) the origin: its pages that still hold what it holds are mapped from its page
+    /// file instead of private memory, so a later diff holds only what changed since. Pages
+    /// written since it was taken stay private (and go into the next diff). Nothing may write
+    /// guest RAM meanwhile (the guest is paused).
+    pub fn rebase(&self, layer: Overlay, view: &LayerView, origin: Origin) -> Result<Rebased> {
+        let mut done = Rebased::default();
+        self.map_unchanged(&layer, view.bytes(), &mut done)?;
+        let mut l = self.layers();
+        l.overlays.push(layer);
+        l.origin = Some(origin);
+        Ok(done)
+    }
+
+    /// Map from `layer`'s file the pages of its runs whose RAM equals `file_bytes` (the page
+    /// file's contents), one mapping per stretch of equal pages.
+    fn map_unchanged(&self, layer: &Overlay, file_bytes: &[u8], done: &mut Rebased) -> Result<()> {
+        let mut file_offset = 0u64;
+        for r in &layer.runs {
+            let ram =
+                self.image_host_ptr(r.offset(), r.len())
+                    .ok_or(MemoryError::OverlayOutside {
+                        offset: r.offset(),
+                        len: r.len(),
+                    })?;
+            // SAFETY: inside one of our RAM mappings (checked above); the guest is paused.
+            let ram = unsafe { std::slice::from_raw_parts(ram as *const u8, r.len() as usize) };
+            let mut stretch: Option<u64> = None;
+            for i in 0..=r.count {
+                let same = i < r.count && {
+                    let at = (i * PAGE) as usize..((i + 1) * PAGE) as usize;
+                    let f = file_offset as usize;
+                    ram[at.clone()] == file_bytes[f + at.start..f + at.end]
+                };
+                match (same, stretch) {
+                    (true, None) => stretch = Some(i),
+                    (false, Some(start)) => {
+                        let run = PageRun {
+                            first: r.first + start,
+                            count: i - start,
+                        };
+                        self.map_from(&layer.file, run, file_offset + start * PAGE)?;
+                        done.pages_mapped += run.count;
+                        stretch = None;
+                    }
+                    _ => {}
+                }
+                if i < r.count && !same {
+                    done.pages_kept += 1;
+                }
+            }
+            file_offset += r.len();
+        }
+        Ok(())
     }
 
     /// Host address of image bytes `[offset, offset + len)` if they lie inside one RAM range.

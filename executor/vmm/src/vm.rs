@@ -501,6 +501,13 @@ pub struct Branched {
     pub pages_written: u64,
 }
 
+/// What [`RunningVm::rebase`] did.
+#[derive(Clone, Copy, Debug)]
+pub struct Rebase {
+    pub paused: std::time::Duration,
+    pub counts: crate::memory::Rebased,
+}
+
 /// A VM whose vCPUs are running (or paused).
 pub struct RunningVm {
     _kvm: Kvm,
@@ -616,7 +623,7 @@ impl RunningVm {
             .into());
         };
         let parent_name = match kind {
-            SnapshotKind::Diff => Some(snapfile::parent_link(dir, origin)?),
+            SnapshotKind::Diff => Some(snapfile::parent_link(dir, &origin)?),
             SnapshotKind::Full => None,
         };
         let mut paused = None;
@@ -636,7 +643,7 @@ impl RunningVm {
                 })?;
                 pages = copied;
                 match parent_name {
-                    Some(name) => Ok(Some(snapfile::diff_info_written(tmp, name, origin)?)),
+                    Some(name) => Ok(Some(snapfile::diff_info_written(tmp, name, &origin)?)),
                     None => Ok(None),
                 }
             })
@@ -650,6 +657,59 @@ impl RunningVm {
             paused,
             pages_written: pages,
         })
+    }
+
+    /// Take the diff branch in `dir` (written from this VM, over the snapshot it is currently
+    /// a diff over) as what it is a diff over from now on, so the next branch holds only what
+    /// changed since this one (repeated branches stay flat in cost). Pauses the guest while
+    /// its pages are compared with the branch's and those unchanged are mapped from the
+    /// branch's page file. Refused, changing nothing, for a branch over another snapshot.
+    pub fn rebase(&self, dir: &Path) -> Result<Rebase> {
+        let not = |reason: String| SnapshotError::Rebase {
+            dir: dir.to_path_buf(),
+            reason,
+        };
+        let header = snapfile::load_header(dir)?;
+        let Some(d) = header.diff.clone() else {
+            return Err(not("it is a complete snapshot, not a diff".into()).into());
+        };
+        let Some(origin) = self.ram.origin() else {
+            return Err(not("this VM was not restored from a snapshot".into()).into());
+        };
+        let parent = snapfile::parent_link(dir, &origin)?;
+        if d.parent != parent || d.parent_state_sha256 != origin.state_sha256 {
+            return Err(not(format!(
+                "it is a diff over {}, this VM's memory is a diff over {parent}",
+                d.parent
+            ))
+            .into());
+        }
+        // A restore of the next branch maps one more layer: stay within what restores accept.
+        if self.ram.depth() + 2 >= diff::MAX_CHAIN {
+            return Err(not(format!(
+                "its chain is {} layers deep already",
+                self.ram.depth() + 1
+            ))
+            .into());
+        }
+        let layer = snapfile::diff_pages(dir, &header)?.ok_or_else(|| not("no pages".into()))?;
+        let to = Origin {
+            dir: dir.to_path_buf(),
+            state_sha256: header.state_sha256.clone(),
+        };
+        // Read in before the pause, so the pause only compares and maps.
+        let view = crate::memory::LayerView::open(&layer)?;
+        // Devices too: the VMM's own writes (virtio rings) must not land mid-comparison.
+        let t0 = Instant::now();
+        let done = self
+            .pause()
+            .and_then(|()| self.ram.rebase(layer, &view, to));
+        self.resume();
+        let paused = t0.elapsed();
+        drop(view);
+        let counts = done?;
+        tracing::info!(?paused, mapped = counts.pages_mapped, kept = counts.pages_kept, dir = %dir.display(), "rebased onto a branch");
+        Ok(Rebase { paused, counts })
     }
 
     fn write_from_private_ram(
@@ -683,7 +743,7 @@ impl RunningVm {
             SnapshotKind::Diff => MemoryOut::Diff {
                 ram: &self.ram,
                 written: &written,
-                parent: origin,
+                parent: &origin,
             },
         };
         Ok((snapfile::write(dir, state, memory)?, pages))

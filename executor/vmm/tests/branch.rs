@@ -360,3 +360,82 @@ fn live_branches_hold_one_instant_while_the_guest_runs_on() {
     assert!(e.contains("restored from a snapshot"), "{e}");
     running.stop();
 }
+
+#[test]
+fn a_source_rebased_onto_its_branch_writes_only_what_changed_since() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    make_root(&root);
+    let child = start_child(&root);
+    let mem = child.ram().memory();
+    // A working set written once (by the VMM, as virtio would), then only A and B change.
+    for k in 0..64u64 {
+        mem.write_obj(k + 1, GuestAddress(HOST_WRITE + k * 4096))
+            .unwrap();
+    }
+    counted_past(&child, counters_in(&root).0 + 1);
+    let b1 = tmp.path().join("b1");
+    assert_eq!(
+        child.branch(&b1, SnapshotKind::Diff).unwrap().pages_written,
+        66
+    );
+    let r = child.rebase(&b1).unwrap();
+    // The working set is unchanged since b1 and now maps b1's pages; A and B moved on.
+    assert!(r.counts.pages_mapped >= 64, "{r:?}");
+    assert_eq!(r.counts.pages_mapped + r.counts.pages_kept, 66, "{r:?}");
+    mem.write_obj(0xabcd_u64, GuestAddress(HOST_WRITE + 100 * 4096))
+        .unwrap();
+    // The guest counts on: A and B are written after the rebase whatever it mapped.
+    counted_past(&child, counters(child.ram()).0 + 1);
+    let b2 = tmp.path().join("b2");
+    let second = child.branch(&b2, SnapshotKind::Diff).unwrap();
+    // A, B and the new page: not the working set again.
+    assert_eq!(second.pages_written, 3);
+    assert_eq!(load_header(&b2).unwrap().diff.unwrap().parent, "b1");
+    child.rebase(&b2).unwrap();
+    // A page of the working set written again is private again, and in the next diff.
+    mem.write_obj(999_u64, GuestAddress(HOST_WRITE + 5 * 4096))
+        .unwrap();
+    counted_past(&child, counters(child.ram()).0 + 1);
+    let b3 = tmp.path().join("b3");
+    assert_eq!(
+        child.branch(&b3, SnapshotKind::Diff).unwrap().pages_written,
+        3
+    );
+    // Only a diff over what the VM is a diff over now is taken as its new base.
+    let e = child.rebase(&b1).unwrap_err().to_string();
+    assert!(e.contains("diff over root"), "{e}");
+    let full = tmp.path().join("full");
+    child.branch(&full, SnapshotKind::Full).unwrap();
+    let e = child.rebase(&full).unwrap_err().to_string();
+    assert!(e.contains("complete snapshot"), "{e}");
+    // A live branch after the rebases is a diff over the last base.
+    let live = tmp.path().join("live");
+    let l = child.branch_live(&live, SnapshotKind::Diff).unwrap();
+    assert_eq!(load_header(&live).unwrap().diff.unwrap().parent, "b2");
+    assert!(l.pages_written >= 3, "{}", l.pages_written);
+
+    // Every branch restores with all of it: the chain, or the complete image.
+    for dir in [&b3, &full, &live] {
+        let vm = Vm::restore(dir, opts(&Capture::default())).unwrap();
+        let m = vm.ram().memory();
+        for k in 0..64u64 {
+            let want = if k == 5 { 999 } else { k + 1 };
+            let got: u64 = m.read_obj(GuestAddress(HOST_WRITE + k * 4096)).unwrap();
+            assert_eq!(got, want, "{}: page {k}", dir.display());
+        }
+        let mark: u64 = m.read_obj(GuestAddress(HOST_WRITE + 100 * 4096)).unwrap();
+        assert_eq!(mark, 0xabcd, "{}", dir.display());
+        let c = counters(vm.ram());
+        assert_one_instant(c, &dir.display().to_string());
+        let running = vm.start().unwrap();
+        counted_past(&running, c.0);
+        running.stop();
+    }
+    // The source runs on.
+    counted_past(&child, counters(child.ram()).0);
+    child.stop();
+}

@@ -139,19 +139,22 @@ pub fn flatten(ram: &GuestRam, written: &[PageRun], path: &Path) -> std::io::Res
     super::file::copy_sparse(base, ram.size(), path)?;
     let out = std::fs::OpenOptions::new().write(true).open(path)?;
     let mut buf = vec![0u8; 1 << 20];
-    for ov in ram.overlays() {
-        let mut src = 0u64;
-        for r in &ov.runs {
-            let mut done = 0u64;
-            while done < r.len() {
-                let n = (r.len() - done).min(buf.len() as u64) as usize;
-                ov.file.read_exact_at(&mut buf[..n], src + done)?;
-                out.write_all_at(&buf[..n], r.offset() + done)?;
-                done += n as u64;
+    ram.with_overlays(|overlays| -> std::io::Result<()> {
+        for ov in overlays {
+            let mut src = 0u64;
+            for r in &ov.runs {
+                let mut done = 0u64;
+                while done < r.len() {
+                    let n = (r.len() - done).min(buf.len() as u64) as usize;
+                    ov.file.read_exact_at(&mut buf[..n], src + done)?;
+                    out.write_all_at(&buf[..n], r.offset() + done)?;
+                    done += n as u64;
+                }
+                src += r.len();
             }
-            src += r.len();
         }
-    }
+        Ok(())
+    })?;
     for r in written {
         out.write_all_at(ram_bytes(ram, r)?, r.offset())?;
     }
