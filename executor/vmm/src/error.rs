@@ -364,6 +364,8 @@ pub enum SnapshotError {
     NoMemoryFile { dir: PathBuf },
     #[error("snapshot {}: a diff needs a VM restored from a snapshot (this one was booted or restored page by page): take a full snapshot", .dir.display())]
     NoParent { dir: PathBuf },
+    #[error("snapshot {}: every snapshot this VM's memory is a diff over was deleted or replaced since: take a full snapshot", .dir.display())]
+    BaseGone { dir: PathBuf },
     #[error("snapshot {}: a diff must sit beside its parent {}", .dir.display(), .parent.display())]
     ParentNotSibling { dir: PathBuf, parent: PathBuf },
     #[error("snapshot {}: not taken as this VM's new diff base: {reason}", .dir.display())]

@@ -59,7 +59,15 @@ pub struct GuestRam {
 struct Layers {
     /// Diff layers mapped over `file`, oldest first.
     overlays: Vec<Overlay>,
-    origin: Option<Origin>,
+    /// Snapshots a diff of this RAM can be taken over, oldest first: the one it was restored
+    /// from, then each branch it was rebased onto.
+    bases: Vec<Base>,
+}
+
+struct Base {
+    origin: Origin,
+    /// How many of `overlays` that snapshot's chain maps.
+    layers: usize,
 }
 
 /// A diff layer's page file mapped read-only, populated when made (before a pause), to
@@ -243,7 +251,7 @@ impl GuestRam {
             size,
             layers: Mutex::new(Layers {
                 overlays: Vec::new(),
-                origin: None,
+                bases: Vec::new(),
             }),
         })
     }
@@ -300,9 +308,10 @@ impl GuestRam {
                 file_offset += r.len();
             }
         }
+        let layers = overlays.len();
         *ram.layers() = Layers {
             overlays,
-            origin: Some(origin),
+            bases: vec![Base { origin, layers }],
         };
         Ok(ram)
     }
@@ -319,7 +328,20 @@ impl GuestRam {
 
     /// The snapshot this RAM is a diff over (None: fresh or page-by-page RAM).
     pub fn origin(&self) -> Option<Origin> {
-        self.layers().origin.clone()
+        self.layers().bases.last().map(|b| b.origin.clone())
+    }
+
+    /// The newest snapshot a diff of this RAM can be taken over, of those `usable` accepts
+    /// (still there, unchanged), with the runs of the layers mapped since it: pages a diff
+    /// over it must hold besides the private ones. None: no usable one.
+    pub fn diff_base(&self, usable: impl Fn(&Origin) -> bool) -> Option<(Origin, Vec<PageRun>)> {
+        let l = self.layers();
+        let base = l.bases.iter().rev().find(|b| usable(&b.origin))?;
+        let mut runs: Vec<PageRun> = Vec::new();
+        for ov in &l.overlays[base.layers..] {
+            runs = crate::snapshot::diff::union(&runs, &ov.runs);
+        }
+        Some((base.origin.clone(), runs))
     }
 
     /// Make `layer` (a diff over this RAM's origin, written from this RAM, whose snapshot is
@@ -332,7 +354,8 @@ impl GuestRam {
         self.map_unchanged(&layer, view.bytes(), &mut done)?;
         let mut l = self.layers();
         l.overlays.push(layer);
-        l.origin = Some(origin);
+        let layers = l.overlays.len();
+        l.bases.push(Base { origin, layers });
         Ok(done)
     }
 

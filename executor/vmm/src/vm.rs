@@ -567,10 +567,7 @@ impl RunningVm {
             Some(file) if self.ram.origin().is_none() => {
                 snapfile::write(dir, &state, MemoryOut::Image(file))?
             }
-            _ => {
-                self.write_from_private_ram(dir, &state, SnapshotKind::Full)?
-                    .0
-            }
+            _ => self.write_from_private_ram(dir, &state, None)?.0,
         };
         tracing::info!(pause = ?paused_at, total = ?t0.elapsed(), dir = %dir.display(), "snapshot written");
         Ok(header)
@@ -581,10 +578,14 @@ impl RunningVm {
     /// image. Memory and vCPU and device state are taken inside one pause, so they describe
     /// the same instant; the VM resumes once the files are written (also on failure).
     pub fn branch(&self, dir: &Path, kind: SnapshotKind) -> Result<Branched> {
+        let base = match kind {
+            SnapshotKind::Diff => Some(self.diff_base(dir)?),
+            SnapshotKind::Full => None,
+        };
         let t0 = Instant::now();
         let written = (|| {
             let state = self.pause_and_save(dir)?;
-            self.write_from_private_ram(dir, &state, kind)
+            self.write_from_private_ram(dir, &state, base)
         })();
         self.resume();
         let paused = t0.elapsed();
@@ -614,24 +615,28 @@ impl RunningVm {
         kind: SnapshotKind,
         resumed: impl FnOnce(Duration),
     ) -> Result<Branched> {
-        let t0 = Instant::now();
-        let Some(origin) = self.ram.origin() else {
+        if self.ram.origin().is_none() {
             // Booted RAM is a shared mapping: a fork would see the guest's later writes.
             return Err(SnapshotError::NoParent {
                 dir: dir.to_path_buf(),
             }
             .into());
-        };
-        let parent_name = match kind {
-            SnapshotKind::Diff => Some(snapfile::parent_link(dir, &origin)?),
+        }
+        let base = match kind {
+            SnapshotKind::Diff => {
+                let (origin, since) = self.diff_base(dir)?;
+                Some((snapfile::parent_link(dir, &origin)?, origin, since))
+            }
             SnapshotKind::Full => None,
         };
+        let t0 = Instant::now();
         let mut paused = None;
         let mut pages = 0;
         let written = (|| {
             let state = self.pause_and_save(dir)?;
             snapfile::write_with(dir, &state, |tmp| {
-                let copied = live_copy::fork_and_copy(&self.ram, kind, tmp, || {
+                let since = base.as_ref().map_or(&[][..], |b| &b.2[..]);
+                let copied = live_copy::fork_and_copy(&self.ram, kind, since, tmp, || {
                     self.resume();
                     let p = t0.elapsed();
                     paused = Some(p);
@@ -642,8 +647,10 @@ impl RunningVm {
                     source,
                 })?;
                 pages = copied;
-                match parent_name {
-                    Some(name) => Ok(Some(snapfile::diff_info_written(tmp, name, &origin)?)),
+                match base {
+                    Some((name, origin, _)) => {
+                        Ok(Some(snapfile::diff_info_written(tmp, name, &origin)?))
+                    }
                     None => Ok(None),
                 }
             })
@@ -712,11 +719,34 @@ impl RunningVm {
         Ok(Rebase { paused, counts })
     }
 
+    /// The snapshot a diff of this VM is taken over now, and the pages it must hold besides
+    /// the private ones (those of layers mapped since that snapshot). A base deleted or
+    /// replaced since is passed over for an older one.
+    fn diff_base(&self, dir: &Path) -> Result<(Origin, Vec<diff::PageRun>)> {
+        if self.ram.origin().is_none() {
+            return Err(SnapshotError::NoParent {
+                dir: dir.to_path_buf(),
+            }
+            .into());
+        }
+        let unchanged = |o: &Origin| {
+            snapfile::load_header(&o.dir).is_ok_and(|h| h.state_sha256 == o.state_sha256)
+        };
+        Ok(self
+            .ram
+            .diff_base(unchanged)
+            .ok_or_else(|| SnapshotError::BaseGone {
+                dir: dir.to_path_buf(),
+            })?)
+    }
+
+    /// Write guest RAM into `dir`: a diff over `base` (the snapshot and the pages mapped since
+    /// it), or with None a complete image.
     fn write_from_private_ram(
         &self,
         dir: &Path,
         state: &MachineState,
-        kind: SnapshotKind,
+        base: Option<(Origin, Vec<diff::PageRun>)>,
     ) -> Result<(SnapshotHeader, u64)> {
         if self.ram.file().is_none() {
             return Err(SnapshotError::NoMemoryFile {
@@ -724,29 +754,40 @@ impl RunningVm {
             }
             .into());
         }
-        let Some(origin) = self.ram.origin() else {
+        if self.ram.origin().is_none() {
             return Err(SnapshotError::NoParent {
                 dir: dir.to_path_buf(),
             }
             .into());
-        };
-        let written = diff::private_runs(&self.ram).map_err(|source| SnapshotError::Pagemap {
+        }
+        let private = diff::private_runs(&self.ram).map_err(|source| SnapshotError::Pagemap {
             dir: dir.to_path_buf(),
             source,
         })?;
-        let pages = diff::page_count(&written);
-        let memory = match kind {
-            SnapshotKind::Full => MemoryOut::Flatten {
-                ram: &self.ram,
-                written: &written,
-            },
-            SnapshotKind::Diff => MemoryOut::Diff {
-                ram: &self.ram,
-                written: &written,
-                parent: &origin,
-            },
-        };
-        Ok((snapfile::write(dir, state, memory)?, pages))
+        Ok(match &base {
+            None => {
+                let memory = MemoryOut::Flatten {
+                    ram: &self.ram,
+                    written: &private,
+                };
+                (
+                    snapfile::write(dir, state, memory)?,
+                    diff::page_count(&private),
+                )
+            }
+            Some((origin, since)) => {
+                let written = diff::union(&private, since);
+                let memory = MemoryOut::Diff {
+                    ram: &self.ram,
+                    written: &written,
+                    parent: origin,
+                };
+                (
+                    snapfile::write(dir, state, memory)?,
+                    diff::page_count(&written),
+                )
+            }
+        })
     }
 
     /// Park the vCPUs (saving their state) and quiet the devices; the VM stays paused.

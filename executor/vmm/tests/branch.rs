@@ -435,6 +435,36 @@ fn a_source_rebased_onto_its_branch_writes_only_what_changed_since() {
         counted_past(&running, c.0);
         running.stop();
     }
+    // A base deleted since is passed over: the next diff is over the newest one left and
+    // also holds the pages mapped from the deleted one.
+    std::fs::rename(&b2, tmp.path().join("b2-gone")).unwrap();
+    let fb = tmp.path().join("fb");
+    let f = child.branch(&fb, SnapshotKind::Diff).unwrap();
+    assert_eq!(load_header(&fb).unwrap().diff.unwrap().parent, "b1");
+    assert!(f.pages_written >= 4, "{}", f.pages_written);
+    let vm = Vm::restore(&fb, opts(&Capture::default())).unwrap();
+    let m = vm.ram().memory();
+    let mark: u64 = m.read_obj(GuestAddress(HOST_WRITE + 100 * 4096)).unwrap();
+    let five: u64 = m.read_obj(GuestAddress(HOST_WRITE + 5 * 4096)).unwrap();
+    let six: u64 = m.read_obj(GuestAddress(HOST_WRITE + 6 * 4096)).unwrap();
+    assert_eq!((mark, five, six), (0xabcd, 999, 7));
+    assert_one_instant(counters(vm.ram()), "over an older base");
+    // None left: a diff is refused with the reason, a complete branch still works.
+    for gone in ["b1", "root"] {
+        std::fs::rename(
+            tmp.path().join(gone),
+            tmp.path().join(format!("{gone}-gone")),
+        )
+        .unwrap();
+    }
+    let e = child
+        .branch(&tmp.path().join("none"), SnapshotKind::Diff)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("deleted or replaced"), "{e}");
+    child
+        .branch(&tmp.path().join("whole"), SnapshotKind::Full)
+        .unwrap();
     // The source runs on.
     counted_past(&child, counters(child.ram()).0);
     child.stop();

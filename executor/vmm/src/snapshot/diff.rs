@@ -194,8 +194,39 @@ pub fn page_count(runs: &[PageRun]) -> u64 {
     runs.iter().map(|r| r.count).sum()
 }
 
+/// The pages in `a` or `b` (each sorted and non-overlapping) as sorted, non-overlapping runs.
+/// Runs that only touch stay apart: they may lie on either side of the MMIO gap.
+pub fn union(a: &[PageRun], b: &[PageRun]) -> Vec<PageRun> {
+    let mut all: Vec<PageRun> = a.iter().chain(b).copied().collect();
+    all.sort_by_key(|r| r.first);
+    let mut out: Vec<PageRun> = Vec::with_capacity(all.len());
+    for r in all.into_iter().filter(|r| r.count > 0) {
+        match out.last_mut() {
+            Some(last) if r.first < last.first + last.count => {
+                let end = (last.first + last.count).max(r.first + r.count);
+                last.count = end - last.first;
+            }
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn union_merges_overlapping_and_touching_runs() {
+        use super::{union, PageRun};
+        let r = |first, count| PageRun { first, count };
+        assert_eq!(
+            union(&[r(0, 2), r(10, 2)], &[r(1, 3), r(11, 2), r(20, 1)]),
+            vec![r(0, 4), r(10, 3), r(20, 1)]
+        );
+        assert_eq!(union(&[r(0, 2)], &[r(2, 1)]), vec![r(0, 2), r(2, 1)]);
+        assert_eq!(union(&[], &[r(5, 1)]), vec![r(5, 1)]);
+        assert_eq!(union(&[r(5, 1)], &[r(5, 1)]), vec![r(5, 1)]);
+    }
+
     use super::*;
 
     #[test]

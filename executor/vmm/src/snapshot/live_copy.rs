@@ -27,6 +27,7 @@ const COPY_TIMEOUT: Duration = Duration::from_secs(600);
 pub fn fork_and_copy(
     ram: &GuestRam,
     kind: SnapshotKind,
+    since: &[diff::PageRun],
     dir: &Path,
     resumed: impl FnOnce(),
 ) -> std::io::Result<u64> {
@@ -61,7 +62,7 @@ pub fn fork_and_copy(
                 libc::_exit(3);
             }
         }
-        let code = match copy(ram, kind, dir) {
+        let code = match copy(ram, kind, since, dir) {
             Ok(pages) => report(&report_tx, &format!("ok {pages}")).map_or(2, |()| 0),
             Err(e) => {
                 let _ = report(&report_tx, &format!("error {e}"));
@@ -91,12 +92,25 @@ pub fn fork_and_copy(
     }
 }
 
-fn copy(ram: &GuestRam, kind: SnapshotKind, dir: &Path) -> std::io::Result<u64> {
-    let written = diff::private_runs(ram)?;
-    match kind {
-        SnapshotKind::Diff => drop(diff::write_diff_files(ram, &written, dir)?),
-        SnapshotKind::Full => diff::flatten(ram, &written, &dir.join(super::file::MEMORY_FILE))?,
-    }
+/// `since`: pages a diff must hold besides the private ones (mapped since its parent).
+fn copy(
+    ram: &GuestRam,
+    kind: SnapshotKind,
+    since: &[diff::PageRun],
+    dir: &Path,
+) -> std::io::Result<u64> {
+    let private = diff::private_runs(ram)?;
+    let written = match kind {
+        SnapshotKind::Diff => {
+            let written = diff::union(&private, since);
+            diff::write_diff_files(ram, &written, dir)?;
+            written
+        }
+        SnapshotKind::Full => {
+            diff::flatten(ram, &private, &dir.join(super::file::MEMORY_FILE))?;
+            private
+        }
+    };
     Ok(diff::page_count(&written))
 }
 
