@@ -365,22 +365,19 @@ impl Api {
                 at.sandbox.state().as_str()
             )));
         }
-        let parent = self.ctx.db.snapshot(&at.sandbox.tag).await?;
-        if parent.is_none() && mode != pb::BranchMode::Full {
-            return Err(Status::failed_precondition(format!(
-                "snapshot {} that sandbox {} was forked from has been deleted, so a diff has nothing to apply over: branch with mode FULL",
-                at.sandbox.tag, r.sandbox_id
-            )));
-        }
+        // What a diff applies over is the executor's to say (the snapshot the sandbox was
+        // forked from, or its latest branch still there); the image is the lineage's.
+        let forked_from = self.ctx.db.snapshot(&at.sandbox.tag).await?;
         let mut client = self.ctx.executors.client(&at.addr)?;
         let mut req = Request::new(r.clone());
         req.set_timeout(BRANCH_TIMEOUT);
         let mut events = client.start_branch(req).await?.into_inner();
-        let new = NewSnapshot {
+        let db = &self.ctx.db;
+        let new = |parent: Option<&SnapshotRow>| NewSnapshot {
             tag: r.tag.clone(),
-            parent_tag: parent.as_ref().map(|p| p.tag.clone()),
+            parent_tag: parent.map(|p| p.tag.clone()),
             image: parent
-                .as_ref()
+                .or(forked_from.as_ref())
                 .map_or_else(|| "unknown".to_string(), |p| p.image.clone()),
             vcpus: 0,
             mem_mib: 0,
@@ -392,6 +389,7 @@ impl Api {
         let made = match next_branch_event(&mut events).await? {
             xpb::branch_event::Event::Done(made) => made,
             xpb::branch_event::Event::Resumed(resumed) if r.no_wait => {
+                let parent = db.snapshot(&resumed.parent_tag).await?;
                 // The sandbox runs again: record the snapshot as writing and let a task of
                 // our own see the branch to its end (or failure).
                 let deadline = BRANCH_TIMEOUT + Duration::from_secs(30);
@@ -399,12 +397,12 @@ impl Api {
                     .db
                     .insert_snapshot(&NewSnapshot {
                         // Its size is the source's: that of the snapshot it was forked from.
-                        vcpus: parent.as_ref().map_or(0, |p| p.vcpus as u32),
-                        mem_mib: parent.as_ref().map_or(0, |p| p.mem_mib as u64),
+                        vcpus: forked_from.as_ref().map_or(0, |p| p.vcpus as u32),
+                        mem_mib: forked_from.as_ref().map_or(0, |p| p.mem_mib as u64),
                         state: NewState::Writing {
                             until_ms: now_ms() + deadline.as_millis() as i64,
                         },
-                        ..new
+                        ..new(parent.as_ref())
                     })
                     .await?;
                 let db = self.ctx.db.clone();
@@ -441,6 +439,7 @@ impl Api {
                         pause_us: resumed.pause_us,
                         pages_written: 0,
                         took_us: 0,
+                        rebase_pause_us: 0,
                     }),
                     ..self.recorded(&r.tag).await?
                 });
@@ -453,14 +452,13 @@ impl Api {
             },
         };
         let layers = made.layers.as_ref().map(layers_from).transpose()?;
-        let inserted = self
-            .ctx
-            .db
+        let parent = db.snapshot(&made.parent_tag).await?;
+        let inserted = db
             .insert_snapshot(&NewSnapshot {
                 vcpus: made.vcpus,
                 mem_mib: made.mem_mib,
                 layers,
-                ..new
+                ..new(parent.as_ref())
             })
             .await;
         if let Err(e) = inserted {

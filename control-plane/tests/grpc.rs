@@ -36,6 +36,8 @@ struct FakeState {
     /// Children it really has room for (None: unlimited), to play an executor whose
     /// capacity is smaller than the control plane believes.
     room: Option<usize>,
+    /// The snapshot each child was spawned from (what its branches apply over).
+    spawned_from: HashMap<String, String>,
     /// StartBranch holds its last event until this is notified (None: sends it at once).
     branch_gate: Option<Arc<tokio::sync::Notify>>,
     /// StartBranch ends with this error after the resume instead of the snapshot.
@@ -50,11 +52,13 @@ struct FakeExecutor {
 impl FakeExecutor {
     /// The snapshot a branch of a live child makes.
     fn branched(&self, r: &pb::BranchRequest) -> Result<pb::Snapshot, Status> {
-        if !self.state.lock().unwrap().live.contains(&r.sandbox_id) {
+        let st = self.state.lock().unwrap();
+        if !st.live.contains(&r.sandbox_id) {
             return Err(Status::not_found(format!("no VM {}", r.sandbox_id)));
         }
         Ok(pb::Snapshot {
             tag: r.tag.clone(),
+            parent_tag: st.spawned_from[&r.sandbox_id].clone(),
             vcpus: 1,
             mem_mib: 512,
             source_sandbox: r.sandbox_id.clone(),
@@ -63,6 +67,7 @@ impl FakeExecutor {
                 pause_us: 900,
                 pages_written: 7,
                 took_us: 1000,
+                rebase_pause_us: 100,
             }),
             ..Default::default()
         })
@@ -117,7 +122,10 @@ impl Executor for FakeExecutor {
             (st.branch_gate.clone(), st.branch_failure.clone())
         };
         let (tx, rx) = tokio::sync::mpsc::channel(2);
-        let resumed = xpb::branch_event::Event::Resumed(xpb::BranchResumed { pause_us: 900 });
+        let resumed = xpb::branch_event::Event::Resumed(xpb::BranchResumed {
+            pause_us: 900,
+            parent_tag: done.parent_tag.clone(),
+        });
         tx.send(Ok(xpb::BranchEvent {
             event: Some(resumed),
         }))
@@ -170,6 +178,7 @@ impl Executor for FakeExecutor {
                 continue;
             }
             st.live.insert(id.clone());
+            st.spawned_from.insert(id.clone(), r.tag.clone());
             let _ = tx.try_send(Ok(xpb::SpawnEvent {
                 id,
                 result: Some(xpb::spawn_event::Result::ReadyUs(1000 + i as u64)),

@@ -312,7 +312,7 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                             "tag": s.tag, "parent": s.parent_tag, "source_sandbox": s.source_sandbox,
                             "executors": s.executors, "mode": mode, "state": state_name(s.state),
                             "pause_us": b.pause_us, "pages_written": b.pages_written,
-                            "took_us": b.took_us,
+                            "took_us": b.took_us, "rebase_pause_us": b.rebase_pause_us,
                             "client_ms": t0.elapsed().as_secs_f64() * 1e3,
                         })
                     );
@@ -327,8 +327,9 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                 } else {
                     print_snapshot(&s, "");
                     println!(
-                        "[tine] branched {id} ({mode}): paused {:.2} ms, {} pages written since its fork ({:.1} MiB), {:.1} ms on the executor, {:.1} ms in all",
+                        "[tine] branched {id} ({mode}): paused {:.2} ms (then {:.2} ms to rebase it onto the branch), {} pages written since its fork or last branch ({:.1} MiB), {:.1} ms on the executor, {:.1} ms in all",
                         b.pause_us as f64 / 1e3,
+                        b.rebase_pause_us as f64 / 1e3,
                         b.pages_written,
                         (b.pages_written * 4096) as f64 / (1 << 20) as f64,
                         b.took_us as f64 / 1e3,

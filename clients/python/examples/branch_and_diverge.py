@@ -41,7 +41,7 @@ def main() -> int:
         assert b is not None
         print(
             f"branched {source.id} as {snap.tag} (parent {snap.parent_tag}, {b.mode}): "
-            f"paused {b.pause_us / 1000:.2f} ms, {b.pages_written} pages written since its fork"
+            f"paused {b.pause_us / 1000:.2f} ms, {b.pages_written} pages written since its fork or last branch"
         )
         source.eval("steps.append('source, after the branch')")
         print(f"source {source.id} runs on: steps = {source.eval('steps')}")

@@ -247,13 +247,16 @@ _SNAPSHOT_STATES = {
 
 @dataclass(frozen=True)
 class BranchInfo:
-    """How a branch was taken: ``mode`` (``"diff"`` or ``"full"``), how long the sandbox
-    was paused, the pages it had written since its fork, and the whole call on the executor."""
+    """How a branch was taken: ``mode`` (``"diff"``, ``"live"`` or ``"full"``), how long the
+    sandbox was paused, the pages the branch holds (written since the sandbox's previous
+    branch, or its fork), the whole call on the executor, and the second, short pause in
+    which the sandbox was rebased onto the branch (0 for full branches)."""
 
     mode: str
     pause_us: int
     pages_written: int
     took_us: int
+    rebase_pause_us: int = 0
 
     @classmethod
     def _from_pb(cls, b: pb.BranchInfo) -> BranchInfo:
@@ -263,6 +266,7 @@ class BranchInfo:
             pause_us=b.pause_us,
             pages_written=b.pages_written,
             took_us=b.took_us,
+            rebase_pause_us=b.rebase_pause_us,
         )
 
 

@@ -211,6 +211,7 @@ impl ExecutorService {
                 pause_us: b.paused.as_micros() as u64,
                 pages_written: b.pages_written,
                 took_us: b.took.as_micros() as u64,
+                rebase_pause_us: b.rebase.map_or(0, |r| r.paused.as_micros() as u64),
             }),
             state: pb::SnapshotState::Ready as i32,
             error: String::new(),
@@ -368,9 +369,10 @@ impl Executor for ExecutorService {
             let made = svc
                 .state
                 .host
-                .branch_then(&id, &tag, kind_of(mode), move |paused| {
+                .branch_then(&id, &tag, kind_of(mode), move |r| {
                     let ev = xpb::branch_event::Event::Resumed(xpb::BranchResumed {
-                        pause_us: paused.as_micros() as u64,
+                        pause_us: r.paused.as_micros() as u64,
+                        parent_tag: r.parent.to_string(),
                     });
                     let _ = resumed_tx.blocking_send(Ok(xpb::BranchEvent { event: Some(ev) }));
                 });

@@ -218,7 +218,9 @@ async fn executor_api_end_to_end() {
         .unwrap()
         .into_inner();
     assert_eq!(live.branch.unwrap().mode, pb::BranchMode::Live as i32);
-    assert_eq!(live.parent_tag, "idle");
+    // The child was rebased onto its first branch: the next one is a diff over that.
+    assert!(info.rebase_pause_us > 0, "{info:?}");
+    assert_eq!(live.parent_tag, "idle-b1");
     // The unary call answers only with the finished snapshot, so it refuses no_wait ...
     let e = c
         .branch(pb::BranchRequest {
@@ -231,9 +233,9 @@ async fn executor_api_end_to_end() {
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     // ... and StartBranch reports the resume first, then the snapshot.
-    for (tag, mode) in [
-        ("idle-s-live", pb::BranchMode::Live),
-        ("idle-s-diff", pb::BranchMode::Diff),
+    for (tag, mode, parent) in [
+        ("idle-s-live", pb::BranchMode::Live, "idle-live"),
+        ("idle-s-diff", pb::BranchMode::Diff, "idle-s-live"),
     ] {
         let mut events = c
             .start_branch(pb::BranchRequest {
@@ -255,7 +257,8 @@ async fn executor_api_end_to_end() {
         };
         let info = d.branch.unwrap();
         assert_eq!(r.pause_us, info.pause_us, "{mode:?}");
-        assert_eq!((d.tag.as_str(), d.parent_tag.as_str()), (tag, "idle"));
+        assert_eq!(r.parent_tag, parent);
+        assert_eq!((d.tag.as_str(), d.parent_tag.as_str()), (tag, parent));
         assert_eq!(d.state(), pb::SnapshotState::Ready);
     }
     // A branch that fails ends the stream with the error.

@@ -37,6 +37,9 @@ pub enum Request {
     Branch { dir: PathBuf, kind: BranchKind },
     /// Pause and resume at once: the floor under a branch's pause window.
     PauseResume,
+    /// Take the diff branch in `dir` (complete, in place) as what the VM is a diff over from
+    /// now on, so its next branch holds only what changed since.
+    Rebase { dir: PathBuf },
 }
 
 #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,6 +48,13 @@ pub enum Reply {
     /// Interim (live branches only): the guest runs again; the pages are still being written.
     Resumed {
         paused_us: u64,
+        /// The diff's parent (None: a complete image).
+        parent: Option<String>,
+    },
+    Rebased {
+        paused_us: u64,
+        pages_mapped: u64,
+        pages_kept: u64,
     },
     Branched {
         /// How long the guest was paused, in microseconds.
@@ -91,13 +101,16 @@ fn answer(conn: UnixStream, vm: &RunningVm) -> std::io::Result<()> {
             let branched = match kind {
                 BranchKind::Full => vm.branch(&dir, SnapshotKind::Full),
                 BranchKind::Diff => vm.branch(&dir, SnapshotKind::Diff),
-                BranchKind::Live => vm.branch_live_then(&dir, SnapshotKind::Diff, |paused| {
-                    let resumed = Reply::Resumed {
-                        paused_us: paused.as_micros() as u64,
-                    };
-                    // A host that went away misses only the interim news.
-                    let _ = send(&conn, &resumed);
-                }),
+                BranchKind::Live => {
+                    vm.branch_live_then(&dir, SnapshotKind::Diff, |paused, parent| {
+                        let resumed = Reply::Resumed {
+                            paused_us: paused.as_micros() as u64,
+                            parent: parent.map(str::to_owned),
+                        };
+                        // A host that went away misses only the interim news.
+                        let _ = send(&conn, &resumed);
+                    })
+                }
             };
             match branched {
                 Ok(b) => Reply::Branched {
@@ -109,6 +122,16 @@ fn answer(conn: UnixStream, vm: &RunningVm) -> std::io::Result<()> {
                 },
             }
         }
+        Ok(Request::Rebase { dir }) => match vm.rebase(&dir) {
+            Ok(r) => Reply::Rebased {
+                paused_us: r.paused.as_micros() as u64,
+                pages_mapped: r.counts.pages_mapped,
+                pages_kept: r.counts.pages_kept,
+            },
+            Err(e) => Reply::Failed {
+                reason: e.to_string(),
+            },
+        },
         Ok(Request::PauseResume) => {
             let t0 = std::time::Instant::now();
             let paused = vm.pause();

@@ -33,19 +33,41 @@ const BRANCH_TIMEOUT: Duration = Duration::from_secs(300);
 #[derive(Clone, Debug)]
 pub struct Branch {
     pub tag: Tag,
-    /// The snapshot the VM was forked from: a diff applies over it.
+    /// What a diff applies over: the snapshot the VM was forked from, or its latest branch
+    /// (for a full branch: the snapshot it was forked from).
     pub parent: Tag,
     pub kind: crate::control::BranchKind,
     pub dir: PathBuf,
     pub header: SnapshotHeader,
     /// How long the VM was paused.
     pub paused: Duration,
-    /// Pages the VM had written since it was forked (what a diff holds).
+    /// Pages the diff holds: those the VM wrote since its parent (for a full branch: since
+    /// it was forked).
     pub pages_written: u64,
     /// The whole call, as the caller waited for it.
     pub took: Duration,
     /// Its layer in the cluster's store (None: this host has no store).
     pub layer: Option<crate::layers::LayerInfo>,
+    /// The VM taken onto this branch as its new diff base (None: a full branch, or it could
+    /// not be, which the log says).
+    pub rebase: Option<Rebased>,
+}
+
+/// A VM's second, short pause after a diff branch: its pages unchanged since the branch
+/// were mapped from the branch's page file.
+#[derive(Clone, Copy, Debug)]
+pub struct Rebased {
+    pub paused: Duration,
+    pub pages_mapped: u64,
+    pub pages_kept: u64,
+}
+
+/// A branching VM runs again; its snapshot is being written.
+#[derive(Clone, Debug)]
+pub struct Resumed {
+    pub paused: Duration,
+    /// What the branch applies over (as [`Branch::parent`]).
+    pub parent: Tag,
 }
 
 /// A VM this host started or re-adopted.
@@ -353,7 +375,7 @@ impl Host {
         id: &SandboxId,
         tag: &Tag,
         kind: crate::control::BranchKind,
-        resumed: impl FnOnce(Duration),
+        resumed: impl FnOnce(Resumed),
     ) -> Result<Branch> {
         let t0 = Instant::now();
         let refuse = |reason: String| HostError::Branch {
@@ -377,12 +399,12 @@ impl Host {
                 None => return Err(HostError::NoVm(id.clone())),
             }
         };
-        let Some(parent) = record.tag.clone() else {
+        let Some(forked_from) = record.tag.clone() else {
             return Err(refuse("it is a booting parent, not a forked child".into()));
         };
         if record.pages_from_host {
             return Err(refuse(format!(
-                "it was restored lazily (its untouched pages are still in the store): branch a child of {parent} restored from a local image"
+                "it was restored lazily (its untouched pages are still in the store): branch a child of {forked_from} restored from a local image"
             )));
         }
         let dir = self.snapshot_dir(tag);
@@ -400,8 +422,14 @@ impl Host {
         };
         let mut resumed = Some(resumed);
         let reply = ask_vmm_then(id, &record.dir, &req, |r| {
-            if let (crate::control::Reply::Resumed { paused_us }, Some(f)) = (r, resumed.take()) {
-                f(Duration::from_micros(*paused_us));
+            if let crate::control::Reply::Resumed { paused_us, parent } = r {
+                let parent = parent.as_deref().and_then(|p| Tag::parse(p).ok());
+                if let Some(f) = resumed.take() {
+                    f(Resumed {
+                        paused: Duration::from_micros(*paused_us),
+                        parent: parent.unwrap_or_else(|| forked_from.clone()),
+                    });
+                }
             }
         });
         let done = (|| {
@@ -412,21 +440,31 @@ impl Host {
                 } => (paused_us, pages_written),
                 other => return Err(refuse(format!("unexpected answer {other:?}"))),
             };
-            if let Some(f) = resumed.take() {
-                f(Duration::from_micros(paused_us));
-            }
             let header = tine_vmm::snapshot::file::load_header(&staging).map_err(|source| {
                 HostError::BadSnapshot {
                     tag: tag.clone(),
                     source,
                 }
             })?;
+            let parent = match &header.diff {
+                Some(d) => Tag::parse(&d.parent)
+                    .map_err(|e| refuse(format!("its VMM named a bad parent: {e}")))?,
+                None => forked_from.clone(),
+            };
+            if let Some(f) = resumed.take() {
+                f(Resumed {
+                    paused: Duration::from_micros(paused_us),
+                    parent: parent.clone(),
+                });
+            }
             if let Some(d) = &header.diff {
-                // The parent here must still be the one the VM was forked from.
-                let now = self.snapshot_header(&parent)?;
+                // The parent here must still be the one the diff was taken over.
+                let now = self.snapshot_header(&parent).map_err(|e| {
+                    refuse(format!("snapshot {parent}, which it is a diff over: {e}"))
+                })?;
                 if now.state_sha256 != d.parent_state_sha256 {
                     return Err(refuse(format!(
-                        "snapshot {parent} was replaced since the VM was forked from it: take a full branch"
+                        "snapshot {parent} was replaced while the diff over it was taken: take a full branch"
                     )));
                 }
             }
@@ -447,10 +485,16 @@ impl Host {
                 None => None,
             };
             self.install_snapshot(&staging, &dir, false, tag)?;
+            // A diff in place: the VM's next branch need only hold what changes from here.
+            let rebase = match kind {
+                crate::control::BranchKind::Full => None,
+                _ => self.rebase(id, &record.dir, &dir),
+            };
             Ok(Branch {
                 layer,
+                rebase,
                 tag: tag.clone(),
-                parent: parent.clone(),
+                parent,
                 kind,
                 dir: dir.clone(),
                 header,
@@ -465,6 +509,38 @@ impl Host {
         let b = done?;
         tracing::info!(%id, %tag, parent = %b.parent, kind = ?b.kind, pages = b.pages_written, paused_us = b.paused.as_micros() as u64, took_ms = b.took.as_millis() as u64, "branched");
         Ok(b)
+    }
+
+    /// Take the diff branch in `snapshot` as VM `id`'s new diff base. A failure only costs
+    /// the next branch's size, so it is logged, not returned.
+    fn rebase(
+        &self,
+        id: &SandboxId,
+        vm_dir: &std::path::Path,
+        snapshot: &std::path::Path,
+    ) -> Option<Rebased> {
+        let req = crate::control::Request::Rebase {
+            dir: snapshot.to_path_buf(),
+        };
+        match ask_vmm(id, vm_dir, &req) {
+            Ok(crate::control::Reply::Rebased {
+                paused_us,
+                pages_mapped,
+                pages_kept,
+            }) => Some(Rebased {
+                paused: Duration::from_micros(paused_us),
+                pages_mapped,
+                pages_kept,
+            }),
+            Ok(other) => {
+                tracing::warn!(%id, "rebase: unexpected answer {other:?}");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(%id, "not rebased onto its branch (its next branch holds more): {e}");
+                None
+            }
+        }
     }
 
     /// Pause VM `id` and resume it at once; how long it was paused (a branch's floor).

@@ -789,6 +789,9 @@ fn branching_running_children() {
     assert!((1..16).contains(&b.pages_written), "{b:?}");
     assert_eq!(d.pages, b.pages_written);
     assert!(b.paused <= b.took);
+    // The source is now a diff over its branch: its next branch holds only what changes.
+    let r = b.rebase.expect("rebased onto b1");
+    assert_eq!(r.pages_mapped + r.pages_kept, b.pages_written, "{r:?}");
     // The source carries on.
     let n = counts_of(&host, &c1, 0).len();
     counts_of(&host, &c1, n + 5);
@@ -796,8 +799,10 @@ fn branching_running_children() {
     // Live: the same diff, its pages copied after the child resumed.
     let l1 = Tag::parse("l1").unwrap();
     let live = host.branch(&c1, &l1, BranchKind::Live).unwrap();
-    assert_eq!(live.header.diff.as_ref().unwrap().parent, "counter");
-    assert!(live.pages_written >= b.pages_written);
+    assert_eq!(live.parent, b1);
+    assert_eq!(live.header.diff.as_ref().unwrap().parent, "b1");
+    assert!(live.pages_written >= 1);
+    assert!(live.rebase.is_some());
     let gl = spawn_of(&host, &l1);
     assert!(counts_of(&host, &gl, 1)[0] > before);
 
@@ -850,12 +855,12 @@ fn branching_running_children() {
     drop(host);
     let host = Host::open_exclusive(config(tmp.path(), 8, 1)).unwrap();
     let b3 = Tag::parse("b3").unwrap();
-    host.branch(&c1, &b3, BranchKind::Diff).unwrap();
+    assert_eq!(host.branch(&c1, &b3, BranchKind::Diff).unwrap().parent, l1);
     let g4 = spawn_of(&host, &b3);
     assert!(counts_of(&host, &g4, 1)[0] > before);
 
     host.kill_all();
-    for t in [&b2, &b1, &f1, &b3, &l1, &root] {
+    for t in [&b2, &b3, &l1, &b1, &f1, &root] {
         assert!(host.delete_snapshot(t).unwrap(), "{t}");
     }
     let _ = (g2, g3, gl);

@@ -604,16 +604,17 @@ impl RunningVm {
     /// old one), and the fork writes the pages while the guest runs on. Returns once they are
     /// on disk; `paused` is the pause alone.
     pub fn branch_live(&self, dir: &Path, kind: SnapshotKind) -> Result<Branched> {
-        self.branch_live_then(dir, kind, |_| {})
+        self.branch_live_then(dir, kind, |_, _| {})
     }
 
-    /// [`branch_live`](Self::branch_live), calling `resumed` with the pause as soon as the
-    /// guest runs again (while the fork is still writing).
+    /// [`branch_live`](Self::branch_live), calling `resumed` with the pause and the name of
+    /// the diff's parent (None for a complete image) as soon as the guest runs again (while
+    /// the fork is still writing).
     pub fn branch_live_then(
         &self,
         dir: &Path,
         kind: SnapshotKind,
-        resumed: impl FnOnce(Duration),
+        resumed: impl FnOnce(Duration, Option<&str>),
     ) -> Result<Branched> {
         if self.ram.origin().is_none() {
             // Booted RAM is a shared mapping: a fork would see the guest's later writes.
@@ -636,11 +637,12 @@ impl RunningVm {
             let state = self.pause_and_save(dir)?;
             snapfile::write_with(dir, &state, |tmp| {
                 let since = base.as_ref().map_or(&[][..], |b| &b.2[..]);
+                let parent = base.as_ref().map(|b| b.0.as_str());
                 let copied = live_copy::fork_and_copy(&self.ram, kind, since, tmp, || {
                     self.resume();
                     let p = t0.elapsed();
                     paused = Some(p);
-                    resumed(p);
+                    resumed(p, parent);
                 });
                 let copied = copied.map_err(|source| SnapshotError::LiveCopy {
                     dir: dir.to_path_buf(),
