@@ -1,6 +1,8 @@
 //! `tine bench branch`: how long a branch keeps a sandbox paused (DIFF and FULL, after the
 //! sandbox wrote N MiB since its fork) beside a bare pause + resume of the same VM (the floor),
-//! how long the call takes, and what spawning from a chain of diffs costs at depth 0..D.
+//! how long the call takes, what repeated branches of one sandbox cost (each a diff over the
+//! one before, the sandbox rebased onto it), and what spawning from a chain of diffs costs at
+//! depth 0..D.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -55,6 +57,7 @@ struct Row {
     what: String,
     mib: u64,
     pause_ms: Vec<f64>,
+    rebase_ms: Vec<f64>,
     took_ms: Vec<f64>,
     pages: Vec<f64>,
 }
@@ -65,6 +68,7 @@ impl Row {
             what: what.into(),
             mib,
             pause_ms: Vec::new(),
+            rebase_ms: Vec::new(),
             took_ms: Vec::new(),
             pages: Vec::new(),
         }
@@ -104,8 +108,10 @@ pub fn run(b: BranchBench) -> Result<i32> {
                     let t = tmp_tag(&format!("{mib}-{i}-{kind:?}").to_lowercase());
                     let br = host.branch(&id, &t, kind)?;
                     row.pause_ms.push(ms(br.paused));
+                    row.rebase_ms.push(br.rebase.map_or(0.0, |r| ms(r.paused)));
                     row.took_ms.push(ms(br.took));
                     row.pages.push(br.pages_written as f64);
+                    // The next mode's diff is over the fork's snapshot again (its pages too).
                     host.delete_snapshot(&t)?;
                 }
                 Ok(())
@@ -116,6 +122,38 @@ pub fn run(b: BranchBench) -> Result<i32> {
         eprintln!();
         rows.extend([floor, diff, live, full]);
     }
+
+    // Repeated branches of one sandbox: it writes the first size, then 1 MiB before each
+    // further branch; each branch is a diff over the one before.
+    const REPEATS: usize = 4;
+    let first_mib = b.write_mib.first().copied().unwrap_or(16);
+    let mut repeated: Vec<Row> = (1..=REPEATS)
+        .map(|k| Row::new(&format!("branch #{k}"), if k == 1 { first_mib } else { 1 }))
+        .collect();
+    for i in 0..b.runs {
+        eprint!("\r  repeated branches: run {}/{}", i + 1, b.runs);
+        let (id, _, _) = first_child(&host, &b.tag, None)?;
+        let mut made = Vec::new();
+        let measured = (|| -> Result<()> {
+            for (k, row) in repeated.iter_mut().enumerate() {
+                write_mib(&host, &id, &format!("_tine_rep_{k}"), row.mib)?;
+                let t = tmp_tag(&format!("rep-{i}-{k}"));
+                let br = host.branch(&id, &t, BranchKind::Diff)?;
+                made.push(t);
+                row.pause_ms.push(ms(br.paused));
+                row.rebase_ms.push(br.rebase.map_or(0.0, |r| ms(r.paused)));
+                row.took_ms.push(ms(br.took));
+                row.pages.push(br.pages_written as f64);
+            }
+            Ok(())
+        })();
+        host.kill(&id)?;
+        for t in made.iter().rev() {
+            host.delete_snapshot(t)?;
+        }
+        measured?;
+    }
+    eprintln!();
 
     // A chain of diffs: each level a child of the one above that wrote 1 MiB, then branched.
     let mut chain = vec![b.tag.clone()];
@@ -161,36 +199,14 @@ pub fn run(b: BranchBench) -> Result<i32> {
         b.tag,
         b.runs
     );
+    let json_rows = print_rows(&mut rows);
     println!(
-        "{:<24} {:>9} {:>14} {:>14} {:>14} {:>16}",
-        "", "written", "pause p50 ms", "pause p90 ms", "return p50 ms", "pages written"
+        "\nrepeated DIFF branches of one sandbox ({first_mib} MiB written before the first, 1 MiB before each next), {} run(s):",
+        b.runs
     );
-    let mut json_rows = Vec::new();
-    for r in &mut rows {
-        let pages = if r.pages.is_empty() {
-            None
-        } else {
-            Some(p50(&mut r.pages))
-        };
-        println!(
-            "{:<24} {:>6} MiB {:>14.2} {:>14.2} {:>14.2} {:>16}",
-            r.what,
-            r.mib,
-            p50(&mut r.pause_ms),
-            quantile(&mut r.pause_ms, 0.9),
-            p50(&mut r.took_ms),
-            pages.map_or("-".into(), |p| format!(
-                "{p:.0} ({:.1} MiB)",
-                p * 4096.0 / 1048576.0
-            )),
-        );
-        json_rows.push(serde_json::json!({
-            "what": r.what, "written_mib": r.mib,
-            "pause_ms_p50": p50(&mut r.pause_ms), "pause_ms_p90": quantile(&mut r.pause_ms, 0.9),
-            "return_ms_p50": p50(&mut r.took_ms), "pages_written_p50": pages,
-        }));
-    }
+    let json_repeated = print_rows(&mut repeated);
     let base = p50(&mut depths[0].1.clone());
+
     println!(
         "\nspawn-to-ready from a chain of diffs (each level 1 MiB written), {} run(s) per depth:",
         b.runs
@@ -205,14 +221,61 @@ pub fn run(b: BranchBench) -> Result<i32> {
         println!("{:<10} {m:>12.1} {q:>12.1} {:>9.2}x", d, m / base);
         json_depths.push(serde_json::json!({"depth": d, "ready_ms_p50": m, "ready_ms_p90": q, "ratio_vs_depth0": m / base}));
     }
-    println!("DIFF writes only the pages the sandbox wrote since its fork (found through pagemap) inside the pause; LIVE writes the same after the sandbox resumed, from a fork of its VMM (the pause: vCPU state saved + fork); FULL writes the whole image inside the pause. A child of depth D maps its root image and D layers' pages (no copy).");
+    println!("DIFF writes only the pages the sandbox wrote since its fork or last branch (found through pagemap) inside the pause; LIVE writes the same after the sandbox resumed, from a fork of its VMM (the pause: vCPU state saved + fork); FULL writes the whole image inside the pause. After DIFF and LIVE the sandbox is rebased onto the branch in a second pause (rebase: its unchanged pages compared and mapped from the branch). A child of depth D maps its root image and D layers' pages (no copy).");
     let doc = serde_json::json!({
         "bench": "branch", "tag": b.tag.as_str(), "mem_bytes": header.mem_size, "runs": b.runs,
-        "pause": json_rows, "depth": json_depths,
+        "pause": json_rows, "repeated": json_repeated, "depth": json_depths,
     });
     println!("json: {doc}");
     if let Some(p) = b.json {
         std::fs::write(&p, doc.to_string()).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(0)
+}
+
+/// Print `rows` as a table; their JSON.
+fn print_rows(rows: &mut [Row]) -> Vec<serde_json::Value> {
+    println!(
+        "{:<24} {:>9} {:>14} {:>14} {:>15} {:>14} {:>16}",
+        "",
+        "written",
+        "pause p50 ms",
+        "pause p90 ms",
+        "rebase p50 ms",
+        "return p50 ms",
+        "pages written"
+    );
+    let mut json = Vec::new();
+    for r in rows {
+        let pages = if r.pages.is_empty() {
+            None
+        } else {
+            Some(p50(&mut r.pages))
+        };
+        let rebase = if r.rebase_ms.is_empty() {
+            None
+        } else {
+            Some(p50(&mut r.rebase_ms))
+        };
+        println!(
+            "{:<24} {:>6} MiB {:>14.2} {:>14.2} {:>15} {:>14.2} {:>16}",
+            r.what,
+            r.mib,
+            p50(&mut r.pause_ms),
+            quantile(&mut r.pause_ms, 0.9),
+            rebase.map_or("-".into(), |m| format!("{m:.2}")),
+            p50(&mut r.took_ms),
+            pages.map_or("-".into(), |p| format!(
+                "{p:.0} ({:.1} MiB)",
+                p * 4096.0 / 1048576.0
+            )),
+        );
+        json.push(serde_json::json!({
+            "what": r.what, "written_mib": r.mib,
+            "pause_ms_p50": p50(&mut r.pause_ms), "pause_ms_p90": quantile(&mut r.pause_ms, 0.9),
+            "rebase_pause_ms_p50": rebase,
+            "return_ms_p50": p50(&mut r.took_ms), "pages_written_p50": pages,
+        }));
+    }
+    json
 }
