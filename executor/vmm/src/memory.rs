@@ -351,12 +351,16 @@ impl GuestRam {
     /// guest RAM meanwhile (the guest is paused).
     pub fn rebase(&self, layer: Overlay, view: &LayerView, origin: Origin) -> Result<Rebased> {
         let mut done = Rebased::default();
-        self.map_unchanged(&layer, view.bytes(), &mut done)?;
+        let mapped = self.map_unchanged(&layer, view.bytes(), &mut done);
         let mut l = self.layers();
+        // Even a mapping that failed halfway left pages mapped from the layer: a diff over an
+        // older base must hold them, so the layer is recorded either way.
         l.overlays.push(layer);
-        let layers = l.overlays.len();
-        l.bases.push(Base { origin, layers });
-        Ok(done)
+        if mapped.is_ok() {
+            let layers = l.overlays.len();
+            l.bases.push(Base { origin, layers });
+        }
+        mapped.map(|()| done)
     }
 
     /// Map from `layer`'s file the pages of its runs whose RAM equals `file_bytes` (the page

@@ -702,6 +702,17 @@ impl RunningVm {
             .into());
         }
         let layer = snapfile::diff_pages(dir, &header)?.ok_or_else(|| not("no pages".into()))?;
+        // Each stretch of unchanged pages becomes a mapping of its own: stay well inside the
+        // kernel's limit on mappings per process.
+        if let Some((now, max)) = mapping_counts() {
+            let worst = 2 * layer.runs.len() + 1;
+            if now + worst + 1024 > max {
+                return Err(not(format!(
+                    "{now} mappings already, up to {worst} more would near vm.max_map_count ({max})"
+                ))
+                .into());
+            }
+        }
         let to = Origin {
             dir: dir.to_path_buf(),
             state_sha256: header.state_sha256.clone(),
@@ -898,4 +909,13 @@ mod tests {
             );
         }
     }
+}
+
+/// This process's memory mappings and the most it may have (vm.max_map_count); None when
+/// either cannot be read.
+fn mapping_counts() -> Option<(usize, usize)> {
+    let maps = std::fs::read("/proc/self/maps").ok()?;
+    let now = maps.iter().filter(|b| **b == b'\n').count();
+    let max = std::fs::read_to_string("/proc/sys/vm/max_map_count").ok()?;
+    Some((now, max.trim().parse().ok()?))
 }
