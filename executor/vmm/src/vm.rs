@@ -886,6 +886,15 @@ impl RunningVm {
     }
 }
 
+/// This process's memory mappings and the most it may have (vm.max_map_count); None when
+/// either cannot be read.
+fn mapping_counts() -> Option<(usize, usize)> {
+    let maps = std::fs::read("/proc/self/maps").ok()?;
+    let now = maps.iter().filter(|b| **b == b'\n').count();
+    let max = std::fs::read_to_string("/proc/sys/vm/max_map_count").ok()?;
+    Some((now, max.trim().parse().ok()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -909,13 +918,4 @@ mod tests {
             );
         }
     }
-}
-
-/// This process's memory mappings and the most it may have (vm.max_map_count); None when
-/// either cannot be read.
-fn mapping_counts() -> Option<(usize, usize)> {
-    let maps = std::fs::read("/proc/self/maps").ok()?;
-    let now = maps.iter().filter(|b| **b == b'\n').count();
-    let max = std::fs::read_to_string("/proc/sys/vm/max_map_count").ok()?;
-    Some((now, max.trim().parse().ok()?))
 }
