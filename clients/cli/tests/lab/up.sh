@@ -69,12 +69,14 @@ fi
 cat "$W/branch" "$W/spawn-mid"
 "$T" snapshots get py-mid
 # Without waiting: the answer comes once the source resumes (the snapshot WRITING unless it
-# finished first), and a spawn right after waits for the snapshot, then has its state.
+# finished first), and a spawn right after waits for the snapshot, then has its state. The
+# source was rebased onto py-mid, so this second branch is a diff over py-mid.
 "$T" sandbox eval "$SRC" 'mid_run = 5' >/dev/null 2>&1
 if "$T" sandbox branch "$SRC" --tag py-nw --mode live --no-wait >"$W/branch-nw" 2>&1 \
    && "$T" sandbox spawn --tag py-nw -n 1 >"$W/spawn-nw" 2>&1; then
   id=$(grep 'ready in' "$W/spawn-nw" | awk '{print $1}')
   if grep -Eq 'the snapshot is (WRITING|READY)' "$W/branch-nw" \
+     && "$T" snapshots get py-nw | grep -q 'parent py-mid' \
      && [ "$("$T" sandbox eval "$id" 'mid_run' 2>&1)" = 5 ]; then ok branch-no-wait
   else fail branch-no-wait "$(tail -3 "$W/branch-nw" "$W/spawn-nw")"; fi
 else
