@@ -344,6 +344,22 @@ impl GuestRam {
         Some((base.origin.clone(), runs))
     }
 
+    /// For a diff over the newest base `is_parent` accepts holding `runs`: whether it holds
+    /// every page mapped since that base (only then can this RAM be rebased onto it). None:
+    /// no base is its parent.
+    pub fn holds_all_since(
+        &self,
+        is_parent: impl Fn(&Origin) -> bool,
+        runs: &[PageRun],
+    ) -> Option<bool> {
+        let l = self.layers();
+        let base = l.bases.iter().rev().find(|b| is_parent(&b.origin))?;
+        let held = crate::snapshot::diff::page_count(runs);
+        Some(l.overlays[base.layers..].iter().all(|ov| {
+            crate::snapshot::diff::page_count(&crate::snapshot::diff::union(runs, &ov.runs)) == held
+        }))
+    }
+
     /// Make `layer` (a diff over this RAM's origin, written from this RAM, whose snapshot is
     /// `origin`) the origin: its pages that still hold what it holds are mapped from its page
     /// file instead of private memory, so a later diff holds only what changed since. Pages

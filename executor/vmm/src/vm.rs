@@ -682,16 +682,32 @@ impl RunningVm {
         let Some(d) = header.diff.clone() else {
             return Err(not("it is a complete snapshot, not a diff".into()).into());
         };
-        let Some(origin) = self.ram.origin() else {
+        if self.ram.origin().is_none() {
             return Err(not("this VM was not restored from a snapshot".into()).into());
+        }
+        let layer = snapfile::diff_pages(dir, &header)?.ok_or_else(|| not("no pages".into()))?;
+        // Its parent must be one this VM's memory is a diff over, and it must hold every page
+        // mapped since that one (else it was taken before a later branch was mapped).
+        let is_parent = |o: &Origin| {
+            o.state_sha256 == d.parent_state_sha256
+                && snapfile::parent_link(dir, o).is_ok_and(|name| name == d.parent)
         };
-        let parent = snapfile::parent_link(dir, &origin)?;
-        if d.parent != parent || d.parent_state_sha256 != origin.state_sha256 {
-            return Err(not(format!(
-                "it is a diff over {}, this VM's memory is a diff over {parent}",
-                d.parent
-            ))
-            .into());
+        match self.ram.holds_all_since(is_parent, &layer.runs) {
+            Some(true) => {}
+            Some(false) => {
+                return Err(not(format!(
+                    "it is a diff over {} taken before this VM's latest branch (it lacks pages mapped since)",
+                    d.parent
+                ))
+                .into())
+            }
+            None => {
+                return Err(not(format!(
+                    "it is a diff over {}, which this VM's memory is not a diff over",
+                    d.parent
+                ))
+                .into())
+            }
         }
         // A restore of the next branch maps one more layer: stay within what restores accept.
         if self.ram.depth() + 2 >= diff::MAX_CHAIN {
@@ -701,7 +717,6 @@ impl RunningVm {
             ))
             .into());
         }
-        let layer = snapfile::diff_pages(dir, &header)?.ok_or_else(|| not("no pages".into()))?;
         // Each stretch of unchanged pages becomes a mapping of its own: stay well inside the
         // kernel's limit on mappings per process.
         if let Some((now, max)) = mapping_counts() {

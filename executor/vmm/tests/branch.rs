@@ -407,7 +407,7 @@ fn a_source_rebased_onto_its_branch_writes_only_what_changed_since() {
     );
     // Only a diff over what the VM is a diff over now is taken as its new base.
     let e = child.rebase(&b1).unwrap_err().to_string();
-    assert!(e.contains("diff over root"), "{e}");
+    assert!(e.contains("diff over root taken before"), "{e}");
     let full = tmp.path().join("full");
     child.branch(&full, SnapshotKind::Full).unwrap();
     let e = child.rebase(&full).unwrap_err().to_string();
@@ -449,8 +449,14 @@ fn a_source_rebased_onto_its_branch_writes_only_what_changed_since() {
     let six: u64 = m.read_obj(GuestAddress(HOST_WRITE + 6 * 4096)).unwrap();
     assert_eq!((mark, five, six), (0xabcd, 999, 7));
     assert_one_instant(counters(vm.ram()), "over an older base");
+    // Such a diff holds everything mapped since its parent: the VM is rebased onto it.
+    child.rebase(&fb).unwrap();
+    counted_past(&child, counters(child.ram()).0 + 1);
+    let fb2 = tmp.path().join("fb2");
+    assert_eq!(child.branch(&fb2, SnapshotKind::Diff).unwrap().pages_written, 2);
+    assert_eq!(load_header(&fb2).unwrap().diff.unwrap().parent, "fb");
     // None left: a diff is refused with the reason, a complete branch still works.
-    for gone in ["b1", "root"] {
+    for gone in ["fb", "b1", "root"] {
         std::fs::rename(
             tmp.path().join(gone),
             tmp.path().join(format!("{gone}-gone")),
