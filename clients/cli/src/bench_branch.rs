@@ -58,6 +58,8 @@ struct Row {
     mib: u64,
     pause_ms: Vec<f64>,
     rebase_ms: Vec<f64>,
+    /// When the call would return with no_wait: as the sandbox resumes.
+    resumed_ms: Vec<f64>,
     took_ms: Vec<f64>,
     pages: Vec<f64>,
 }
@@ -69,6 +71,7 @@ impl Row {
             mib,
             pause_ms: Vec::new(),
             rebase_ms: Vec::new(),
+            resumed_ms: Vec::new(),
             took_ms: Vec::new(),
             pages: Vec::new(),
         }
@@ -99,6 +102,7 @@ pub fn run(b: BranchBench) -> Result<i32> {
                 write_mib(&host, &id, "_tine_bench", mib)?;
                 let p = host.pause_resume(&id)?;
                 floor.pause_ms.push(ms(p));
+                floor.resumed_ms.push(ms(p));
                 floor.took_ms.push(ms(p));
                 for (row, kind) in [
                     (&mut diff, BranchKind::Diff),
@@ -106,8 +110,11 @@ pub fn run(b: BranchBench) -> Result<i32> {
                     (&mut full, BranchKind::Full),
                 ] {
                     let t = tmp_tag(&format!("{mib}-{i}-{kind:?}").to_lowercase());
-                    let br = host.branch(&id, &t, kind)?;
+                    let t0 = std::time::Instant::now();
+                    let mut resumed = Duration::ZERO;
+                    let br = host.branch_then(&id, &t, kind, |_| resumed = t0.elapsed())?;
                     row.pause_ms.push(ms(br.paused));
+                    row.resumed_ms.push(ms(resumed));
                     row.rebase_ms.push(br.rebase.map_or(0.0, |r| ms(r.paused)));
                     row.took_ms.push(ms(br.took));
                     row.pages.push(br.pages_written as f64);
@@ -138,9 +145,12 @@ pub fn run(b: BranchBench) -> Result<i32> {
             for (k, row) in repeated.iter_mut().enumerate() {
                 write_mib(&host, &id, &format!("_tine_rep_{k}"), row.mib)?;
                 let t = tmp_tag(&format!("rep-{i}-{k}"));
-                let br = host.branch(&id, &t, BranchKind::Diff)?;
+                let t0 = std::time::Instant::now();
+                let mut resumed = Duration::ZERO;
+                let br = host.branch_then(&id, &t, BranchKind::Diff, |_| resumed = t0.elapsed())?;
                 made.push(t);
                 row.pause_ms.push(ms(br.paused));
+                row.resumed_ms.push(ms(resumed));
                 row.rebase_ms.push(br.rebase.map_or(0.0, |r| ms(r.paused)));
                 row.took_ms.push(ms(br.took));
                 row.pages.push(br.pages_written as f64);
@@ -221,7 +231,7 @@ pub fn run(b: BranchBench) -> Result<i32> {
         println!("{:<10} {m:>12.1} {q:>12.1} {:>9.2}x", d, m / base);
         json_depths.push(serde_json::json!({"depth": d, "ready_ms_p50": m, "ready_ms_p90": q, "ratio_vs_depth0": m / base}));
     }
-    println!("DIFF writes only the pages the sandbox wrote since its fork or last branch (found through pagemap) inside the pause; LIVE writes the same after the sandbox resumed, from a fork of its VMM (the pause: vCPU state saved + fork); FULL writes the whole image inside the pause. After DIFF and LIVE the sandbox is rebased onto the branch in a second pause (rebase: its unchanged pages compared and mapped from the branch). A child of depth D maps its root image and D layers' pages (no copy).");
+    println!("DIFF writes only the pages the sandbox wrote since its fork or last branch (found through pagemap) inside the pause; LIVE writes the same after the sandbox resumed, from a fork of its VMM (the pause: vCPU state saved + fork); FULL writes the whole image inside the pause. no_wait = when a call with no_wait returns (the sandbox resumed; the snapshot still being written or published); return = the whole call (wait). After DIFF and LIVE the sandbox is rebased onto the branch in a second pause (rebase: its unchanged pages compared and mapped from the branch). A child of depth D maps its root image and D layers' pages (no copy).");
     let doc = serde_json::json!({
         "bench": "branch", "tag": b.tag.as_str(), "mem_bytes": header.mem_size, "runs": b.runs,
         "pause": json_rows, "repeated": json_repeated, "depth": json_depths,
@@ -236,12 +246,13 @@ pub fn run(b: BranchBench) -> Result<i32> {
 /// Print `rows` as a table; their JSON.
 fn print_rows(rows: &mut [Row]) -> Vec<serde_json::Value> {
     println!(
-        "{:<24} {:>9} {:>14} {:>14} {:>15} {:>14} {:>16}",
+        "{:<24} {:>9} {:>14} {:>14} {:>15} {:>16} {:>14} {:>16}",
         "",
         "written",
         "pause p50 ms",
         "pause p90 ms",
         "rebase p50 ms",
+        "no_wait p50 ms",
         "return p50 ms",
         "pages written"
     );
@@ -258,12 +269,13 @@ fn print_rows(rows: &mut [Row]) -> Vec<serde_json::Value> {
             Some(p50(&mut r.rebase_ms))
         };
         println!(
-            "{:<24} {:>6} MiB {:>14.2} {:>14.2} {:>15} {:>14.2} {:>16}",
+            "{:<24} {:>6} MiB {:>14.2} {:>14.2} {:>15} {:>16.2} {:>14.2} {:>16}",
             r.what,
             r.mib,
             p50(&mut r.pause_ms),
             quantile(&mut r.pause_ms, 0.9),
             rebase.map_or("-".into(), |m| format!("{m:.2}")),
+            p50(&mut r.resumed_ms),
             p50(&mut r.took_ms),
             pages.map_or("-".into(), |p| format!(
                 "{p:.0} ({:.1} MiB)",
@@ -273,7 +285,7 @@ fn print_rows(rows: &mut [Row]) -> Vec<serde_json::Value> {
         json.push(serde_json::json!({
             "what": r.what, "written_mib": r.mib,
             "pause_ms_p50": p50(&mut r.pause_ms), "pause_ms_p90": quantile(&mut r.pause_ms, 0.9),
-            "rebase_pause_ms_p50": rebase,
+            "rebase_pause_ms_p50": rebase, "no_wait_return_ms_p50": p50(&mut r.resumed_ms),
             "return_ms_p50": p50(&mut r.took_ms), "pages_written_p50": pages,
         }));
     }

@@ -453,7 +453,13 @@ fn a_source_rebased_onto_its_branch_writes_only_what_changed_since() {
     child.rebase(&fb).unwrap();
     counted_past(&child, counters(child.ram()).0 + 1);
     let fb2 = tmp.path().join("fb2");
-    assert_eq!(child.branch(&fb2, SnapshotKind::Diff).unwrap().pages_written, 2);
+    assert_eq!(
+        child
+            .branch(&fb2, SnapshotKind::Diff)
+            .unwrap()
+            .pages_written,
+        2
+    );
     assert_eq!(load_header(&fb2).unwrap().diff.unwrap().parent, "fb");
     // None left: a diff is refused with the reason, a complete branch still works.
     for gone in ["fb", "b1", "root"] {

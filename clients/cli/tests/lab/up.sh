@@ -68,6 +68,11 @@ else
 fi
 cat "$W/branch" "$W/spawn-mid"
 "$T" snapshots get py-mid
+# The source's wall clock is still right after its pause (and its rebase).
+guest_now=$("$T" sandbox eval "$SRC" 'import time; int(time.time())' 2>&1)
+skew=$(( guest_now - $(date +%s) ))
+if [ "${skew#-}" -le 5 ] 2>/dev/null; then ok branch-source-clock
+else fail branch-source-clock "guest time $guest_now, host $(date +%s)"; fi
 # Without waiting: the answer comes once the source resumes (the snapshot WRITING unless it
 # finished first), and a spawn right after waits for the snapshot, then has its state. The
 # source was rebased onto py-mid, so this second branch is a diff over py-mid.
