@@ -70,8 +70,11 @@ cat "$W/branch" "$W/spawn-mid"
 "$T" snapshots get py-mid
 # The source's wall clock is still right after its pause (and its rebase).
 guest_now=$("$T" sandbox eval "$SRC" 'import time; int(time.time())' 2>&1)
-skew=$(( guest_now - $(date +%s) ))
-if [ "${skew#-}" -le 5 ] 2>/dev/null; then ok branch-source-clock
+case $guest_now in
+  ''|*[!0-9]*) skew=unknown ;;
+  *) skew=$(( guest_now - $(date +%s) )); skew=${skew#-} ;;
+esac
+if [ "$skew" != unknown ] && [ "$skew" -le 5 ]; then ok branch-source-clock
 else fail branch-source-clock "guest time $guest_now, host $(date +%s)"; fi
 # Without waiting: the answer comes once the source resumes (the snapshot WRITING unless it
 # finished first), and a spawn right after waits for the snapshot, then has its state. The
