@@ -316,6 +316,8 @@ fn control_plane_end_to_end_with_the_python_client() {
             "python-example",
             "python-tests",
             "branch-cli",
+            "branch-source-clock",
+            "branch-no-wait",
             "python-branch-demo",
             "executor-metrics",
             "shutdown",

@@ -344,6 +344,16 @@ impl GuestRam {
         Some((base.origin.clone(), runs))
     }
 
+    /// The pages mapped from branches this RAM was rebased onto since its restore: written
+    /// since the restore, though no longer private.
+    pub fn since_restore(&self) -> Vec<PageRun> {
+        let l = self.layers();
+        let first = l.bases.first().map_or(l.overlays.len(), |b| b.layers);
+        l.overlays[first..].iter().fold(Vec::new(), |acc, ov| {
+            crate::snapshot::diff::union(&acc, &ov.runs)
+        })
+    }
+
     /// For a diff over the newest base `is_parent` accepts holding `runs`: whether it holds
     /// every page mapped since that base (only then can this RAM be rebased onto it). None:
     /// no base is its parent.
@@ -360,30 +370,44 @@ impl GuestRam {
         }))
     }
 
-    /// Make `layer` (a diff over this RAM's origin, written from this RAM, whose snapshot is
-    /// `origin`) the origin: its pages that still hold what it holds are mapped from its page
-    /// file instead of private memory, so a later diff holds only what changed since. Pages
-    /// written since it was taken stay private (and go into the next diff). Nothing may write
-    /// guest RAM meanwhile (the guest is paused).
-    pub fn rebase(&self, layer: Overlay, view: &LayerView, origin: Origin) -> Result<Rebased> {
-        let mut done = Rebased::default();
-        let mapped = self.map_unchanged(&layer, view.bytes(), &mut done);
+    /// Rebasing onto `layer` (a diff written from this RAM over one of its bases): map from
+    /// its page file those pages of `pieces` (runs of it, each with its offset in the file)
+    /// that still hold what the layer holds, so a later diff need not hold them. Pages written
+    /// since stay private. Nothing may write guest RAM meanwhile (the guest is paused); a
+    /// rebase is one or more such steps, then [`finish_rebase`](Self::finish_rebase).
+    pub fn rebase_step(
+        &self,
+        layer: &Overlay,
+        view: &LayerView,
+        pieces: &[(PageRun, u64)],
+        done: &mut Rebased,
+    ) -> Result<()> {
+        self.map_unchanged(layer, view.bytes(), pieces, done)
+    }
+
+    /// Record `layer` as mapped (some of its pages may be, whatever happened) and, when every
+    /// step succeeded, its snapshot `origin` as the base later diffs are taken over.
+    pub fn finish_rebase(&self, layer: Overlay, origin: Origin, complete: bool) {
         let mut l = self.layers();
         // Even a mapping that failed halfway left pages mapped from the layer: a diff over an
         // older base must hold them, so the layer is recorded either way.
         l.overlays.push(layer);
-        if mapped.is_ok() {
+        if complete {
             let layers = l.overlays.len();
             l.bases.push(Base { origin, layers });
         }
-        mapped.map(|()| done)
     }
 
-    /// Map from `layer`'s file the pages of its runs whose RAM equals `file_bytes` (the page
+    /// Map from `layer`'s file the pages of `pieces` whose RAM equals `file_bytes` (the page
     /// file's contents), one mapping per stretch of equal pages.
-    fn map_unchanged(&self, layer: &Overlay, file_bytes: &[u8], done: &mut Rebased) -> Result<()> {
-        let mut file_offset = 0u64;
-        for r in &layer.runs {
+    fn map_unchanged(
+        &self,
+        layer: &Overlay,
+        file_bytes: &[u8],
+        pieces: &[(PageRun, u64)],
+        done: &mut Rebased,
+    ) -> Result<()> {
+        for &(r, file_offset) in pieces {
             let ram =
                 self.image_host_ptr(r.offset(), r.len())
                     .ok_or(MemoryError::OverlayOutside {
@@ -416,7 +440,6 @@ impl GuestRam {
                     done.pages_kept += 1;
                 }
             }
-            file_offset += r.len();
         }
         Ok(())
     }

@@ -732,18 +732,30 @@ impl RunningVm {
             dir: dir.to_path_buf(),
             state_sha256: header.state_sha256.clone(),
         };
-        // Read in before the pause, so the pause only compares and maps.
+        // Read in before pausing, so the pauses only compare and map.
         let view = crate::memory::LayerView::open(&layer)?;
-        // Devices too: the VMM's own writes (virtio rings) must not land mid-comparison.
-        let t0 = Instant::now();
-        let done = self
-            .pause()
-            .and_then(|()| self.ram.rebase(layer, &view, to));
-        self.resume();
-        let paused = t0.elapsed();
+        let mut counts = crate::memory::Rebased::default();
+        let (mut paused, mut total) = (Duration::ZERO, Duration::ZERO);
+        let mut done = Ok(());
+        // In steps of at most REBASE_STEP_PAGES, the guest running in between: however
+        // large the branch, no single pause grows past one step's compare and map.
+        for step in rebase_steps(&layer.runs) {
+            let t0 = Instant::now();
+            // Devices too: the VMM's own writes (virtio rings) must not land mid-comparison.
+            done = self
+                .pause()
+                .and_then(|()| self.ram.rebase_step(&layer, &view, &step, &mut counts));
+            self.resume();
+            paused = paused.max(t0.elapsed());
+            total += t0.elapsed();
+            if done.is_err() {
+                break;
+            }
+        }
         drop(view);
-        let counts = done?;
-        tracing::info!(?paused, mapped = counts.pages_mapped, kept = counts.pages_kept, dir = %dir.display(), "rebased onto a branch");
+        self.ram.finish_rebase(layer, to, done.is_ok());
+        done?;
+        tracing::info!(?paused, ?total, mapped = counts.pages_mapped, kept = counts.pages_kept, dir = %dir.display(), "rebased onto a branch");
         Ok(Rebase { paused, counts })
     }
 
@@ -798,9 +810,11 @@ impl RunningVm {
                     ram: &self.ram,
                     written: &private,
                 };
+                // Written since the restore: private, or mapped from a branch since.
+                let since = diff::union(&private, &self.ram.since_restore());
                 (
                     snapfile::write(dir, state, memory)?,
-                    diff::page_count(&private),
+                    diff::page_count(&since),
                 )
             }
             Some((origin, since)) => {
@@ -910,8 +924,58 @@ fn mapping_counts() -> Option<(usize, usize)> {
     Some((now, max.trim().parse().ok()?))
 }
 
+/// Most pages a rebase compares and maps in one pause (8 MiB).
+const REBASE_STEP_PAGES: u64 = 2048;
+
+/// `runs` (packed in this order in their page file) cut into steps of at most
+/// [`REBASE_STEP_PAGES`], each piece with its offset in the page file.
+fn rebase_steps(runs: &[diff::PageRun]) -> Vec<Vec<(diff::PageRun, u64)>> {
+    let mut steps = vec![Vec::new()];
+    let (mut in_step, mut offset) = (0u64, 0u64);
+    for r in runs {
+        let mut left = *r;
+        while left.count > 0 {
+            if in_step == REBASE_STEP_PAGES {
+                steps.push(Vec::new());
+                in_step = 0;
+            }
+            let take = left.count.min(REBASE_STEP_PAGES - in_step);
+            let piece = diff::PageRun {
+                first: left.first,
+                count: take,
+            };
+            steps.last_mut().expect("never empty").push((piece, offset));
+            offset += piece.len();
+            in_step += take;
+            left.first += take;
+            left.count -= take;
+        }
+    }
+    steps.retain(|s| !s.is_empty());
+    steps
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn rebase_steps_cut_runs_and_keep_file_offsets() {
+        use super::{rebase_steps, REBASE_STEP_PAGES as N};
+        use crate::snapshot::diff::PageRun;
+        let r = |first, count| PageRun { first, count };
+        let steps = rebase_steps(&[r(0, 3), r(10, 2 * N), r(100_000, 1)]);
+        assert_eq!(steps.len(), 3);
+        assert_eq!(steps[0], vec![(r(0, 3), 0), (r(10, N - 3), 3 * 4096)]);
+        assert_eq!(steps[1], vec![(r(10 + N - 3, N), N * 4096)]);
+        assert_eq!(
+            steps[2],
+            vec![
+                (r(10 + 2 * N - 3, 3), 2 * N * 4096),
+                (r(100_000, 1), (2 * N + 3) * 4096)
+            ]
+        );
+        assert!(rebase_steps(&[]).is_empty());
+    }
+
     use super::*;
 
     #[test]

@@ -361,6 +361,11 @@ fn live_branches_hold_one_instant_while_the_guest_runs_on() {
     running.stop();
 }
 
+/// Pages of the rebase test's working set (more than one rebase step of 2048).
+const WORKING: u64 = 5000;
+/// A page the rebase test marks, past its working set.
+const MARK: u64 = HOST_WRITE + (WORKING + 100) * 4096;
+
 #[test]
 fn a_source_rebased_onto_its_branch_writes_only_what_changed_since() {
     if !kvm_available() {
@@ -372,7 +377,8 @@ fn a_source_rebased_onto_its_branch_writes_only_what_changed_since() {
     let child = start_child(&root);
     let mem = child.ram().memory();
     // A working set written once (by the VMM, as virtio would), then only A and B change.
-    for k in 0..64u64 {
+    // Larger than one rebase step, so the rebase pauses more than once.
+    for k in 0..WORKING {
         mem.write_obj(k + 1, GuestAddress(HOST_WRITE + k * 4096))
             .unwrap();
     }
@@ -380,14 +386,17 @@ fn a_source_rebased_onto_its_branch_writes_only_what_changed_since() {
     let b1 = tmp.path().join("b1");
     assert_eq!(
         child.branch(&b1, SnapshotKind::Diff).unwrap().pages_written,
-        66
+        WORKING + 2
     );
     let r = child.rebase(&b1).unwrap();
     // The working set is unchanged since b1 and now maps b1's pages; A and B moved on.
-    assert!(r.counts.pages_mapped >= 64, "{r:?}");
-    assert_eq!(r.counts.pages_mapped + r.counts.pages_kept, 66, "{r:?}");
-    mem.write_obj(0xabcd_u64, GuestAddress(HOST_WRITE + 100 * 4096))
-        .unwrap();
+    assert!(r.counts.pages_mapped >= WORKING, "{r:?}");
+    assert_eq!(
+        r.counts.pages_mapped + r.counts.pages_kept,
+        WORKING + 2,
+        "{r:?}"
+    );
+    mem.write_obj(0xabcd_u64, GuestAddress(MARK)).unwrap();
     // The guest counts on: A and B are written after the rebase whatever it mapped.
     counted_past(&child, counters(child.ram()).0 + 1);
     let b2 = tmp.path().join("b2");
@@ -422,12 +431,12 @@ fn a_source_rebased_onto_its_branch_writes_only_what_changed_since() {
     for dir in [&b3, &full, &live] {
         let vm = Vm::restore(dir, opts(&Capture::default())).unwrap();
         let m = vm.ram().memory();
-        for k in 0..64u64 {
+        for k in 0..WORKING {
             let want = if k == 5 { 999 } else { k + 1 };
             let got: u64 = m.read_obj(GuestAddress(HOST_WRITE + k * 4096)).unwrap();
             assert_eq!(got, want, "{}: page {k}", dir.display());
         }
-        let mark: u64 = m.read_obj(GuestAddress(HOST_WRITE + 100 * 4096)).unwrap();
+        let mark: u64 = m.read_obj(GuestAddress(MARK)).unwrap();
         assert_eq!(mark, 0xabcd, "{}", dir.display());
         let c = counters(vm.ram());
         assert_one_instant(c, &dir.display().to_string());
@@ -444,7 +453,7 @@ fn a_source_rebased_onto_its_branch_writes_only_what_changed_since() {
     assert!(f.pages_written >= 4, "{}", f.pages_written);
     let vm = Vm::restore(&fb, opts(&Capture::default())).unwrap();
     let m = vm.ram().memory();
-    let mark: u64 = m.read_obj(GuestAddress(HOST_WRITE + 100 * 4096)).unwrap();
+    let mark: u64 = m.read_obj(GuestAddress(MARK)).unwrap();
     let five: u64 = m.read_obj(GuestAddress(HOST_WRITE + 5 * 4096)).unwrap();
     let six: u64 = m.read_obj(GuestAddress(HOST_WRITE + 6 * 4096)).unwrap();
     assert_eq!((mark, five, six), (0xabcd, 999, 7));
