@@ -304,7 +304,10 @@ fn control_plane_end_to_end_with_the_python_client() {
         Path::new(&venv).join("bin/python").exists(),
         "no Python client venv at {venv}: run clients/python/run_tests.sh (the api test does)"
     );
-    let out = scenario_args(
+    // One L1 CPU: the sandboxes here are branched and rebased (many remappings of guest
+    // memory), under which L1 with two emulated CPUs has hung outright (docs/fork.md).
+    let out = scenario_args_on(
+        1,
         "up.sh",
         "python-numpy",
         &[&venv],
