@@ -127,7 +127,7 @@ impl Drop for LayerView {
     }
 }
 
-/// What [`GuestRam::rebase`] did with a layer's pages.
+/// What a rebase ([`GuestRam::rebase_step`]) did with a layer's pages.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Rebased {
     /// Now mapped from the layer's page file (and shared with its children).
