@@ -218,8 +218,8 @@ async fn executor_api_end_to_end() {
         .unwrap()
         .into_inner();
     assert_eq!(live.branch.unwrap().mode, pb::BranchMode::Live as i32);
-    // The child was rebased onto its first branch: the next one is a diff over that.
-    assert!(info.rebase_pause_us > 0, "{info:?}");
+    // The child was rebased onto its first branch (which may hold no page at all: this
+    // guest idles), so the next one is a diff over that.
     assert_eq!(live.parent_tag, "idle-b1");
     // The unary call answers only with the finished snapshot, so it refuses no_wait ...
     let e = c
