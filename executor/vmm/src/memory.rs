@@ -70,6 +70,13 @@ struct Base {
     layers: usize,
 }
 
+/// Every page `overlays` map, as sorted runs.
+fn pages_of(overlays: &[Overlay]) -> Vec<PageRun> {
+    overlays.iter().fold(Vec::new(), |acc, ov| {
+        crate::snapshot::diff::union(&acc, &ov.runs)
+    })
+}
+
 /// A diff layer's page file mapped read-only, populated when made (before a pause), to
 /// compare guest RAM with.
 pub struct LayerView {
@@ -337,11 +344,7 @@ impl GuestRam {
     pub fn diff_base(&self, usable: impl Fn(&Origin) -> bool) -> Option<(Origin, Vec<PageRun>)> {
         let l = self.layers();
         let base = l.bases.iter().rev().find(|b| usable(&b.origin))?;
-        let mut runs: Vec<PageRun> = Vec::new();
-        for ov in &l.overlays[base.layers..] {
-            runs = crate::snapshot::diff::union(&runs, &ov.runs);
-        }
-        Some((base.origin.clone(), runs))
+        Some((base.origin.clone(), pages_of(&l.overlays[base.layers..])))
     }
 
     /// The pages mapped from branches this RAM was rebased onto since its restore: written
@@ -349,9 +352,7 @@ impl GuestRam {
     pub fn since_restore(&self) -> Vec<PageRun> {
         let l = self.layers();
         let first = l.bases.first().map_or(l.overlays.len(), |b| b.layers);
-        l.overlays[first..].iter().fold(Vec::new(), |acc, ov| {
-            crate::snapshot::diff::union(&acc, &ov.runs)
-        })
+        pages_of(&l.overlays[first..])
     }
 
     /// For a diff over the newest base `is_parent` accepts holding `runs`: whether it holds
