@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tine_vmm::vm::Rebase;
 
 use tine_proto::names::{SandboxId, Tag};
 use tine_vmm::snapshot::file::SnapshotHeader;
@@ -50,16 +51,7 @@ pub struct Branch {
     pub layer: Option<crate::layers::LayerInfo>,
     /// The VM taken onto this branch as its new diff base (None: a full branch, or it could
     /// not be, which the log says).
-    pub rebase: Option<Rebased>,
-}
-
-/// A VM's second, short pause after a diff branch: its pages unchanged since the branch
-/// were mapped from the branch's page file.
-#[derive(Clone, Copy, Debug)]
-pub struct Rebased {
-    pub paused: Duration,
-    pub pages_mapped: u64,
-    pub pages_kept: u64,
+    pub rebase: Option<Rebase>,
 }
 
 /// A branching VM runs again; its snapshot is being written.
@@ -518,7 +510,7 @@ impl Host {
         id: &SandboxId,
         vm_dir: &std::path::Path,
         snapshot: &std::path::Path,
-    ) -> Option<Rebased> {
+    ) -> Option<Rebase> {
         let req = crate::control::Request::Rebase {
             dir: snapshot.to_path_buf(),
         };
@@ -527,10 +519,12 @@ impl Host {
                 paused_us,
                 pages_mapped,
                 pages_kept,
-            }) => Some(Rebased {
+            }) => Some(Rebase {
                 paused: Duration::from_micros(paused_us),
-                pages_mapped,
-                pages_kept,
+                counts: tine_vmm::memory::Rebased {
+                    pages_mapped,
+                    pages_kept,
+                },
             }),
             Ok(other) => {
                 tracing::warn!(%id, "rebase: unexpected answer {other:?}");

@@ -24,7 +24,7 @@ pub use config::{HostConfig, Limits, Owner, Readiness};
 pub use control::BranchKind;
 pub use error::{ErrorKind, HostError};
 pub use fetch::FetchMode;
-pub use host::{Branch, Host, LazyReport, Rebased, Resumed, SpawnOptions, SpawnOutcome, VmInfo};
+pub use host::{Branch, Host, LazyReport, Resumed, SpawnOptions, SpawnOutcome, VmInfo};
 pub use layers::{Collected, Fetched, LayerInfo, StoreConfig, DEFAULT_GC_GRACE};
 pub use parent::{MadeSnapshot, ParentSpec};
 pub use process::{Liveness, ProcessIdentity};

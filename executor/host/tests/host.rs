@@ -791,7 +791,11 @@ fn branching_running_children() {
     assert!(b.paused <= b.took);
     // The source is now a diff over its branch: its next branch holds only what changes.
     let r = b.rebase.expect("rebased onto b1");
-    assert_eq!(r.pages_mapped + r.pages_kept, b.pages_written, "{r:?}");
+    assert_eq!(
+        r.counts.pages_mapped + r.counts.pages_kept,
+        b.pages_written,
+        "{r:?}"
+    );
     // The source carries on.
     let n = counts_of(&host, &c1, 0).len();
     counts_of(&host, &c1, n + 5);
