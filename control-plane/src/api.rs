@@ -528,6 +528,9 @@ impl Api {
         validate::name("tag", &r.tag)?;
         validate::spawn_count(r.count)?;
         validate::ready_timeout_ms(r.ready_timeout_ms)?;
+        if let Some(n) = &r.network {
+            validate::network(n)?;
+        }
         let placement = r.placement.clone().unwrap_or_default();
         for id in &placement.executors {
             validate::name("placement.executors", id)?;
@@ -636,6 +639,7 @@ impl Api {
                 resources: r.resources,
                 ready_timeout_ms: timeout,
                 head_digest: head_digest.clone().unwrap_or_default(),
+                network: r.network.clone(),
             };
             // The executor call continues this request's trace.
             let span = tracing::Span::current();

@@ -458,6 +458,7 @@ async fn spawn_all(
             }),
             ready_timeout_ms: 0,
             no_wait: false,
+            network: None,
         })
         .await
         .unwrap()
@@ -1006,6 +1007,20 @@ fn branch_req(id: &str, tag: &str, mode: pb::BranchMode, no_wait: bool) -> pb::B
     }
 }
 
+fn with_network(
+    mut r: pb::SpawnRequest,
+    allow: &[&str],
+    deny: &[&str],
+    internet: i32,
+) -> pb::SpawnRequest {
+    r.network = Some(pb::Network {
+        internet,
+        allow: allow.iter().map(|s| s.to_string()).collect(),
+        deny: deny.iter().map(|s| s.to_string()).collect(),
+    });
+    r
+}
+
 fn spawn_one(tag: &str, no_wait: bool) -> pb::SpawnRequest {
     pb::SpawnRequest {
         tag: tag.into(),
@@ -1204,6 +1219,18 @@ async fn auth_rejections_and_bad_input_are_audited_and_write_nothing() {
         (spawn("a/b", 1), Code::InvalidArgument),
         (spawn("..", 1), Code::InvalidArgument),
         (spawn("../../etc", 1), Code::InvalidArgument),
+        (
+            with_network(spawn("py", 1), &["10.0.0.1/24"], &[], 0),
+            Code::InvalidArgument,
+        ),
+        (
+            with_network(spawn("py", 1), &[], &["10.0.0.0/8; flush ruleset"], 0),
+            Code::InvalidArgument,
+        ),
+        (
+            with_network(spawn("py", 1), &[], &[], 7),
+            Code::InvalidArgument,
+        ),
     ] {
         let e = sb.spawn(req.clone()).await.unwrap_err();
         assert_eq!(e.code(), code, "{req:?}: {}", e.message());

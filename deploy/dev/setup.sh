@@ -12,6 +12,8 @@ APT_PACKAGES=(
   libclang-dev      # bindgen for userfaultfd-sys
   xz-utils zstd lz4
   python3-venv
+  iproute2 nftables # child networks: namespaces, veth, tap, rules
+  iperf3            # the network benchmark
 )
 
 missing=()

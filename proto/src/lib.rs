@@ -4,6 +4,7 @@
 
 pub mod limits;
 pub mod names;
+pub mod net;
 
 /// `tine.store.v1`: the on-disk/on-wire formats of the snapshot store.
 pub mod store {

@@ -53,6 +53,32 @@ pub fn ready_timeout_ms(ms: u32) -> Result<(), Status> {
     Ok(())
 }
 
+/// A spawn's network request, checked: `internet` None means the executor's default.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetworkRequest {
+    pub internet: Option<bool>,
+    pub allow: Vec<tine_proto::net::Target>,
+    pub deny: Vec<tine_proto::net::Target>,
+}
+
+pub fn network(n: &tine_proto::v1::Network) -> Result<NetworkRequest, Status> {
+    use tine_proto::v1::Internet;
+    let internet = match Internet::try_from(n.internet) {
+        Ok(Internet::Default) => None,
+        Ok(Internet::Allow) => Some(true),
+        Ok(Internet::Deny) => Some(false),
+        Err(_) => return Err(invalid("network.internet", "unknown value")),
+    };
+    let list = |field, l: &[String]| {
+        tine_proto::net::parse_list(field, l).map_err(Status::invalid_argument)
+    };
+    Ok(NetworkRequest {
+        internet,
+        allow: list("network.allow", &n.allow)?,
+        deny: list("network.deny", &n.deny)?,
+    })
+}
+
 /// An absolute guest path (the agent enforces the guest root on top of this).
 pub fn guest_path(field: &str, p: &str) -> Result<(), Status> {
     if p.is_empty() || !p.starts_with('/') {

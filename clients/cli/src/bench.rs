@@ -341,6 +341,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         readiness: None,
         layer: None,
         fetch: None,
+        network: None,
     };
     for &n in &b.counts {
         let t0 = Instant::now();

@@ -131,6 +131,7 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
         readiness: None,
         layer: None,
         fetch: None,
+        network: None,
     };
     let t0 = Instant::now();
     let results = std::sync::Mutex::new((Vec::new(), 0usize));

@@ -2,9 +2,11 @@
 //! directory, the image cache, and the [`HostConfig`] every local VM command uses. Nothing
 //! below this module reads these variables.
 
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
 
 use anyhow::Result;
+use tine_host::network::{NetConfig, Policy, Target};
 use tine_host::{Host, HostConfig, Limits, Owner, Readiness};
 use tine_proto::names::ExecutorId;
 
@@ -31,6 +33,8 @@ pub fn host_config(owner: Owner, limits: Limits, readiness: Readiness) -> Result
         readiness,
         limits,
         store: None,
+        // Child networks are an executor's (`tine up`, `tine executor`).
+        network: None,
     })
 }
 
@@ -49,6 +53,7 @@ pub fn executor_host(
     max_vms: u32,
     pool_size: usize,
     store: Option<StoreChoice>,
+    network: Option<NetConfig>,
 ) -> Result<HostConfig> {
     let store = store.map(|s| tine_host::StoreConfig {
         url: s.url,
@@ -69,7 +74,102 @@ pub fn executor_host(
             pool_size,
             ..Limits::default()
         },
+        network,
     })
+}
+
+/// An executor's child-network flags (`tine up`, `tine executor`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct NetArgs {
+    /// No child networks: parents boot without a network interface, children get none.
+    #[arg(long)]
+    pub no_network: bool,
+    /// Internet access of spawns that do not say: allow or deny (`tine up`: allow;
+    /// `tine executor`: deny).
+    #[arg(long, value_parser = ["allow", "deny"])]
+    pub net_internet: Option<String>,
+    /// Never reachable from any child, whatever its spawn asks: CIDR (repeatable). The
+    /// control plane's address is added when it is an IPv4 address.
+    #[arg(long = "net-deny")]
+    pub net_deny: Vec<String>,
+    /// A resolver guests are told at boot (repeatable; default: the host's own nameservers
+    /// unless they are loopback addresses).
+    #[arg(long = "net-dns")]
+    pub net_dns: Vec<Ipv4Addr>,
+    /// The links to children's namespaces are /30s cut from this network.
+    #[arg(long, default_value = "10.200.0.0/16")]
+    pub net_links: String,
+    /// Child networks kept prepared.
+    #[arg(long, default_value_t = 4)]
+    pub net_pool: usize,
+    /// Do not rewrite children's traffic to this host's address on its way out (only when
+    /// the link network is routed to this host).
+    #[arg(long)]
+    pub net_no_masquerade: bool,
+}
+
+impl NetArgs {
+    /// The child-network configuration, `internet` being this command's default.
+    pub fn config(&self, internet: bool, control_plane: Option<&str>) -> Result<Option<NetConfig>> {
+        if self.no_network {
+            return Ok(None);
+        }
+        let parse = |field: &str, v: &str| -> Result<Target> {
+            v.parse::<Target>()
+                .map_err(|e| anyhow::anyhow!("--{field}: {e}"))
+        };
+        let mut deny = self
+            .net_deny
+            .iter()
+            .map(|d| parse("net-deny", d))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(ip) = control_plane.and_then(control_plane_ipv4) {
+            deny.push(Target {
+                addr: ip,
+                prefix: 32,
+                port: None,
+            });
+        }
+        let dns = if self.net_dns.is_empty() {
+            host_nameservers()
+        } else {
+            self.net_dns.clone()
+        };
+        Ok(Some(NetConfig {
+            default_policy: Policy {
+                internet: match self.net_internet.as_deref() {
+                    Some(v) => v == "allow",
+                    None => internet,
+                },
+                ..Policy::default()
+            },
+            deny,
+            dns,
+            links: parse("net-links", &self.net_links)?,
+            pool: self.net_pool,
+            masquerade: !self.net_no_masquerade,
+        }))
+    }
+}
+
+/// The IPv4 address in a control plane URL (`http://10.0.0.5:7070`), if it is one and not
+/// loopback (loopback is out of every child's reach anyway).
+fn control_plane_ipv4(url: &str) -> Option<Ipv4Addr> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let host = rest.split(['/', ':']).next()?;
+    host.parse::<Ipv4Addr>().ok().filter(|a| !a.is_loopback())
+}
+
+/// The host's resolvers from /etc/resolv.conf, without loopback ones (a guest cannot reach
+/// the host's own stub resolver).
+fn host_nameservers() -> Vec<Ipv4Addr> {
+    std::fs::read_to_string("/etc/resolv.conf")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|a| a.trim().parse::<Ipv4Addr>().ok())
+        .filter(|a| !a.is_loopback())
+        .collect()
 }
 
 /// The host as the CLI's own commands (`tine snapshot/fork/ls/kill`, benches) see it.

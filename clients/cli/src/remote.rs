@@ -119,6 +119,15 @@ pub enum SandboxCommand {
         /// --no-wait) instead of waiting for it.
         #[arg(long)]
         no_wait: bool,
+        /// Internet access for these children: allow or deny (default: the executor's).
+        #[arg(long, value_parser = ["allow", "deny"])]
+        internet: Option<String>,
+        /// Reachable even with the internet denied: CIDR[:port] (repeatable).
+        #[arg(long = "allow")]
+        allow: Vec<String>,
+        /// Never reachable: CIDR[:port] (repeatable; wins over --allow).
+        #[arg(long = "deny")]
+        deny: Vec<String>,
         #[arg(long)]
         json: bool,
     },
@@ -190,8 +199,21 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                 executors,
                 ready_timeout_ms,
                 no_wait,
+                internet,
+                allow,
+                deny,
                 json,
             } => {
+                let network = (internet.is_some() || !allow.is_empty() || !deny.is_empty())
+                    .then_some(pb::Network {
+                        internet: match internet.as_deref() {
+                            Some("allow") => pb::Internet::Allow as i32,
+                            Some(_) => pb::Internet::Deny as i32,
+                            None => pb::Internet::Default as i32,
+                        },
+                        allow,
+                        deny,
+                    });
                 let policy = match policy.as_str() {
                     "spread" => pb::PlacementPolicy::Spread,
                     "pack" => pb::PlacementPolicy::Pack,
@@ -209,6 +231,7 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                         }),
                         ready_timeout_ms,
                         no_wait,
+                        network,
                     })
                     .await
                     .map_err(status_err)?

@@ -40,6 +40,7 @@ pub fn run(a: RestoreArgs) -> Result<i32> {
         RestoreOptions {
             console: open_console(a.console.as_deref())?,
             vsock_uds: a.vsock,
+            tap: None,
         },
         tine_vmm::VmOptions {
             ioeventfd: !a.no_ioeventfd,

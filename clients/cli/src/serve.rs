@@ -91,6 +91,22 @@ pub struct UpArgs {
     /// Start even though /dev/kvm is PVM (VM calls will fail).
     #[arg(long)]
     allow_pvm: bool,
+    #[command(flatten)]
+    net: local::NetArgs,
+}
+
+/// The executor's child networks: none where it cannot run VMs (a PVM host), so nothing is
+/// set up on a machine that will never use it.
+fn child_networks(
+    net: &local::NetArgs,
+    refusal: &Option<String>,
+    internet: bool,
+    control_plane: Option<&str>,
+) -> Result<Option<tine_host::network::NetConfig>> {
+    if refusal.is_some() {
+        return Ok(None);
+    }
+    net.config(internet, control_plane)
 }
 
 pub fn up(a: UpArgs) -> Result<i32> {
@@ -144,6 +160,8 @@ pub fn up(a: UpArgs) -> Result<i32> {
                     cache_max_bytes: None,
                     gc_grace: tine_host::DEFAULT_GC_GRACE,
                 }),
+                // One user's machine: children reach the internet unless told otherwise.
+                child_networks(&a.net, &pvm_refusal(a.allow_pvm), true, None)?,
             )?,
             metrics_listen: Some(a.executor_metrics_listen),
             allow_plaintext_remote: false,
@@ -326,6 +344,8 @@ pub struct ExecutorArgs {
     allow_plaintext_remote: bool,
     #[arg(long)]
     allow_pvm: bool,
+    #[command(flatten)]
+    net: local::NetArgs,
 }
 
 pub fn executor(a: ExecutorArgs) -> Result<i32> {
@@ -370,6 +390,13 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
                     cache_max_bytes: a.layer_cache_max.0,
                     gc_grace: std::time::Duration::from_secs(a.gc_grace_secs),
                 }),
+                // Several tenants: no internet unless the operator or a spawn allows it.
+                child_networks(
+                    &a.net,
+                    &pvm_refusal(a.allow_pvm),
+                    false,
+                    a.control_plane.as_deref(),
+                )?,
             )?,
             metrics_listen: Some(a.metrics_listen),
             allow_plaintext_remote: a.allow_plaintext_remote,

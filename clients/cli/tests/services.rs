@@ -160,6 +160,7 @@ async fn executor(
                 cache_max_bytes: None,
                 gc_grace: tine_host::DEFAULT_GC_GRACE,
             }),
+            network: None,
         },
         metrics_listen: None,
         allow_plaintext_remote: false,

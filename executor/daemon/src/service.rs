@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use futures::Stream;
 use tine_agent::client::{AgentErrorCode, ClientError, ExecOptions};
+use tine_host::network::Policy;
 use tine_host::ready::agent;
 use tine_host::{BranchKind, ErrorKind, Host, HostError, LayerInfo, ParentSpec, SpawnOptions};
 use tine_proto::executor::v1 as xpb;
@@ -144,6 +145,20 @@ impl State {
             Some(why) => Err(Status::failed_precondition(why.clone())),
             None => Ok(()),
         }
+    }
+
+    /// A spawn's network request as a policy over this executor's default.
+    fn policy(&self, n: validate::NetworkRequest) -> Result<Policy, Status> {
+        let net = self.host.network().ok_or_else(|| {
+            Status::failed_precondition(
+                "network: this executor runs without child networks (started with --no-network)",
+            )
+        })?;
+        Ok(Policy {
+            internet: n.internet.unwrap_or(net.config().default_policy.internet),
+            allow: n.allow,
+            deny: n.deny,
+        })
     }
 
     /// Reap children whose VMM exited, count them, and refresh the gauges.
@@ -427,19 +442,26 @@ impl Executor for ExecutorService {
                     .map_err(|e| Status::invalid_argument(format!("head_digest: {e}")))?,
             )
         };
+        let network = match &r.network {
+            Some(n) => Some(self.state.policy(validate::network(n)?)?),
+            None => None,
+        };
         let opts = SpawnOptions {
             ready_timeout: (r.ready_timeout_ms != 0)
                 .then(|| Duration::from_millis(r.ready_timeout_ms as u64)),
             layer,
+            network: network.clone(),
             ..SpawnOptions::default()
         };
         // A missing, unfetchable or broken snapshot fails the call, not each child; a host
         // without it fetches it here (or, lazily, what the first child needs), once.
         let (st, t) = (self.state.clone(), tag.clone());
-        tokio::task::spawn_blocking(move || st.host.prepare_spawn(&t, layer.as_ref()))
-            .await
-            .map_err(internal)?
-            .map_err(|e| host_status(&e))?;
+        tokio::task::spawn_blocking(move || {
+            st.host.prepare_spawn(&t, layer.as_ref(), network.as_ref())
+        })
+        .await
+        .map_err(internal)?
+        .map_err(|e| host_status(&e))?;
         let (tx, rx) = mpsc::channel(ids.len() + 1);
         let st = self.state.clone();
         let span = tracing::Span::current();

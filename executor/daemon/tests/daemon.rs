@@ -47,6 +47,7 @@ async fn start(data: &Path, token: &str, max_vms: u32) -> RunningExecutor {
                 ..Limits::default()
             },
             store: None,
+            network: None,
         },
         metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
         allow_plaintext_remote: false,
@@ -72,6 +73,7 @@ fn spawn_request(tag: &str, ids: &[&str]) -> xpb::SpawnRequest {
         resources: None,
         ready_timeout_ms: 0,
         head_digest: String::new(),
+        network: None,
     }
 }
 

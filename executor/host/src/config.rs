@@ -99,6 +99,9 @@ pub struct HostConfig {
     pub limits: Limits,
     /// The cluster's store and this host's layer cache (None: snapshots stay on this host).
     pub store: Option<crate::layers::StoreConfig>,
+    /// Children's networks (None: parents boot without a network interface and children
+    /// get none).
+    pub network: Option<crate::network::NetConfig>,
 }
 
 impl HostConfig {

@@ -89,6 +89,10 @@ pub enum HostError {
         store: String,
         reason: String,
     },
+    #[error("network: {what}: {reason}")]
+    Network { what: String, reason: String },
+    #[error("network: {0}")]
+    NetworkRefused(String),
     #[error("another process owns {dir}: {why}")]
     Locked { dir: PathBuf, why: String },
     #[error("{context}: {source}")]
@@ -125,7 +129,9 @@ impl HostError {
             | WarmupFailed { .. }
             | WarmupCall { .. }
             | Branch { .. }
-            | HasDescendants { .. } => ErrorKind::Precondition,
+            | HasDescendants { .. }
+            | NetworkRefused(_) => ErrorKind::Precondition,
+            Network { .. } => ErrorKind::Internal,
             Worker { .. } | Io { .. } | Vmm(_) | Store { .. } => ErrorKind::Internal,
             Fetch { .. } => ErrorKind::Unavailable,
             Cancelled(_) => ErrorKind::Cancelled,
@@ -159,6 +165,7 @@ impl HostError {
             HasDescendants { .. } => "has_descendants",
             Cancelled(_) => "cancelled",
             Fetch { .. } => "fetch",
+            Network { .. } | NetworkRefused(_) => "network",
             Io { .. } => "io",
             Vmm(_) => "vmm",
         }

@@ -17,7 +17,8 @@ use crate::error::{HostError, Result};
 use crate::fetch::{FetchMode, Fetcher, Source};
 use crate::layers::{Fetched, Layers};
 use crate::lazy::{ChildPages, FileImage, Pages};
-use crate::parent::{boot_and_snapshot, MadeSnapshot, ParentSpec};
+use crate::network::{Network, Policy};
+use crate::parent::{boot_and_snapshot, MadeSnapshot, ParentNet, ParentSpec};
 use crate::process::{Liveness, ProcessIdentity};
 use crate::ready::{make_ready, vmm_log, SpawnPhases};
 use crate::records::{self, now_ms, VmRecord};
@@ -95,6 +96,22 @@ pub struct SpawnOptions {
     pub layer: Option<tine_snapshot_store::Digest>,
     /// How to restore when the snapshot is only in the store (None: the host's mode).
     pub fetch: Option<FetchMode>,
+    /// The children's egress policy (None: the host's default). Refused on a host without
+    /// networking or for a snapshot whose guest has no network interface.
+    pub network: Option<Policy>,
+}
+
+/// What every child of one spawn call is made from.
+#[derive(Clone, Copy)]
+struct ChildPlan<'a> {
+    tag: &'a Tag,
+    snapshot: &'a std::path::Path,
+    readiness: Readiness,
+    timeout: Duration,
+    /// Pages served by this host (a lazy restore).
+    lazy: Option<&'a Arc<dyn Pages>>,
+    /// Its network's policy (None: no network).
+    policy: Option<&'a Policy>,
 }
 
 /// How one child of a spawn ended.
@@ -137,6 +154,8 @@ pub struct Host {
     vms: Mutex<Vms>,
     /// The cluster's store and this host's layer cache.
     fetcher: Option<Arc<Fetcher>>,
+    /// Children's networks (None: no network interfaces).
+    network: Option<Arc<Network>>,
     /// Held while an executor daemon owns this data directory.
     _lock: Option<OwnedFd>,
 }
@@ -160,6 +179,15 @@ impl Host {
             f.sweep();
         }
         host.adopt_survivors();
+        if let Some(net) = &host.network {
+            let keep = host
+                .vms()
+                .live
+                .values()
+                .filter_map(|l| l.record.net.clone())
+                .collect();
+            net.sweep(&keep);
+        }
         Ok(host)
     }
 
@@ -183,11 +211,16 @@ impl Host {
             ))),
             None => None,
         };
+        let network = match &cfg.network {
+            Some(n) => Some(Network::open(n.clone(), &cfg.data_dir)?),
+            None => None,
+        };
         Ok(Host {
             cfg,
             pool,
             vms: Mutex::new(Vms::default()),
             fetcher,
+            network,
             _lock: lock,
         })
     }
@@ -196,9 +229,26 @@ impl Host {
         &self.cfg
     }
 
-    /// Start the pool's workers now (the daemon, at start-up).
+    /// Start the pool's workers now, and prepare its child networks in the background (the
+    /// daemon, at start-up).
     pub fn fill_pool(&self) {
         self.pool.refill();
+        if let Some(net) = self.network.clone() {
+            std::thread::spawn(move || net.fill());
+        }
+    }
+
+    /// The host's child networks, if it has them.
+    pub fn network(&self) -> Option<&Arc<Network>> {
+        self.network.as_ref()
+    }
+
+    /// Remove a VM's directory and its network.
+    fn discard(&self, record: &VmRecord) {
+        let _ = std::fs::remove_dir_all(&record.dir);
+        if let Some(ns) = &record.net {
+            crate::network::remove_recorded(&self.cfg.data_dir.join("net"), ns);
+        }
     }
 
     /// Start `n` idle workers now, before a clock starts (a one-shot fork).
@@ -260,8 +310,38 @@ impl Host {
         let timeout = spec
             .ready_timeout
             .unwrap_or(self.cfg.limits.parent_ready_timeout);
-        let made = boot_and_snapshot(spec, &self.cfg.image_cache, &work, &staging, timeout);
+        // The parent gets a network like a child's (the default policy): its warm-up can
+        // install packages, and its snapshot has the interface its children will use.
+        let mut lease = None;
+        let net = match &self.network {
+            Some(n) => {
+                let l = n.take(&n.config().default_policy);
+                let opened = l.and_then(|l| {
+                    let tap = crate::network::open_tap_in(&l.path());
+                    lease = Some(l);
+                    tap
+                });
+                match opened {
+                    Ok(tap) => Some(ParentNet {
+                        tap,
+                        cmdline: n.config().guest_cmdline(),
+                    }),
+                    Err(e) => {
+                        let _ = std::fs::remove_dir_all(&work);
+                        if let Some(l) = lease {
+                            n.release(l);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            None => None,
+        };
+        let made = boot_and_snapshot(spec, &self.cfg.image_cache, &work, &staging, timeout, net);
         let _ = std::fs::remove_dir_all(&work);
+        if let (Some(n), Some(l)) = (&self.network, lease) {
+            n.release(l);
+        }
         let mut made = match made {
             Ok(m) => m,
             Err(e) => {
@@ -689,6 +769,7 @@ impl Host {
             None => self.snapshot_dir(tag),
         };
         let pages: Option<Arc<dyn Pages>> = lazy.clone().map(|i| i as Arc<dyn Pages>);
+        let policy = self.spawn_policy(tag, &snapshot, opts.network.as_ref())?;
         let timeout = opts.ready_timeout.unwrap_or(self.cfg.limits.ready_timeout);
         let readiness = opts.readiness.unwrap_or(self.cfg.readiness);
         // Accepted now, so a kill that arrives while a child waits its turn cancels it.
@@ -729,7 +810,17 @@ impl Host {
                             lazy: None,
                         }
                     } else {
-                        self.spawn_one(tag, &snapshot, id, readiness, timeout, pages.as_ref())
+                        self.spawn_one(
+                            &ChildPlan {
+                                tag,
+                                snapshot: &snapshot,
+                                readiness,
+                                timeout,
+                                lazy: pages.as_ref(),
+                                policy: policy.as_ref(),
+                            },
+                            id,
+                        )
                     });
                 });
             }
@@ -741,20 +832,54 @@ impl Host {
         Ok(())
     }
 
+    /// The policy children of the snapshot in `dir` get: `asked`, or the host's default;
+    /// None when they get no network (the host has none, or the guest no interface).
+    fn spawn_policy(
+        &self,
+        tag: &Tag,
+        dir: &std::path::Path,
+        asked: Option<&Policy>,
+    ) -> Result<Option<Policy>> {
+        let has_interface = tine_vmm::snapshot::file::load_header(dir)
+            .map_err(|source| HostError::BadSnapshot {
+                tag: tag.clone(),
+                source,
+            })?
+            .network;
+        match (&self.network, has_interface, asked) {
+            (Some(net), true, asked) => {
+                Ok(Some(asked.unwrap_or(&net.config().default_policy).clone()))
+            }
+            (None, _, Some(_)) => Err(HostError::NetworkRefused(
+                "this executor runs without child networks (start it with networking on)".into(),
+            )),
+            (Some(_), false, Some(_)) => Err(HostError::NetworkRefused(format!(
+                "snapshot {tag} was made without a network interface: make it again on a host \
+                 with networking to give its children one"
+            ))),
+            _ => Ok(None),
+        }
+    }
+
     /// Check that children of `tag` (head `layer`) can be spawned here, fetching what this
     /// host's mode fetches up front (eager: the image; lazy: the manifests and VM state), so a
     /// missing, unfetchable or broken snapshot fails a whole spawn call before any child.
+    /// Children asking for `network` are checked too (a host without networking, or a
+    /// snapshot without an interface, refuses them here).
     pub fn prepare_spawn(
         &self,
         tag: &Tag,
         layer: Option<&tine_snapshot_store::Digest>,
+        network: Option<&Policy>,
     ) -> Result<()> {
         if let (Some(head), Some(f)) = (layer, &self.fetcher) {
-            if let Source::Lazy(_) = f.source(tag, head, None)? {
-                return Ok(());
+            if let Source::Lazy(img) = f.source(tag, head, None)? {
+                return self.spawn_policy(tag, &img.dir, network).map(drop);
             }
         }
-        self.snapshot_header(tag).map(|_| ())
+        self.snapshot_header(tag)?;
+        self.spawn_policy(tag, &self.snapshot_dir(tag), network)
+            .map(drop)
     }
 
     /// Restore one child of the snapshot in `dir` with its pages served from the image there,
@@ -773,12 +898,15 @@ impl Host {
         let id = SandboxId::random("ws");
         self.vms().pending.insert(id.clone(), false);
         let out = self.spawn_one(
-            tag,
-            dir,
+            &ChildPlan {
+                tag,
+                snapshot: dir,
+                readiness: self.cfg.readiness,
+                timeout: self.cfg.limits.ready_timeout,
+                lazy: Some(&pages),
+                policy: None,
+            },
             id.clone(),
-            self.cfg.readiness,
-            self.cfg.limits.ready_timeout,
-            Some(&pages),
         );
         let _ = self.kill(&id);
         match out.result {
@@ -834,15 +962,15 @@ impl Host {
         Ok(())
     }
 
-    fn spawn_one(
-        &self,
-        tag: &Tag,
-        snapshot: &std::path::Path,
-        id: SandboxId,
-        readiness: Readiness,
-        timeout: Duration,
-        lazy: Option<&Arc<dyn Pages>>,
-    ) -> SpawnOutcome {
+    fn spawn_one(&self, plan: &ChildPlan<'_>, id: SandboxId) -> SpawnOutcome {
+        let ChildPlan {
+            tag,
+            snapshot,
+            readiness,
+            timeout,
+            lazy,
+            policy,
+        } = *plan;
         let t = Instant::now();
         let span = tracing::info_span!("spawn.child", id = %id, tag = %tag);
         let _in = span.enter();
@@ -859,7 +987,7 @@ impl Host {
             Some(_) => JobMemory::Lazy,
             None => JobMemory::Image,
         };
-        let handed = self.hand_off(tag, snapshot, &id, memory);
+        let handed = self.hand_off(tag, snapshot, &id, memory, policy);
         let (pid, restored_pipe, process) = match handed {
             Ok(x) => x,
             Err(e) => return fail(id, None, e),
@@ -937,9 +1065,10 @@ impl Host {
         snapshot: &std::path::Path,
         id: &SandboxId,
         memory: JobMemory,
+        policy: Option<&Policy>,
     ) -> Result<(u32, std::fs::File, ProcessIdentity)> {
         let _s = tracing::info_span!("spawn.handoff").entered();
-        let started = self.start_worker(tag, snapshot, id, memory);
+        let started = self.start_worker(tag, snapshot, id, memory, policy);
         let mut vms = self.vms();
         vms.starting -= 1;
         let cancelled = vms.pending.remove(id) == Some(true);
@@ -948,7 +1077,7 @@ impl Host {
             drop(vms);
             let _ = child.kill();
             let _ = child.wait();
-            let _ = std::fs::remove_dir_all(&record.dir);
+            self.discard(&record);
             return Err(HostError::Cancelled(id.clone()));
         }
         let (pid, process) = (record.process.pid, record.process.clone());
@@ -971,6 +1100,7 @@ impl Host {
         snapshot: &std::path::Path,
         id: &SandboxId,
         memory: JobMemory,
+        policy: Option<&Policy>,
     ) -> Result<(VmRecord, Child, std::fs::File)> {
         let dir = self.cfg.vms_dir().join(id.as_str());
         match std::fs::create_dir(&dir) {
@@ -980,7 +1110,12 @@ impl Host {
             }
             Err(e) => return Err(HostError::io(format!("creating {}", dir.display()))(e)),
         }
+        let mut lease = None;
         let started = (|| {
+            if let (Some(net), Some(policy)) = (&self.network, policy) {
+                let _s = tracing::info_span!("spawn.network").entered();
+                lease = Some(net.take(policy)?);
+            }
             // Dropping the worker on any error below kills and reaps it.
             let worker = self.pool.take()?;
             let pid = worker.pid();
@@ -994,6 +1129,7 @@ impl Host {
                 ready: false,
                 pages_from_host: memory == JobMemory::Lazy,
                 dir: dir.clone(),
+                net: lease.as_ref().map(|l| l.name()),
             };
             // Recorded before the job is handed over: a daemon that dies now still knows it.
             record.write()?;
@@ -1001,11 +1137,15 @@ impl Host {
                 snapshot: snapshot.to_path_buf(),
                 dir: dir.clone(),
                 memory,
+                netns: lease.as_ref().map(|l| l.path()),
             })?;
             Ok((record, child, restored))
         })();
         if started.is_err() {
             let _ = std::fs::remove_dir_all(&dir);
+            if let (Some(net), Some(l)) = (&self.network, lease) {
+                net.release(l);
+            }
         }
         started
     }
@@ -1095,7 +1235,7 @@ impl Host {
                 }
             }
         }
-        let _ = std::fs::remove_dir_all(&l.record.dir);
+        self.discard(&l.record);
         tracing::debug!(%id, "VM killed");
         Ok(true)
     }
@@ -1122,7 +1262,10 @@ impl Host {
                 .kill()
                 .map_err(HostError::io(format!("killing VM {id}")))?;
         }
-        std::fs::remove_dir_all(&dir).map_err(HostError::io(format!("removing {}", dir.display())))
+        std::fs::remove_dir_all(&dir)
+            .map_err(HostError::io(format!("removing {}", dir.display())))?;
+        self.discard(&record);
+        Ok(())
     }
 
     /// Kill every VM this host runs (and cancel children not started yet).
@@ -1153,17 +1296,17 @@ impl Host {
             };
             match exited {
                 Some(how) => {
-                    gone.push((id.clone(), l.record.dir.clone(), how));
+                    gone.push((id.clone(), l.record.clone(), how));
                     false
                 }
                 None => true,
             }
         });
         gone.into_iter()
-            .map(|(id, dir, how)| {
-                let tail = vmm_log(&dir);
+            .map(|(id, record, how)| {
+                let tail = vmm_log(&record.dir);
                 tracing::warn!(%id, %how, vmm_log = %tail, "VMM exited");
-                let _ = std::fs::remove_dir_all(&dir);
+                self.discard(&record);
                 (id, format!("{how}: {tail}"))
             })
             .collect()
@@ -1187,7 +1330,7 @@ impl Host {
                     // Its pages came from the daemon that died: untouched ones can never arrive.
                     tracing::warn!(id = %record.id, "killing a lazily restored VM whose page server is gone");
                     let _ = record.process.kill();
-                    let _ = std::fs::remove_dir_all(&record.dir);
+                    self.discard(&record);
                 }
                 (true, true) => {
                     tracing::info!(id = %record.id, pid = record.process.pid, "re-adopting a running VM");
@@ -1203,11 +1346,11 @@ impl Host {
                 (true, false) => {
                     tracing::warn!(id = %record.id, "killing a VM that was never made ready");
                     let _ = record.process.kill();
-                    let _ = std::fs::remove_dir_all(&record.dir);
+                    self.discard(&record);
                 }
                 (false, _) => {
                     tracing::info!(id = %record.id, "clearing the record of a VM that is gone");
-                    let _ = std::fs::remove_dir_all(&record.dir);
+                    self.discard(&record);
                 }
             }
         }
@@ -1247,6 +1390,15 @@ impl Host {
             &[".partial-", "..partial-", ".fetch-", ".replaced-"],
         );
         sweep(self.cfg.vms_dir(), &["parent-"]);
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        // Prepared namespaces nobody will use; the children's stay with them (re-adopted).
+        if let Some(net) = &self.network {
+            net.drain_pool();
+        }
     }
 }
 

@@ -12,6 +12,7 @@ pub mod handoff;
 mod host;
 pub mod layers;
 pub mod lazy;
+pub mod network;
 pub mod parent;
 pub mod process;
 pub mod ready;

@@ -41,6 +41,13 @@ pub struct MadeSnapshot {
     pub layer: Option<crate::layers::LayerInfo>,
 }
 
+/// The parent's network interface: the tap behind it and the kernel command line words that
+/// configure the guest's side.
+pub(crate) struct ParentNet {
+    pub tap: tine_vmm::devices::virtio::net::Tap,
+    pub cmdline: String,
+}
+
 /// Boot `spec.image` in `work` (a fresh directory) and snapshot it into `dir`.
 pub(crate) fn boot_and_snapshot(
     spec: &ParentSpec,
@@ -48,6 +55,7 @@ pub(crate) fn boot_and_snapshot(
     work: &Path,
     dir: &Path,
     ready_timeout: Duration,
+    net: Option<ParentNet>,
 ) -> Result<MadeSnapshot> {
     let image =
         tine_image::load_image_in(image_cache, &spec.image).map_err(|e| HostError::Image {
@@ -67,11 +75,17 @@ pub(crate) fn boot_and_snapshot(
         })?,
     )?;
     vm.add_vsock(3, &sock)?;
-    let cmdline = if image.cmdline_append.is_empty() {
-        DEFAULT_CMDLINE.to_string()
-    } else {
-        format!("{DEFAULT_CMDLINE} {}", image.cmdline_append)
-    };
+    let mut cmdline = DEFAULT_CMDLINE.to_string();
+    if let Some(net) = net {
+        // After vsock: the device order is part of every snapshot of this parent.
+        vm.add_net(crate::network::GUEST_MAC, Some(net.tap))?;
+        cmdline.push(' ');
+        cmdline.push_str(&net.cmdline);
+    }
+    if !image.cmdline_append.is_empty() {
+        cmdline.push(' ');
+        cmdline.push_str(&image.cmdline_append);
+    }
     vm.load_linux(&LinuxBoot {
         kernel: image.kernel_path(),
         initrd: Some(image.initrd_path()),

@@ -29,6 +29,9 @@ struct RecordFile {
     /// Restored lazily (its pages come from the daemon); absent in older records.
     #[serde(default)]
     pages_from_host: bool,
+    /// Its network namespace; absent in older records and for VMs without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    net: Option<String>,
 }
 
 /// One VM as recorded on disk.
@@ -46,6 +49,8 @@ pub struct VmRecord {
     /// outlive that daemon (never re-adopted).
     pub pages_from_host: bool,
     pub dir: PathBuf,
+    /// Its network namespace (see [`crate::network`]), removed with it.
+    pub net: Option<String>,
 }
 
 impl VmRecord {
@@ -74,6 +79,7 @@ impl VmRecord {
             created_unix_ms: self.created_unix_ms,
             ready: self.ready,
             pages_from_host: self.pages_from_host,
+            net: self.net.clone(),
         };
         let tmp = self.dir.join("meta.json.tmp");
         let ctx = format!("writing {}", tmp.display());
@@ -105,6 +111,8 @@ impl VmRecord {
             ready: f.ready,
             pages_from_host: f.pages_from_host,
             dir: dir.to_path_buf(),
+            // Only a name the network code made: a record never names anything else to remove.
+            net: f.net.filter(|n| crate::network::is_child_network(n)),
         })
     }
 }

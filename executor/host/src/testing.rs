@@ -48,11 +48,26 @@ pub fn kvm_available() -> bool {
 /// (`hlt; jmp hlt`, no interrupts armed): restored children run and stay idle. The guest has
 /// no agent, so spawn it with `Readiness::Running`.
 pub fn write_idle_guest_snapshot(dir: &Path, mem_mib: u64) -> anyhow::Result<()> {
+    idle_guest(dir, mem_mib, false)
+}
+
+/// [`write_idle_guest_snapshot`] with a network interface (a virtio-net device the guest never
+/// drives): its children get a network namespace and their VMMs attach to its tap.
+pub fn write_idle_guest_snapshot_with_network(dir: &Path, mem_mib: u64) -> anyhow::Result<()> {
+    idle_guest(dir, mem_mib, true)
+}
+
+fn idle_guest(dir: &Path, mem_mib: u64, network: bool) -> anyhow::Result<()> {
     // mov dx, 0x3f8; mov al, '1'; out dx, al; hlt; jmp -3 (back to hlt)
     let code = [0x66, 0xba, 0xf8, 0x03, 0xb0, b'1', 0xee, 0xf4, 0xeb, 0xfd];
     let ram = GuestRam::new_memfd(mem_mib)?;
     ram.memory().write_slice(&code, GuestAddress(CODE))?;
-    snapshot_once(ram, dir, "the idle guest", |c| c.contains('1'))
+    let out = Capture::default();
+    let mut vm = Vm::create(1, ram, Box::new(out.clone()))?;
+    if network {
+        vm.add_net(crate::network::GUEST_MAC, None)?;
+    }
+    run_and_snapshot(vm, out, dir, "the idle guest", |c| c.contains('1'))
 }
 
 /// Run a guest whose code is at [`CODE`] until its console satisfies `done` (30 s at most),
@@ -64,7 +79,17 @@ fn snapshot_once(
     done: impl Fn(&str) -> bool,
 ) -> anyhow::Result<()> {
     let out = Capture::default();
-    let mut vm = Vm::create(1, ram, Box::new(out.clone()))?;
+    let vm = Vm::create(1, ram, Box::new(out.clone()))?;
+    run_and_snapshot(vm, out, dir, what, done)
+}
+
+fn run_and_snapshot(
+    mut vm: Vm,
+    out: Capture,
+    dir: &Path,
+    what: &str,
+    done: impl Fn(&str) -> bool,
+) -> anyhow::Result<()> {
     vm.set_entry(EntryPoint::Linux64 { rip: CODE })?;
     let running = vm.start()?;
     let t0 = Instant::now();
@@ -184,4 +209,19 @@ pub fn counts(console: &str) -> Vec<u64> {
         .filter(|l| l.len() == 16)
         .filter_map(|l| u64::from_str_radix(l, 16).ok())
         .collect()
+}
+
+/// For a test binary that doubles as the VMM worker (`<test> __vmm-worker`, as `tine` is in
+/// production): runs the worker and exits when started as one, returns otherwise.
+pub fn serve_as_worker_if_asked() {
+    if std::env::args().nth(1).as_deref() == Some(crate::worker::WORKER_SUBCOMMAND) {
+        let code = match crate::worker::worker_main() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("worker: {e:#}");
+                1
+            }
+        };
+        std::process::exit(code);
+    }
 }

@@ -36,6 +36,10 @@ pub struct WorkerJob {
     pub dir: PathBuf,
     #[serde(default)]
     pub memory: JobMemory,
+    /// The network namespace to run in, whose tap backs the guest's interface (None: the
+    /// interface, if the snapshot has one, has no link).
+    #[serde(default)]
+    pub netns: Option<PathBuf>,
 }
 
 /// Where a child's guest RAM comes from.
@@ -258,9 +262,22 @@ pub fn worker_main() -> anyhow::Result<i32> {
     // SAFETY: setsid has no memory effects.
     unsafe { libc::setsid() };
     let t0 = Instant::now();
+    // The whole VMM lives in the child's namespace (its device threads too), so anything it
+    // opens or sends stays on the child's side of the policy.
+    let tap = match &job.netns {
+        Some(ns) => {
+            crate::network::enter(ns)?;
+            Some(
+                tine_vmm::devices::virtio::net::Tap::open(crate::network::TAP)
+                    .with_context(|| format!("attaching to the tap in {}", ns.display()))?,
+            )
+        }
+        None => None,
+    };
     let opts = RestoreOptions {
         console: open_console(Some(&job.dir.join("console.log")))?,
         vsock_uds: Some(job.dir.join("vsock.sock")),
+        tap,
     };
     let vm = match job.memory {
         JobMemory::Image => Vm::restore(&job.snapshot, opts)?,

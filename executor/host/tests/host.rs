@@ -34,6 +34,7 @@ fn config(data: &Path, max_vms: u32, pool_size: usize) -> HostConfig {
             ..Limits::default()
         },
         store: None,
+        network: None,
     }
 }
 
@@ -140,6 +141,7 @@ fn stale_record_is_neither_adopted_nor_killed() {
         ready: true,
         pages_from_host: false,
         dir: dir.clone(),
+        net: None,
     }
     .write()
     .unwrap();
@@ -280,6 +282,7 @@ fn adoption_takes_only_ready_vmm_workers() {
             ready,
             pages_from_host: false,
             dir,
+            net: None,
         };
         r.write().unwrap();
         r

@@ -13,9 +13,10 @@ use crate::tree::{Node, Overlay};
 pub const AGENT_GUEST_PATH: &str = "/usr/sbin/tine-agent";
 /// Multi-line warm-ups go here (the config format is one `key = value` per line).
 pub const WARMUP_GUEST_PATH: &str = "/etc/tine/warmup.py";
-/// Modules every image needs: the virtio-mmio transport (devices are described in ACPI) and
-/// the vsock driver the agent listens on. Their dependencies come from modules.dep.
-pub const REQUIRED_MODULES: &[&str] = &["virtio_mmio", "vmw_vsock_virtio_transport"];
+/// Modules every image needs: the virtio-mmio transport (devices are described in ACPI), the
+/// vsock driver the agent listens on, and virtio-net for the guest's network interface. Their
+/// dependencies come from modules.dep.
+pub const REQUIRED_MODULES: &[&str] = &["virtio_mmio", "vmw_vsock_virtio_transport", "virtio_net"];
 
 /// `/init`: exec the agent so it is PID 1. A script rather than the agent itself because the
 /// kernel passes unrecognised command-line words to init as arguments, which the agent's
@@ -197,7 +198,12 @@ mod tests {
         let mods = module_names(&r);
         assert_eq!(
             mods,
-            ["virtio_mmio", "vmw_vsock_virtio_transport", "virtio_blk"]
+            [
+                "virtio_mmio",
+                "vmw_vsock_virtio_transport",
+                "virtio_net",
+                "virtio_blk"
+            ]
         );
         let (text, file) = agent_config(&r, &mods).unwrap();
         assert!(file.is_none());

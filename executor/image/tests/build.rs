@@ -77,7 +77,7 @@ fn busybox_image_has_agent_init_config_and_modules() {
     assert!(m.kernel_path().is_file() && m.initrd_path().is_file());
     assert_eq!(
         m.agent.modules,
-        ["virtio_mmio", "vmw_vsock_virtio_transport"]
+        ["virtio_mmio", "vmw_vsock_virtio_transport", "virtio_net"]
     );
 
     let entries = unpack(m);

@@ -26,6 +26,28 @@ pub const L1_MODULES: &[&str] = &[
     "9pnet",
     "9pnet_virtio",
     "9p",
+    // Child networks (namespaces, taps, veth pairs, nftables rules with NAT and reject). L1
+    // has no /sbin/modprobe, so the kernel cannot load these on demand: each is listed, its
+    // dependencies first.
+    "tun",
+    "veth",
+    "crc32c_generic",
+    "libcrc32c",
+    "nfnetlink",
+    "nf_tables",
+    "nf_defrag_ipv4",
+    "nf_defrag_ipv6",
+    "nf_conntrack",
+    "nf_nat",
+    "nft_ct",
+    "nft_chain_nat",
+    "nft_nat",
+    "nft_masq",
+    "nf_reject_ipv4",
+    "nf_reject_ipv6",
+    "nft_reject",
+    "nft_reject_ipv4",
+    "nft_reject_inet",
 ];
 
 /// The 9p mount tag of the read-only host root export.

@@ -337,6 +337,11 @@ pub enum DeviceError {
         #[source]
         source: std::io::Error,
     },
+    #[error("net: cannot start the device thread: {source}")]
+    NetThread {
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Taking a snapshot and writing it to disk.

@@ -21,6 +21,7 @@ use crate::devices::mmio::MmioBus;
 use crate::devices::power::{AcpiPm, I8042};
 use crate::devices::serial::SerialConsole;
 use crate::devices::virtio::mmio::{VirtioMmio, QUEUE_NOTIFY_OFFSET};
+use crate::devices::virtio::net::{Mac, Net, Tap};
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqLine, VirtioDevice};
 use crate::devices::GuestExit;
@@ -85,6 +86,9 @@ pub struct RestoreOptions {
     pub console: Box<dyn Write + Send>,
     /// Where the vsock device (if the snapshot has one) listens on the host.
     pub vsock_uds: Option<PathBuf>,
+    /// The tap behind the network device, if the snapshot has one (None: the guest keeps its
+    /// interface, with no link behind it).
+    pub tap: Option<Tap>,
 }
 
 pub struct Vm {
@@ -269,7 +273,7 @@ impl Vm {
         dir: &Path,
         state: MachineState,
         ram: GuestRam,
-        opts: RestoreOptions,
+        mut opts: RestoreOptions,
         options: VmOptions,
     ) -> Result<Self> {
         let mut vm = Self::build(
@@ -290,6 +294,7 @@ impl Vm {
                             })?;
                     Box::new(Vsock::new(guest_cid, uds)?)
                 }
+                VirtioKind::Net { mac } => Box::new(Net::new(mac, opts.tap.take())?),
             };
             vm.add_virtio(dev)?;
         }
@@ -394,6 +399,11 @@ impl Vm {
     /// Attach a virtio-vsock device with guest CID `cid`, host side on the Unix socket `uds`.
     pub fn add_vsock(&mut self, cid: u64, uds: &Path) -> Result<VirtioMmioSlot> {
         self.add_virtio(Box::new(Vsock::new(cid, uds)?))
+    }
+
+    /// Attach a virtio-net device with guest MAC `mac` backed by `tap` (None: no link).
+    pub fn add_net(&mut self, mac: Mac, tap: Option<Tap>) -> Result<VirtioMmioSlot> {
+        self.add_virtio(Box::new(Net::new(mac, tap)?))
     }
 
     /// Load a Linux kernel and point the boot vCPU at its entry.

@@ -43,6 +43,7 @@ fn opts(out: &Capture) -> RestoreOptions {
     RestoreOptions {
         console: Box::new(out.clone()),
         vsock_uds: None,
+        tap: None,
     }
 }
 

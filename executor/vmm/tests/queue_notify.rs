@@ -412,6 +412,7 @@ fn restored_children_get_eventfds_of_their_own() {
             RestoreOptions {
                 console: Box::new(std::io::sink()),
                 vsock_uds: Some(uds),
+                tap: None,
             },
             options,
         )

@@ -37,12 +37,19 @@ fn make_snapshot(dir: &std::path::Path, vcpus: u8) {
         .unwrap();
     let out = Capture::default();
     let mut vm = Vm::create(vcpus, ram, Box::new(out.clone())).unwrap();
+    // A network device with no link: its MAC must survive the round trip (children restore
+    // it without a tap).
+    vm.add_net([6, 0, 10, 254, 0, 2], None).unwrap();
     vm.set_entry(EntryPoint::Linux64 { rip: CODE }).unwrap();
     let running = vm.start().unwrap();
     wait_for(&out, "1");
     let header = running.snapshot(dir).unwrap();
     assert_eq!(header.vcpus, vcpus as u32);
     assert_eq!(header.mem_size, 64 << 20);
+    assert!(
+        header.network,
+        "the header says the guest has a network interface"
+    );
     running.stop();
     assert_eq!(
         out.text(),
@@ -68,6 +75,7 @@ fn restored_children_continue_where_the_parent_paused() {
             RestoreOptions {
                 console: Box::new(out.clone()),
                 vsock_uds: None,
+                tap: None,
             },
         )
         .unwrap();
@@ -106,6 +114,7 @@ fn damaged_snapshots_are_refused_with_a_clear_error() {
             RestoreOptions {
                 console: Box::new(std::io::sink()),
                 vsock_uds: None,
+                tap: None,
             },
         )
         .err()

@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Parser;
 use tine_agent::config::{self, AgentConfig};
 use tine_agent::server::listen::{ListenAddr, Listener, VSOCK_PORT};
-use tine_agent::server::{init, modules, reaper, Agent};
+use tine_agent::server::{init, modules, network, reaper, Agent};
 
 #[derive(Parser)]
 #[command(version, about = "Tine guest agent")]
@@ -68,6 +68,9 @@ fn run(pid1: bool) -> anyhow::Result<()> {
         // Keep going: the listener below reports the consequence clearly.
         Err(e) => eprintln!("tine-agent: loading modules: {e}"),
     }
+    if pid1 {
+        configure_network();
+    }
     let listener =
         Listener::bind(&addr).with_context(|| format!("listening on {}", args.listen))?;
     let agent = Agent::new(&cfg);
@@ -79,4 +82,25 @@ fn run(pid1: bool) -> anyhow::Result<()> {
     );
     agent.serve(&listener).context("accepting connections")?;
     Ok(())
+}
+
+/// The network the host asked for on the kernel command line. A failure is reported on the
+/// console and the agent carries on: the sandbox is still usable without a network.
+fn configure_network() {
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    let cfg = match network::parse_cmdline(&cmdline) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("tine-agent: network settings: {e}");
+            None
+        }
+    };
+    match network::configure(cfg.as_ref()) {
+        Ok(Some(iface)) => {
+            let c = cfg.expect("configured");
+            eprintln!("tine-agent: {iface} is {}/{}", c.addr, c.prefix)
+        }
+        Ok(None) => {}
+        Err(e) => eprintln!("tine-agent: configuring the network: {e}"),
+    }
 }

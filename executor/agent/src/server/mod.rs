@@ -6,6 +6,7 @@ pub mod files;
 pub mod init;
 pub mod listen;
 pub mod modules;
+pub mod network;
 pub mod python;
 pub mod reaper;
 pub mod system;

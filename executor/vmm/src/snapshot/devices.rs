@@ -101,7 +101,13 @@ impl From<&QueueSnapshot> for QueueState {
 /// What kind of virtio device sits behind a transport, with its own configuration.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum VirtioKind {
-    Vsock { guest_cid: u64 },
+    Vsock {
+        guest_cid: u64,
+    },
+    /// Appended after Vsock: older snapshots keep their encoding.
+    Net {
+        mac: [u8; 6],
+    },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

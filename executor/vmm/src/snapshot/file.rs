@@ -32,6 +32,10 @@ pub struct SnapshotHeader {
     /// Set for a diff: the snapshot its pages apply over. Absent: `memory.img` is complete.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub diff: Option<DiffInfo>,
+    /// The guest has a network interface (a virtio-net device): its children can be given a
+    /// network. Absent in snapshots from before network devices.
+    #[serde(default)]
+    pub network: bool,
 }
 
 /// What a diff snapshot applies over, and what it holds.
@@ -286,6 +290,10 @@ pub fn write_with(
             state_len: body.len() as u64,
             state_sha256: hex::encode(Sha256::digest(&body)),
             diff,
+            network: state
+                .virtio
+                .iter()
+                .any(|v| matches!(v.kind, crate::snapshot::devices::VirtioKind::Net { .. })),
         };
         let header_json =
             serde_json::to_vec_pretty(&header).map_err(|source| SnapshotError::EncodeHeader {

@@ -1,10 +1,13 @@
 //! virtio devices over the virtio-mmio transport (version 2).
 
 pub mod mmio;
+pub mod net;
+pub mod queue_events;
 pub mod vsock;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use virtio_queue::{Queue, QueueState};
 
@@ -58,6 +61,52 @@ impl IrqLine {
 
     pub fn eventfd(&self) -> &EventFd {
         &self.evt
+    }
+}
+
+/// Recovery from interrupts that never reach the guest (seen in nested virtualization).
+///
+/// Linux acknowledges the interrupt status in its handler right away, so a status that stays
+/// set means the interrupt was lost. Without a resend the guest never refills its receive
+/// queue and a device with no buffers never signals again: a silent, permanent stall.
+/// Resending is harmless if the guest was just slow.
+#[derive(Default)]
+pub struct LostIrqs {
+    pending_since: Option<Instant>,
+    resent: u64,
+}
+
+impl LostIrqs {
+    /// How long the status may stay un-acknowledged before the interrupt is sent again.
+    pub const RESEND_AFTER: Duration = Duration::from_millis(1000);
+
+    /// An interrupt is pending: the device thread should look again soon.
+    pub fn watching(&self) -> bool {
+        self.pending_since.is_some()
+    }
+
+    /// Look at `irq` (None or `paused`: nothing to watch). Returns how many times it has been
+    /// resent overall when it was resent just now.
+    pub fn check(&mut self, irq: Option<&IrqLine>, paused: bool) -> Option<u64> {
+        let irq = match irq {
+            Some(i) if !paused && i.status() != 0 => i,
+            _ => {
+                self.pending_since = None;
+                return None;
+            }
+        };
+        let now = Instant::now();
+        match self.pending_since {
+            None => self.pending_since = Some(now),
+            Some(t) if now.duration_since(t) >= Self::RESEND_AFTER => {
+                self.resent += 1;
+                irq.resend();
+                self.pending_since = Some(now);
+                return Some(self.resent);
+            }
+            Some(_) => {}
+        }
+        None
     }
 }
 

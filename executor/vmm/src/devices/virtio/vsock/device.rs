@@ -3,18 +3,17 @@
 //! a restore. The device thread lives in `event_loop`.
 
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
 use vm_memory::GuestMemoryMmap;
-use vmm_sys_util::epoll::{ControlOperation, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::muxer::Muxer;
 use super::packet::{Header, HDR_LEN, MAX_PKT};
 use super::{event_loop, DEVICE_ID, HOST_CID};
+use crate::devices::virtio::queue_events::QueueEvents;
 use crate::devices::virtio::{IrqLine, VirtioDevice, INT_USED_RING};
 use crate::error::DeviceError;
 use crate::snapshot::devices::VirtioKind;
@@ -38,9 +37,8 @@ pub(super) struct DeviceState {
     /// Set while the VM is paused for a snapshot: no guest memory is touched.
     pub(super) paused: bool,
     pub(super) muxer: Muxer,
-    /// One eventfd per queue that KVM signals when the guest notifies it (empty without
-    /// ioeventfds). Not guest state: a restored device gets fresh ones.
-    pub(super) queue_events: Vec<Arc<EventFd>>,
+    /// One eventfd per queue that KVM signals when the guest notifies it.
+    pub(super) queue_events: QueueEvents,
 }
 
 impl DeviceState {
@@ -53,18 +51,10 @@ impl DeviceState {
         self.process_rx();
     }
 
-    /// Consume queue `queue`'s eventfd (the device thread woke for it); true if it was signalled.
-    pub(super) fn take_queue_event(&self, queue: usize) -> bool {
-        // Non-blocking: another holder of the lock (a pause) may have consumed it already.
-        self.queue_events
-            .get(queue)
-            .is_some_and(|e| e.read().is_ok_and(|n| n > 0))
-    }
-
     /// Handle every notification already signalled through the eventfds, now, on this thread.
     fn drain_queue_events(&mut self) {
         for q in 0..self.queue_events.len() {
-            if self.take_queue_event(q) {
+            if self.queue_events.take(q) {
                 self.on_queue_notify(q);
             }
         }
@@ -193,7 +183,7 @@ impl Vsock {
             irq: None,
             paused: false,
             muxer,
-            queue_events: Vec::new(),
+            queue_events: QueueEvents::default(),
         }));
         let worker = state.clone();
         std::thread::Builder::new()
@@ -238,26 +228,10 @@ impl VirtioDevice for Vsock {
 
     fn attach_queue_events(&mut self, events: &[Arc<EventFd>]) -> bool {
         let mut g = self.state.lock().unwrap();
-        if !g.queue_events.is_empty() || events.len() != self.queue_max_sizes().len() {
-            return false;
-        }
         let epoll = g.muxer.epoll();
-        for (q, e) in events.iter().enumerate() {
-            let ev = EpollEvent::new(EventSet::IN, TOKEN_QUEUE_BASE + q as u64);
-            if let Err(err) = epoll.ctl(ControlOperation::Add, e.as_raw_fd(), ev) {
-                tracing::warn!("vsock: cannot watch queue {q}'s notification eventfd: {err}");
-                for e in &events[..q] {
-                    let _ = epoll.ctl(
-                        ControlOperation::Delete,
-                        e.as_raw_fd(),
-                        EpollEvent::default(),
-                    );
-                }
-                return false;
-            }
-        }
-        g.queue_events = events.to_vec();
-        true
+        let queues = self.queue_max_sizes().len();
+        g.queue_events
+            .attach(&epoll, events, queues, TOKEN_QUEUE_BASE, "vsock")
     }
 
     fn set_paused(&mut self, paused: bool) {
@@ -326,7 +300,7 @@ mod tests {
             irq: None,
             paused: false,
             muxer: Muxer::bind(3, uds).unwrap(),
-            queue_events: Vec::new(),
+            queue_events: QueueEvents::default(),
         };
         let mut v = Vsock {
             state: Arc::new(Mutex::new(state)),

@@ -4,7 +4,6 @@
 //! reports work that stays stuck.
 
 use std::collections::HashMap;
-use std::io::ErrorKind;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,35 +12,16 @@ use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use super::device::{DeviceState, TOKEN_QUEUE_BASE};
 use super::dump;
 use super::muxer::TOKEN_LISTENER;
-use crate::devices::virtio::INT_USED_RING;
+use crate::devices::virtio::{queue_events, LostIrqs, INT_USED_RING};
 use crate::diagnostics::DumpRequests;
-
-/// How often an idle device thread wakes to look at its interrupt line.
-const IDLE_WAKE: Duration = Duration::from_secs(5);
-
-/// How long the interrupt status may stay un-acknowledged before the interrupt is sent again.
-const IRQ_RESEND_AFTER: Duration = Duration::from_millis(1000);
 
 pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
     let mut events = vec![EpollEvent::default(); 64];
     let mut watchdog = IrqWatchdog::default();
     let mut busy = false;
     loop {
-        // Wake for the watchdog: often while something is pending, rarely when idle (a
-        // hundred idle VMMs should not keep the host awake), never blocking forever since an
-        // interrupt raised from a vCPU thread must still be checked.
-        let timeout = if busy {
-            IRQ_RESEND_AFTER / 2
-        } else {
-            IDLE_WAKE
-        };
-        let n = match epoll.wait(timeout.as_millis() as i32, &mut events) {
-            Ok(n) => n,
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => {
-                tracing::error!("vsock: epoll failed: {e}");
-                return;
-            }
+        let Some(n) = queue_events::wait(&epoll, &mut events, busy, "vsock") else {
+            return;
         };
         let mut g = state.lock().unwrap();
         for ev in &events[..n] {
@@ -50,7 +30,7 @@ pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
                 t if t >= TOKEN_QUEUE_BASE => {
                     let q = (t - TOKEN_QUEUE_BASE) as usize;
                     // Already consumed (a pause drained it): nothing new to look at.
-                    if g.take_queue_event(q) {
+                    if g.queue_events.take(q) {
                         g.on_queue_notify(q);
                     }
                 }
@@ -63,18 +43,12 @@ pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
     }
 }
 
-/// Recovery and diagnosis for stalls the device cannot see directly.
-///
-/// Linux acknowledges the interrupt status in its handler right away, so a status that stays
-/// set means an interrupt never reached the guest (seen in nested virtualization). Without a
-/// resend the guest never refills its receive queue and the device, having no buffers, never
-/// signals again: a silent, permanent stall. Resending is harmless if the guest was just slow.
-/// Likewise a connection blocked on guest credit asks for a credit update instead of waiting
-/// for one forever, and work that stays pending is logged with the device state.
+/// Recovery and diagnosis for stalls the device cannot see directly: lost interrupts (see
+/// [`LostIrqs`]); a connection blocked on guest credit asks for a credit update instead of
+/// waiting for one forever; and work that stays pending is logged with the device state.
 #[derive(Default)]
 struct IrqWatchdog {
-    pending_since: Option<Instant>,
-    resent: u64,
+    lost: LostIrqs,
     stuck_since: Option<Instant>,
     stuck_reports: u32,
     credit_asked: HashMap<u64, Instant>,
@@ -84,41 +58,26 @@ struct IrqWatchdog {
 impl IrqWatchdog {
     /// Something is pending that the next checks must follow closely.
     fn watching(&self) -> bool {
-        self.pending_since.is_some() || self.stuck_since.is_some() || !self.credit_asked.is_empty()
+        self.lost.watching() || self.stuck_since.is_some() || !self.credit_asked.is_empty()
     }
 
     fn check(&mut self, g: &mut DeviceState) {
         if self.dumps.take() {
             tracing::warn!("vsock state (SIGUSR1): {}", dump::describe(g));
         }
+        let resent = self.lost.check(g.irq.as_ref(), g.paused);
         if g.paused || g.irq.is_none() {
-            self.pending_since = None;
             return;
         }
-        let now = Instant::now();
-        let status = g.irq.as_ref().map_or(0, |i| i.status());
-        if status == 0 {
-            self.pending_since = None;
-        } else {
-            match self.pending_since {
-                None => self.pending_since = Some(now),
-                Some(t) if now.duration_since(t) >= IRQ_RESEND_AFTER => {
-                    self.resent += 1;
-                    if self.resent.is_power_of_two() {
-                        tracing::warn!(
-                            resent = self.resent,
-                            "vsock: interrupt not acknowledged for {IRQ_RESEND_AFTER:?}; sending it again; {}",
-                            dump::describe(g)
-                        );
-                    }
-                    if let Some(irq) = &g.irq {
-                        irq.resend();
-                    }
-                    self.pending_since = Some(now);
-                }
-                Some(_) => {}
-            }
+        if let Some(resent) = resent.filter(|n| n.is_power_of_two()) {
+            tracing::warn!(
+                resent,
+                "vsock: interrupt not acknowledged for {:?}; sent it again; {}",
+                LostIrqs::RESEND_AFTER,
+                dump::describe(g)
+            );
         }
+        let now = Instant::now();
         // Connections with host data waiting on guest credit: ask for an update.
         let blocked = g.muxer.credit_starved();
         self.credit_asked.retain(|t, _| blocked.contains(t));
@@ -127,7 +86,7 @@ impl IrqWatchdog {
             let due = self
                 .credit_asked
                 .get(&t)
-                .is_none_or(|at| now.duration_since(*at) >= IRQ_RESEND_AFTER);
+                .is_none_or(|at| now.duration_since(*at) >= LostIrqs::RESEND_AFTER);
             if due && g.muxer.request_credit(t) {
                 self.credit_asked.insert(t, now);
                 asked = true;

@@ -1,0 +1,314 @@
+//! Each child's network: a namespace of its own holding the tap its VMM attaches to, linked
+//! to the host by a veth pair with a unique /30, with the child's egress policy in the
+//! namespace's nftables table and the host-wide rules in the host's.
+//!
+//! Every guest has the same address, gateway and MAC (the ones its parent booted with), so a
+//! clone needs no reconfiguration; the namespace rewrites its traffic to the link's unique
+//! address on the way out and forwards connections to that address to the guest (exposed
+//! ports). Namespaces are prepared ahead, with the default policy, in a small pool.
+//!
+//! Host-wide, whatever a spawn asks: no child reaches the host's own addresses (its gRPC
+//! port, SSH...), link-local addresses (cloud metadata), loopback, the operator's deny list
+//! (the control plane), or another child; nothing from outside reaches a child except
+//! replies and what the host forwards to it.
+
+mod policy;
+mod setup;
+
+use std::collections::HashSet;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+pub use policy::{Policy, Target, TargetError, MAX_ENTRIES};
+
+use crate::error::{HostError, Result};
+
+/// The guest's side, the same in every guest and every clone.
+pub const GUEST_ADDR: Ipv4Addr = Ipv4Addr::new(10, 254, 0, 2);
+pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 254, 0, 1);
+pub const GUEST_PREFIX: u8 = 30;
+pub const GUEST_MAC: [u8; 6] = [0x06, 0x00, 0x0a, 0xfe, 0x00, 0x02];
+/// The tap's MAC, fixed too: a restored guest's ARP cache still names the parent's gateway.
+pub const TAP_MAC: &str = "06:00:0a:fe:00:01";
+/// The tap's name inside each namespace.
+pub const TAP: &str = "tap0";
+
+/// How an executor networks its children. Built at the edge, passed down.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetConfig {
+    /// The policy of a spawn that does not give one.
+    pub default_policy: Policy,
+    /// Never reachable from any child, whatever its policy (e.g. the control plane).
+    pub deny: Vec<Target>,
+    /// Resolvers the guest is told at boot (none: no resolv.conf).
+    pub dns: Vec<Ipv4Addr>,
+    /// The /30 links between the host and each namespace are cut from this network.
+    pub links: Target,
+    /// Namespaces kept prepared.
+    pub pool: usize,
+    /// Rewrite children's traffic to the host's address when it leaves the host (needed to
+    /// reach anything that has no route back to `links`).
+    pub masquerade: bool,
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        NetConfig {
+            default_policy: Policy {
+                internet: true,
+                ..Policy::default()
+            },
+            deny: Vec::new(),
+            dns: Vec::new(),
+            links: Target {
+                addr: Ipv4Addr::new(10, 200, 0, 0),
+                prefix: 16,
+                port: None,
+            },
+            pool: 4,
+            masquerade: true,
+        }
+    }
+}
+
+impl NetConfig {
+    /// The kernel command line words that configure the guest's interface at boot (read by
+    /// the agent).
+    pub fn guest_cmdline(&self) -> String {
+        let mut s = format!("tine.ip={GUEST_ADDR}/{GUEST_PREFIX} tine.gw={GATEWAY}");
+        if !self.dns.is_empty() {
+            let dns: Vec<String> = self.dns.iter().map(|a| a.to_string()).collect();
+            s.push_str(&format!(" tine.dns={}", dns.join(",")));
+        }
+        s
+    }
+
+    /// How many /30 links `links` holds.
+    fn capacity(&self) -> u32 {
+        (1u64 << (32 - self.links.prefix as u32))
+            .div_ceil(4)
+            .min(u32::MAX as u64) as u32
+    }
+}
+
+/// One prepared namespace, ready for a VMM to attach to its tap.
+#[derive(Debug)]
+pub struct Lease {
+    index: u32,
+    policy: Policy,
+}
+
+impl Lease {
+    /// The namespace's name (`ip netns`), also its record in the data directory.
+    pub fn name(&self) -> String {
+        setup::ns_name(self.index)
+    }
+
+    /// The namespace's file, for `setns`.
+    pub fn path(&self) -> PathBuf {
+        setup::ns_path(self.index)
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+}
+
+/// The host's child networks: the host-wide rules, the pool, and every lease, each recorded
+/// as a file under `<data>/net/` from before its namespace exists until after it is gone.
+pub struct Network {
+    cfg: NetConfig,
+    leases: PathBuf,
+    idle: Mutex<Vec<Lease>>,
+    next: AtomicU32,
+    refilling: AtomicBool,
+}
+
+impl Network {
+    /// Check the tools, turn on forwarding and install the host's table.
+    pub fn open(cfg: NetConfig, data_dir: &Path) -> Result<Arc<Network>> {
+        if cfg.links.port.is_some() || cfg.links.prefix > 30 {
+            return Err(HostError::NetworkRefused(format!(
+                "the link network {} must be a CIDR of /30 or larger, without a port",
+                cfg.links
+            )));
+        }
+        setup::check_tools()?;
+        setup::enable_forwarding()?;
+        setup::install_host_table(&cfg)?;
+        let leases = data_dir.join("net");
+        std::fs::create_dir_all(&leases)
+            .map_err(HostError::io(format!("creating {}", leases.display())))?;
+        let net = Arc::new(Network {
+            cfg,
+            leases,
+            idle: Mutex::new(Vec::new()),
+            next: AtomicU32::new(0),
+            refilling: AtomicBool::new(false),
+        });
+        Ok(net)
+    }
+
+    pub fn config(&self) -> &NetConfig {
+        &self.cfg
+    }
+
+    /// Namespaces recorded here (in use, pooled, or left behind).
+    pub fn recorded(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.leases)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| setup::index_of(n).is_some())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// Remove the namespaces recorded here that are not in `keep` (after a restart: the
+    /// ones no surviving child uses).
+    pub fn sweep(&self, keep: &HashSet<String>) {
+        for name in self.recorded() {
+            if !keep.contains(&name) {
+                tracing::info!(ns = %name, "removing a child network left behind");
+                self.release_name(&name);
+            }
+        }
+    }
+
+    /// A namespace with `policy` in force: a pooled one when there is one.
+    pub fn take(self: &Arc<Self>, policy: &Policy) -> Result<Lease> {
+        let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut lease = match pooled {
+            Some(l) => l,
+            None => self.prepare()?,
+        };
+        if lease.policy != *policy {
+            if let Err(e) = setup::apply_policy(lease.index, &self.cfg, policy) {
+                self.release(lease);
+                return Err(e);
+            }
+            lease.policy = policy.clone();
+        }
+        self.refill_in_background();
+        Ok(lease)
+    }
+
+    /// Prepare namespaces until the pool holds `pool` of them.
+    pub fn fill(&self) {
+        loop {
+            if self.idle.lock().unwrap_or_else(|p| p.into_inner()).len() >= self.cfg.pool {
+                return;
+            }
+            match self.prepare() {
+                Ok(l) => self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(l),
+                Err(e) => {
+                    tracing::warn!("preparing a child network for the pool: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn refill_in_background(self: &Arc<Self>) {
+        if self.cfg.pool == 0 || self.refilling.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let net = self.clone();
+        std::thread::spawn(move || {
+            net.fill();
+            net.refilling.store(false, Ordering::Release);
+        });
+    }
+
+    /// A new namespace with the default policy, at the first free index.
+    fn prepare(&self) -> Result<Lease> {
+        let capacity = self.cfg.capacity();
+        for _ in 0..capacity {
+            let index = self.next.fetch_add(1, Ordering::Relaxed) % capacity;
+            let name = setup::ns_name(index);
+            if setup::ns_path(index).exists() {
+                continue;
+            }
+            // Recorded first: a process killed mid-way leaves a record the next one sweeps.
+            let record = self.leases.join(&name);
+            std::fs::write(&record, b"")
+                .map_err(HostError::io(format!("recording {}", record.display())))?;
+            match setup::create(index, &self.cfg) {
+                Ok(()) => {
+                    return Ok(Lease {
+                        index,
+                        policy: self.cfg.default_policy.clone(),
+                    })
+                }
+                // Another executor on this host took the index first.
+                Err(setup::CreateError::Taken) => {
+                    let _ = std::fs::remove_file(&record);
+                }
+                Err(setup::CreateError::Failed(e)) => {
+                    setup::destroy(index);
+                    let _ = std::fs::remove_file(&record);
+                    return Err(e);
+                }
+            }
+        }
+        Err(HostError::NetworkRefused(format!(
+            "all {capacity} child networks of {} are in use",
+            self.cfg.links
+        )))
+    }
+
+    /// Remove a lease's namespace, links and rules.
+    pub fn release(&self, lease: Lease) {
+        self.release_name(&lease.name());
+    }
+
+    /// Remove the namespace called `name` (as recorded with a VM).
+    pub fn release_name(&self, name: &str) {
+        remove_recorded(&self.leases, name);
+    }
+
+    /// Remove the pooled namespaces (the host is closing).
+    pub fn drain_pool(&self) {
+        let idle: Vec<Lease> =
+            std::mem::take(&mut *self.idle.lock().unwrap_or_else(|p| p.into_inner()));
+        for l in idle {
+            self.release(l);
+        }
+    }
+}
+
+/// A name this module gives child networks (`tine-<n>`).
+pub fn is_child_network(name: &str) -> bool {
+    setup::index_of(name).is_some()
+}
+
+/// Remove child network `name` recorded in `leases` (`<data>/net`), with or without a
+/// [`Network`] at hand (the CLI removing a VM it recorded).
+pub fn remove_recorded(leases: &Path, name: &str) {
+    let Some(index) = setup::index_of(name) else {
+        tracing::warn!(ns = %name, "not a child network name; left alone");
+        return;
+    };
+    setup::destroy(index);
+    let _ = std::fs::remove_file(leases.join(name));
+}
+
+/// Open the tap of namespace `ns` from a thread that enters it, leaving the caller's own
+/// namespace alone (a parent VM runs inside the multi-threaded daemon).
+pub fn open_tap_in(ns: &Path) -> Result<tine_vmm::devices::virtio::net::Tap> {
+    setup::in_netns(ns, || {
+        tine_vmm::devices::virtio::net::Tap::open(TAP).map_err(|e| HostError::Network {
+            what: format!("opening {TAP} in {}", ns.display()),
+            reason: e.to_string(),
+        })
+    })
+}
+
+/// Move the calling thread into namespace `ns` for good (a VMM worker, before it restores).
+pub fn enter(ns: &Path) -> Result<()> {
+    setup::setns(ns)
+}

@@ -1,0 +1,302 @@
+//! The commands behind a child network: `ip` for namespaces, links and addresses, `nft` for
+//! rules. Every name and address in them is made here from an index or a checked [`Policy`].
+
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use super::{NetConfig, Policy, GATEWAY, GUEST_ADDR, GUEST_PREFIX, TAP, TAP_MAC};
+use crate::error::{HostError, Result};
+
+const NS_PREFIX: &str = "tine-";
+/// Host-side veth names: `tn<index>` (the host's rules match `tn*`).
+const VETH_PREFIX: &str = "tn";
+/// The veth end inside each namespace.
+const NS_VETH: &str = "veth0";
+
+pub(super) fn ns_name(index: u32) -> String {
+    format!("{NS_PREFIX}{index}")
+}
+
+pub(super) fn ns_path(index: u32) -> PathBuf {
+    Path::new("/run/netns").join(ns_name(index))
+}
+
+pub(super) fn index_of(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix(NS_PREFIX)?;
+    // Canonical form only, so a name maps to exactly one index.
+    let i: u32 = digits.parse().ok()?;
+    (i.to_string() == digits).then_some(i)
+}
+
+fn veth(index: u32) -> String {
+    format!("{VETH_PREFIX}{index}")
+}
+
+/// The host's and the namespace's ends of link `index`.
+fn link_addrs(cfg: &NetConfig, index: u32) -> (Ipv4Addr, Ipv4Addr) {
+    let base = u32::from(cfg.links.addr) + index * 4;
+    (Ipv4Addr::from(base + 1), Ipv4Addr::from(base + 2))
+}
+
+fn run(program: &str, args: &[&str], input: Option<&str>) -> Result<()> {
+    let what = || format!("{program} {}", args.join(" "));
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| HostError::Network {
+            what: what(),
+            reason: if e.kind() == std::io::ErrorKind::NotFound {
+                format!("{program} is not installed (Debian: apt install iproute2 nftables)")
+            } else {
+                e.to_string()
+            },
+        })?;
+    if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
+        // A failed write shows up as the command's own error below.
+        let _ = stdin.write_all(text.as_bytes());
+    }
+    let out = child.wait_with_output().map_err(|e| HostError::Network {
+        what: what(),
+        reason: e.to_string(),
+    })?;
+    if !out.status.success() {
+        let mut reason = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        if let Some(text) = input {
+            reason.push_str(&format!("\ninput:\n{text}"));
+        }
+        return Err(HostError::Network {
+            what: what(),
+            reason,
+        });
+    }
+    Ok(())
+}
+
+pub(super) fn check_tools() -> Result<()> {
+    run("ip", &["-V"], None)?;
+    run("nft", &["--version"], None)?;
+    if !Path::new("/dev/net/tun").exists() {
+        return Err(HostError::NetworkRefused(
+            "/dev/net/tun is missing (load the tun module)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Routing between the children's links and the host's uplinks.
+pub(super) fn enable_forwarding() -> Result<()> {
+    let knob = "/proc/sys/net/ipv4/ip_forward";
+    let on = std::fs::read_to_string(knob).is_ok_and(|v| v.trim() == "1");
+    if !on {
+        tracing::info!("turning on IPv4 forwarding ({knob}) for child networks");
+        std::fs::write(knob, "1").map_err(HostError::io(format!("writing {knob}")))?;
+    }
+    Ok(())
+}
+
+/// The host's table, replaced as a whole (one transaction) so restarts and several executors
+/// on one host converge on the same rules.
+pub(super) fn install_host_table(cfg: &NetConfig) -> Result<()> {
+    let mut deny: Vec<String> = vec!["127.0.0.0/8".into(), "169.254.0.0/16".into()];
+    deny.extend(cfg.deny.iter().map(|t| format!("{}/{}", t.addr, t.prefix)));
+    let nat = if cfg.masquerade {
+        format!(
+            "  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    \
+             ip saddr {}/{} oifname != \"{VETH_PREFIX}*\" masquerade\n  }}\n",
+            cfg.links.addr, cfg.links.prefix
+        )
+    } else {
+        String::new()
+    };
+    let text = format!(
+        "table inet tine\ndelete table inet tine\ntable inet tine {{\n\
+         \x20 chain input {{\n    type filter hook input priority filter - 10; policy accept;\n    \
+         iifname \"{VETH_PREFIX}*\" ct state established,related accept\n    \
+         iifname \"{VETH_PREFIX}*\" drop\n  }}\n\
+         \x20 chain forward {{\n    type filter hook forward priority filter - 10; policy accept;\n    \
+         iifname \"{VETH_PREFIX}*\" oifname \"{VETH_PREFIX}*\" drop\n    \
+         oifname \"{VETH_PREFIX}*\" ct state established,related accept\n    \
+         oifname \"{VETH_PREFIX}*\" drop\n    \
+         iifname \"{VETH_PREFIX}*\" ip daddr {{ {} }} drop\n  }}\n{nat}}}\n",
+        deny.join(", ")
+    );
+    run("nft", &["-f", "-"], Some(&text))
+}
+
+/// Run `f` on a thread that has entered namespace `ns` (commands it starts run there too).
+pub(super) fn in_netns<T: Send>(ns: &Path, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            setns(ns)?;
+            f()
+        })
+        .join()
+        .unwrap_or_else(|_| {
+            Err(HostError::Network {
+                what: format!("working in {}", ns.display()),
+                reason: "the thread panicked".into(),
+            })
+        })
+    })
+}
+
+pub(super) fn setns(ns: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(ns).map_err(HostError::io(format!("opening {}", ns.display())))?;
+    // SAFETY: setns on an open namespace file; affects the calling thread only.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(HostError::io(format!("entering {}", ns.display()))(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
+pub(super) enum CreateError {
+    /// The namespace exists already (another process took the index).
+    Taken,
+    Failed(HostError),
+}
+
+/// Namespace `index` with its tap, its veth link to the host and the default policy.
+pub(super) fn create(index: u32, cfg: &NetConfig) -> Result<(), CreateError> {
+    let name = ns_name(index);
+    if let Err(e) = run("ip", &["netns", "add", &name], None) {
+        return Err(if ns_path(index).exists() {
+            CreateError::Taken
+        } else {
+            CreateError::Failed(e)
+        });
+    }
+    let (host, inner) = link_addrs(cfg, index);
+    let v = veth(index);
+    let host_side = format!(
+        "link add {v} type veth peer name {NS_VETH} netns {name}\n\
+         addr add {host}/30 dev {v}\nlink set {v} up\n"
+    );
+    let inside = format!(
+        "link set lo up\n\
+         tuntap add dev {TAP} mode tap vnet_hdr\n\
+         link set {TAP} address {TAP_MAC}\n\
+         addr add {GATEWAY}/{GUEST_PREFIX} dev {TAP}\n\
+         link set {TAP} up\n\
+         addr add {inner}/30 dev {NS_VETH}\n\
+         link set {NS_VETH} up\n\
+         route add default via {host}\n"
+    );
+    let ns = ns_path(index);
+    let made = run("ip", &["-batch", "-"], Some(&host_side)).and_then(|()| {
+        in_netns(&ns, || {
+            run("ip", &["-batch", "-"], Some(&inside))?;
+            let knob = "/proc/sys/net/ipv4/ip_forward";
+            std::fs::write(knob, "1")
+                .map_err(HostError::io(format!("writing {knob} in {name}")))?;
+            run(
+                "nft",
+                &["-f", "-"],
+                Some(&ns_table(cfg, index, &cfg.default_policy)),
+            )
+        })
+    });
+    made.map_err(CreateError::Failed)
+}
+
+/// The namespace's own table: address rewriting both ways and the egress policy.
+fn ns_table(cfg: &NetConfig, index: u32, policy: &Policy) -> String {
+    let (_, inner) = link_addrs(cfg, index);
+    let egress: String = policy
+        .egress_rules()
+        .iter()
+        .map(|r| format!("    {r}\n"))
+        .collect();
+    format!(
+        "table ip tine\ndelete table ip tine\ntable ip tine {{\n\
+         \x20 chain pre {{\n    type nat hook prerouting priority dstnat; policy accept;\n    \
+         iifname \"{NS_VETH}\" ip daddr {inner} dnat to {GUEST_ADDR}\n  }}\n\
+         \x20 chain post {{\n    type nat hook postrouting priority srcnat; policy accept;\n    \
+         oifname \"{NS_VETH}\" ip saddr {GUEST_ADDR} snat to {inner}\n  }}\n\
+         \x20 chain route {{\n    type filter hook forward priority filter; policy drop;\n    \
+         ct state established,related accept\n    \
+         iifname \"{NS_VETH}\" oifname \"{TAP}\" ct status dnat accept\n    \
+         iifname \"{TAP}\" oifname \"{NS_VETH}\" jump outbound\n  }}\n\
+         \x20 chain outbound {{\n{egress}  }}\n\
+         \x20 chain local {{\n    type filter hook input priority filter; policy accept;\n    \
+         iifname \"{TAP}\" ct state established,related accept\n    \
+         iifname \"{TAP}\" drop\n  }}\n}}\n"
+    )
+}
+
+/// Replace namespace `index`'s rules with `policy` (one transaction).
+pub(super) fn apply_policy(index: u32, cfg: &NetConfig, policy: &Policy) -> Result<()> {
+    in_netns(&ns_path(index), || {
+        run("nft", &["-f", "-"], Some(&ns_table(cfg, index, policy)))
+    })
+}
+
+/// Remove namespace `index` and its links; what is already gone is not an error.
+pub(super) fn destroy(index: u32) {
+    // The host end first and synchronously: a namespace is torn down in the background, and
+    // its veth name must be free when the index is reused.
+    let _ = Command::new("ip")
+        .args(["link", "del", &veth(index)])
+        .stderr(Stdio::null())
+        .status();
+    if ns_path(index).exists() {
+        if let Err(e) = run("ip", &["netns", "del", &ns_name(index)], None) {
+            tracing::warn!("removing a child network: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_map_to_one_index_only() {
+        assert_eq!(index_of("tine-12"), Some(12));
+        for bad in [
+            "tine-012",
+            "tine-",
+            "tine-x",
+            "other-1",
+            "tine--1",
+            "tine-1/../x",
+        ] {
+            assert_eq!(index_of(bad), None, "{bad}");
+        }
+        assert_eq!(index_of(&ns_name(7)), Some(7));
+    }
+
+    #[test]
+    fn links_are_disjoint_thirty_twos() {
+        let cfg = NetConfig::default();
+        assert_eq!(
+            link_addrs(&cfg, 0),
+            (Ipv4Addr::new(10, 200, 0, 1), Ipv4Addr::new(10, 200, 0, 2))
+        );
+        assert_eq!(
+            link_addrs(&cfg, 64),
+            (Ipv4Addr::new(10, 200, 1, 1), Ipv4Addr::new(10, 200, 1, 2))
+        );
+        assert_eq!(cfg.capacity(), 16384);
+    }
+
+    #[test]
+    fn the_namespace_table_forwards_to_the_guest_and_applies_the_policy() {
+        let cfg = NetConfig::default();
+        let t = ns_table(&cfg, 1, &cfg.default_policy);
+        assert!(t.contains("ip daddr 10.200.0.6 dnat to 10.254.0.2"), "{t}");
+        assert!(t.contains("snat to 10.200.0.6"), "{t}");
+        assert!(t.contains("chain outbound {\n    accept\n  }"), "{t}");
+    }
+}
