@@ -1029,6 +1029,23 @@ impl Sandboxes for Api {
         self.ctx.finish(call, res.map(Response::new))
     }
 
+    async fn expose_port(
+        &self,
+        req: Request<pb::ExposePortRequest>,
+    ) -> Result<Response<pb::ExposePortResponse>, Status> {
+        let r = req.get_ref();
+        let args = json!({"sandbox_id": r.sandbox_id, "guest_port": r.guest_port});
+        let call = self.ctx.begin(Rpc::ExposePort, &req, args)?;
+        let res = async {
+            let r = req.into_inner();
+            validate::guest_port(r.guest_port)?;
+            let mut c = self.sandbox_client(&r.sandbox_id).await?;
+            Ok(c.expose_port(r).await?.into_inner())
+        }
+        .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
     async fn read_file(
         &self,
         req: Request<pb::ReadFileRequest>,

@@ -229,6 +229,16 @@ impl Executor for FakeExecutor {
         }))
     }
 
+    async fn expose_port(
+        &self,
+        req: Request<pb::ExposePortRequest>,
+    ) -> Result<Response<pb::ExposePortResponse>, Status> {
+        let r = req.into_inner();
+        Ok(Response::new(pb::ExposePortResponse {
+            address: format!("exposed {} of {}", r.guest_port, r.sandbox_id),
+        }))
+    }
+
     async fn read_file(
         &self,
         req: Request<pb::ReadFileRequest>,
@@ -818,6 +828,17 @@ async fn restart_keeps_everything_and_executors_readopt_their_sandboxes() {
         .unwrap()
         .into_inner();
     assert_eq!(v.value.unwrap(), format!("evaluated 1 + 1 on {}", alive.id));
+    // Exposing a port goes to the sandbox's executor; a port outside 1..=65535 is refused.
+    let port = |guest_port| pb::ExposePortRequest {
+        sandbox_id: alive.id.clone(),
+        guest_port,
+    };
+    let e = sb.expose_port(port(8000)).await.unwrap().into_inner();
+    assert_eq!(e.address, format!("exposed 8000 of {}", alive.id));
+    for bad in [0, 65536] {
+        let err = sb.expose_port(port(bad)).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{bad}");
+    }
     let err = sb
         .eval(pb::EvalRequest {
             sandbox_id: dead.clone(),

@@ -49,6 +49,12 @@ impl Executor for NullExecutor {
     ) -> Result<Response<pb::Snapshot>, Status> {
         unsupported("branches")
     }
+    async fn expose_port(
+        &self,
+        _: Request<pb::ExposePortRequest>,
+    ) -> Result<Response<pb::ExposePortResponse>, Status> {
+        unsupported("exposed ports")
+    }
     type StartBranchStream = BoxStream<xpb::BranchEvent>;
     async fn start_branch(
         &self,

@@ -53,6 +53,14 @@ pub fn ready_timeout_ms(ms: u32) -> Result<(), Status> {
     Ok(())
 }
 
+/// A TCP port of a guest: 1..=65535.
+pub fn guest_port(p: u32) -> Result<u16, Status> {
+    u16::try_from(p)
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| invalid("guest_port", format!("{p} is outside 1..=65535")))
+}
+
 /// A spawn's network request, checked: `internet` None means the executor's default.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NetworkRequest {

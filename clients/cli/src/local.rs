@@ -106,6 +106,9 @@ pub struct NetArgs {
     /// the link network is routed to this host).
     #[arg(long)]
     pub net_no_masquerade: bool,
+    /// Where exposed guest ports (`tine sandbox port`) listen on this host.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub net_expose_ip: std::net::IpAddr,
 }
 
 impl NetArgs {
@@ -148,6 +151,7 @@ impl NetArgs {
             links: parse("net-links", &self.net_links)?,
             pool: self.net_pool,
             masquerade: !self.net_no_masquerade,
+            expose_ip: self.net_expose_ip,
         }))
     }
 }

@@ -151,6 +151,9 @@ pub enum SandboxCommand {
     },
     /// Evaluate Python in a sandbox's warm interpreter.
     Eval { id: String, code: String },
+    /// Expose a TCP port of the sandbox's guest on its executor host; prints host:port.
+    /// Closed when the sandbox ends.
+    Port { id: String, guest_port: u32 },
     /// Copy a file: `ID:/path LOCAL` (out) or `LOCAL ID:/path` (in).
     Cp { from: String, to: String },
     /// Snapshot a running sandbox under a new tag; it runs on, and children of the new tag
@@ -405,6 +408,18 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                     }
                 }
                 bail!("the exec stream ended without an exit status")
+            }
+            SandboxCommand::Port { id, guest_port } => {
+                let r = sb
+                    .expose_port(pb::ExposePortRequest {
+                        sandbox_id: id,
+                        guest_port,
+                    })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                println!("{}", r.address);
+                Ok(0)
             }
             SandboxCommand::Eval { id, code } => {
                 let r = sb

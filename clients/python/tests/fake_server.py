@@ -40,6 +40,7 @@ class State:
         self.files: dict[tuple[str, str], tuple[int, bytes]] = {}
         self.globals: dict[str, dict[str, Any]] = {}
         self.write_chunk_sizes: list[int] = []
+        self.last_network: Any = None
         self.next_id = 0
 
     def new_id(self) -> str:
@@ -114,6 +115,7 @@ class Sandboxes(pb_grpc.SandboxesServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "count must be at least 1")
         if request.tag not in self.st.snapshots and request.tag not in ("flaky", "broken-stream"):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no snapshot {request.tag!r}")
+        self.st.last_network = request.network if request.HasField("network") else None
         snap = self.st.snapshots.get(request.tag)
         if snap is not None and snap.state == pb.SNAPSHOT_STATE_WRITING and request.no_wait:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"snapshot {request.tag} is still being written")
@@ -157,6 +159,13 @@ class Sandboxes(pb_grpc.SandboxesServicer):
         if sb is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.id!r}")
         return sb
+
+    def ExposePort(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        self._get(request.sandbox_id, context)
+        if not 1 <= request.guest_port <= 65535:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"guest_port: {request.guest_port} is outside 1..=65535")
+        return pb.ExposePortResponse(address=f"127.0.0.1:{40000 + request.guest_port % 20000}")
 
     def KillSandbox(self, request: Any, context: Any) -> Any:
         _auth(context)

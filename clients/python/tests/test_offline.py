@@ -189,6 +189,28 @@ def test_spawn() -> None:
             raise AssertionError("bad policy accepted")
 
 
+def test_network_policy_and_exposed_ports() -> None:
+    with _served() as (srv, c):
+        c.spawn("py", n=1)
+        assert srv.state.last_network is None, "nothing asked: the executor's default"
+        c.spawn("py", n=1, internet=False, allow=["198.51.100.0/24:443"], deny=["198.51.100.9"])
+        n = srv.state.last_network
+        assert n is not None and n.internet == tine.v1.tine_pb2.INTERNET_DENY
+        assert list(n.allow) == ["198.51.100.0/24:443"] and list(n.deny) == ["198.51.100.9"]
+        c.spawn("py", n=1, internet=True)
+        n = srv.state.last_network
+        assert n is not None and n.internet == tine.v1.tine_pb2.INTERNET_ALLOW
+        try:
+            c.spawn("py", n=1, allow="10.0.0.0/8")
+        except TypeError:
+            pass
+        else:
+            raise AssertionError("a bare string taken as a list of entries")
+        sb = c.spawn("py", n=1)[0]
+        assert sb.expose_port(8000) == "127.0.0.1:48000"
+        _raises("INVALID_ARGUMENT", sb.expose_port, 70000)
+
+
 def test_spawn_partial_failure() -> None:
     with _served() as (_, c):
         try:

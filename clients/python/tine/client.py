@@ -386,6 +386,16 @@ class Files:
         return resp.size
 
 
+def _network(internet: bool | None, allow: Sequence[str], deny: Sequence[str]) -> pb.Network | None:
+    """The spawn's network request; None (the executor's default) when nothing is asked."""
+    if internet is None and not allow and not deny:
+        return None
+    if isinstance(allow, str) or isinstance(deny, str):
+        raise TypeError("tine: allow and deny are lists of CIDR[:port] strings")
+    want = {None: pb.INTERNET_DEFAULT, True: pb.INTERNET_ALLOW, False: pb.INTERNET_DENY}[internet]
+    return pb.Network(internet=want, allow=list(allow), deny=list(deny))
+
+
 class Sandbox:
     """A running child of a snapshot. Use as a context manager to kill it on exit."""
 
@@ -502,6 +512,12 @@ class Sandbox:
         if r.error is not None:
             raise EvalError(r.error, r.stdout, r.stderr)
         return r.value
+
+    def expose_port(self, guest_port: int) -> str:
+        """Forward a port of the sandbox's executor host to TCP ``guest_port`` of the guest
+        (a server started in it); returns "host:port". Closed when the sandbox ends."""
+        req = pb.ExposePortRequest(sandbox_id=self.id, guest_port=guest_port)
+        return self._client._unary(self._client._sandboxes.ExposePort, req).address
 
     def kill(self) -> None:
         """Kill the sandbox (its state becomes KILLED)."""
@@ -726,6 +742,9 @@ class Client:
         memory_limit_mib: int = 0,
         cpu_millis: int = 0,
         wait_for_snapshot: bool = True,
+        internet: bool | None = None,
+        allow: Sequence[str] = (),
+        deny: Sequence[str] = (),
     ) -> Iterator[SpawnEvent]:
         """Fork ``n`` children of snapshot ``tag``; yields one ``SpawnEvent`` per child as
         it becomes ready or fails, in that order (not by index).
@@ -734,6 +753,10 @@ class Client:
         ``timeout_s``: per-child readiness deadline (None: the server's default);
         ``executors``: only these executors; ``wait_for_snapshot=False``: fail with
         FAILED_PRECONDITION instead of waiting when ``tag`` is still being written.
+        ``internet``: let the children reach the internet (None: the executor's default);
+        ``allow``/``deny``: "CIDR[:port]" entries reachable even with the internet denied /
+        never reachable (deny wins). The executor's own addresses and other sandboxes are
+        never reachable.
         Leaving the loop early cancels the stream; children already yielded keep running.
         """
         if n < 0:
@@ -749,6 +772,7 @@ class Client:
             placement=pb.Placement(policy=pol, executors=list(executors)),
             ready_timeout_ms=_ms(timeout_s),
             no_wait=not wait_for_snapshot,
+            network=_network(internet, allow, deny),
         )
         for ev in self._stream(self._sandboxes.Spawn, req, None):
             kind = ev.WhichOneof("result")
@@ -777,6 +801,9 @@ class Client:
         memory_limit_mib: int = 0,
         cpu_millis: int = 0,
         wait_for_snapshot: bool = True,
+        internet: bool | None = None,
+        allow: Sequence[str] = (),
+        deny: Sequence[str] = (),
     ) -> list[Sandbox]:
         """Fork ``n`` children of snapshot ``tag`` and wait for all of them; returns them
         in request order. Raises ``SpawnError`` if any child failed: its ``failures`` say
@@ -793,6 +820,9 @@ class Client:
                 memory_limit_mib=memory_limit_mib,
                 cpu_millis=cpu_millis,
                 wait_for_snapshot=wait_for_snapshot,
+                internet=internet,
+                allow=allow,
+                deny=deny,
             ):
                 if ev.sandbox is not None:
                     ready[ev.index] = ev.sandbox

@@ -575,6 +575,24 @@ impl Executor for ExecutorService {
         }))
     }
 
+    async fn expose_port(
+        &self,
+        req: Request<pb::ExposePortRequest>,
+    ) -> Result<Response<pb::ExposePortResponse>, Status> {
+        self.state.refuse_vm_work()?;
+        let r = req.into_inner();
+        let id = validate::sandbox_id("sandbox_id", &r.sandbox_id)?;
+        let port = validate::guest_port(r.guest_port)?;
+        let st = self.state.clone();
+        let addr = tokio::task::spawn_blocking(move || st.host.expose_port(&id, port))
+            .await
+            .map_err(internal)?
+            .map_err(|e| host_status(&e))?;
+        Ok(Response::new(pb::ExposePortResponse {
+            address: addr.to_string(),
+        }))
+    }
+
     async fn read_file(
         &self,
         req: Request<pb::ReadFileRequest>,

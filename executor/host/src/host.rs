@@ -156,6 +156,8 @@ pub struct Host {
     fetcher: Option<Arc<Fetcher>>,
     /// Children's networks (None: no network interfaces).
     network: Option<Arc<Network>>,
+    /// Guest ports exposed on this host, per child; closed with it.
+    exposed: Mutex<HashMap<SandboxId, Vec<crate::network::expose::Forward>>>,
     /// Held while an executor daemon owns this data directory.
     _lock: Option<OwnedFd>,
 }
@@ -221,6 +223,7 @@ impl Host {
             vms: Mutex::new(Vms::default()),
             fetcher,
             network,
+            exposed: Mutex::new(HashMap::new()),
             _lock: lock,
         })
     }
@@ -243,8 +246,68 @@ impl Host {
         self.network.as_ref()
     }
 
-    /// Remove a VM's directory and its network.
+    /// Forward connections to a port on this host to `guest_port` of VM `id`'s guest; the
+    /// same port again gets the same address. Closed when the VM goes.
+    pub fn expose_port(&self, id: &SandboxId, guest_port: u16) -> Result<std::net::SocketAddr> {
+        const MAX_EXPOSED: usize = 64;
+        if guest_port == 0 {
+            return Err(HostError::NetworkRefused("guest port 0".into()));
+        }
+        let net_name = {
+            let vms = self.vms();
+            let live = vms
+                .live
+                .get(id)
+                .ok_or_else(|| HostError::NoVm(id.clone()))?;
+            live.record.net.clone()
+        };
+        let (Some(net), Some(name)) = (&self.network, net_name) else {
+            return Err(HostError::NetworkRefused(format!(
+                "sandbox {id} has no network (its executor or its snapshot has none)"
+            )));
+        };
+        let target = net
+            .guest_address(&name)
+            .ok_or_else(|| HostError::NetworkRefused(format!("{name} is not a child network")))?;
+        let mut exposed = self.exposed.lock().unwrap_or_else(|p| p.into_inner());
+        let ports = exposed.entry(id.clone()).or_default();
+        if let Some(f) = ports.iter().find(|f| f.guest_port() == guest_port) {
+            return Ok(f.addr());
+        }
+        if ports.len() >= MAX_EXPOSED {
+            return Err(HostError::NetworkRefused(format!(
+                "sandbox {id} has {MAX_EXPOSED} exposed ports already"
+            )));
+        }
+        let bind = net.config().expose_ip;
+        let f = crate::network::expose::Forward::open(
+            bind,
+            std::net::SocketAddrV4::new(target, guest_port),
+        )
+        .map_err(HostError::io(format!(
+            "listening on {bind} for sandbox {id}"
+        )))?;
+        let addr = f.addr();
+        ports.push(f);
+        drop(exposed);
+        // Killed meanwhile: its forward must not outlive it (never both locks at once).
+        if !self.vms().live.contains_key(id) {
+            self.exposed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(id);
+            return Err(HostError::NoVm(id.clone()));
+        }
+        tracing::info!(%id, guest_port, %addr, "guest port exposed");
+        Ok(addr)
+    }
+
+    /// Remove a VM's directory, its exposed ports and its network.
     fn discard(&self, record: &VmRecord) {
+        self.exposed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&record.id);
         let _ = std::fs::remove_dir_all(&record.dir);
         if let Some(ns) = &record.net {
             crate::network::remove_recorded(&self.cfg.data_dir.join("net"), ns);
@@ -988,7 +1051,7 @@ impl Host {
             None => JobMemory::Image,
         };
         let handed = self.hand_off(tag, snapshot, &id, memory, policy);
-        let (pid, restored_pipe, process) = match handed {
+        let (pid, restored_pipe, process, network) = match handed {
             Ok(x) => x,
             Err(e) => return fail(id, None, e),
         };
@@ -1003,7 +1066,8 @@ impl Host {
             None => None,
         };
         let mut phases = SpawnPhases {
-            handoff: t.elapsed(),
+            network,
+            handoff: t.elapsed().saturating_sub(network),
             ..SpawnPhases::default()
         };
         let result = make_ready(
@@ -1066,13 +1130,13 @@ impl Host {
         id: &SandboxId,
         memory: JobMemory,
         policy: Option<&Policy>,
-    ) -> Result<(u32, std::fs::File, ProcessIdentity)> {
+    ) -> Result<(u32, std::fs::File, ProcessIdentity, Duration)> {
         let _s = tracing::info_span!("spawn.handoff").entered();
         let started = self.start_worker(tag, snapshot, id, memory, policy);
         let mut vms = self.vms();
         vms.starting -= 1;
         let cancelled = vms.pending.remove(id) == Some(true);
-        let (record, mut child, restored) = started?;
+        let (record, mut child, restored, network) = started?;
         if cancelled {
             drop(vms);
             let _ = child.kill();
@@ -1089,7 +1153,7 @@ impl Host {
                 ready: false,
             },
         );
-        Ok((pid, restored, process))
+        Ok((pid, restored, process, network))
     }
 
     /// The child's directory and record, and a worker running the job; nothing is left
@@ -1101,7 +1165,7 @@ impl Host {
         id: &SandboxId,
         memory: JobMemory,
         policy: Option<&Policy>,
-    ) -> Result<(VmRecord, Child, std::fs::File)> {
+    ) -> Result<(VmRecord, Child, std::fs::File, Duration)> {
         let dir = self.cfg.vms_dir().join(id.as_str());
         match std::fs::create_dir(&dir) {
             Ok(()) => {}
@@ -1111,10 +1175,13 @@ impl Host {
             Err(e) => return Err(HostError::io(format!("creating {}", dir.display()))(e)),
         }
         let mut lease = None;
+        let mut network = Duration::ZERO;
         let started = (|| {
             if let (Some(net), Some(policy)) = (&self.network, policy) {
                 let _s = tracing::info_span!("spawn.network").entered();
+                let t = Instant::now();
                 lease = Some(net.take(policy)?);
+                network = t.elapsed();
             }
             // Dropping the worker on any error below kills and reaps it.
             let worker = self.pool.take()?;
@@ -1139,7 +1206,7 @@ impl Host {
                 memory,
                 netns: lease.as_ref().map(|l| l.path()),
             })?;
-            Ok((record, child, restored))
+            Ok((record, child, restored, network))
         })();
         if started.is_err() {
             let _ = std::fs::remove_dir_all(&dir);

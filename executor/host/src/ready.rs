@@ -19,6 +19,8 @@ pub fn agent(sock: &Path) -> AgentClient {
 /// Where a child's readiness time went (also the executor's spawn-phase metrics).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SpawnPhases {
+    /// Its network namespace taken from the pool (or made) and its policy applied.
+    pub network: Duration,
     /// Child directory + record, a worker taken from the pool and handed the job.
     pub handoff: Duration,
     /// The worker's `Vm::restore` (KVM VM, memory mapping, vCPU + device state).
@@ -36,8 +38,9 @@ pub struct SpawnPhases {
 impl SpawnPhases {
     /// (name, duration) of each phase in order, then the total: the one list the metrics
     /// and the benchmark table both use.
-    pub fn named(&self) -> [(&'static str, Duration); 6] {
+    pub fn named(&self) -> [(&'static str, Duration); 7] {
         [
+            ("network", self.network),
             ("handoff", self.handoff),
             ("restore", self.restore),
             ("running", self.running),

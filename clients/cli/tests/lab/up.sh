@@ -1,6 +1,7 @@
 #!/bin/sh
 # Control plane end to end: `tine up` (control plane + local executor), a snapshot made through
-# the API, sandboxes spawned through the CLI and the Python client, evals in each.
+# the API, sandboxes spawned through the CLI and the Python client, evals in each, child
+# networks (net.sh), branches, metrics.
 # Usage: up.sh TINE IMAGE WORKDIR PYTHON_VENV
 set -u
 T=$1 IMG=$2 W=$3 VENV=$4
@@ -9,8 +10,10 @@ mkdir -p "$W"
 ok() { echo "CHECK $1 ok"; }
 fail() { echo "CHECK $1 FAIL $2"; }
 
+# --net-no-masquerade: the test's "internet" routes the child links back, so its server sees
+# each child's own address (net.sh).
 "$T" up --data-dir "$W/data" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
-  --executor-metrics-listen 127.0.0.1:0 --pool 4 \
+  --executor-metrics-listen 127.0.0.1:0 --pool 4 --net-no-masquerade \
   >"$W/up.out" 2>"$W/up.err" &
 UP=$!
 i=0
@@ -36,6 +39,8 @@ for id in $(grep 'ready in' "$W/spawn" | awk '{print $1}'); do
 done
 [ "$good" = 3 ] && ok eval-cli || fail eval-cli "$good of 3 returned 42"
 "$T" sandbox ls
+
+. "$(dirname "$0")/net.sh"
 
 # The Python client: the example (3 sandboxes, eval in each) and the live test suite with spawning.
 if "$VENV/bin/python" "$PY/examples/fork_and_eval.py" py -n 3 >"$W/py-example" 2>&1; then ok python-example
@@ -105,7 +110,7 @@ python3 -c 'import sys,urllib.request; sys.stdout.write(urllib.request.urlopen(s
 grep -E '^tine_executor_(spawn_phase_seconds_(sum|count)|pool_idle_workers|vms_running|spawn_failures_total)' "$W/executor-metrics"
 n=$(sed -n 's/^tine_executor_spawn_phase_seconds_count{phase="restore"} //p' "$W/executor-metrics")
 missing=""
-for p in handoff restore running agent fixup total; do
+for p in network handoff restore running agent fixup total; do
   grep -q "^tine_executor_spawn_phase_seconds_count{phase=\"$p\"} [1-9]" "$W/executor-metrics" || missing="$missing $p"
 done
 [ -z "$missing" ] && [ "${n:-0}" -ge 3 ] && ok executor-metrics \

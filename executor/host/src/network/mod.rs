@@ -12,6 +12,7 @@
 //! (the control plane), or another child; nothing from outside reaches a child except
 //! replies and what the host forwards to it.
 
+pub mod expose;
 mod policy;
 mod setup;
 
@@ -51,6 +52,8 @@ pub struct NetConfig {
     /// Rewrite children's traffic to the host's address when it leaves the host (needed to
     /// reach anything that has no route back to `links`).
     pub masquerade: bool,
+    /// Where exposed guest ports listen on the host.
+    pub expose_ip: std::net::IpAddr,
 }
 
 impl Default for NetConfig {
@@ -69,6 +72,7 @@ impl Default for NetConfig {
             },
             pool: 4,
             masquerade: true,
+            expose_ip: std::net::IpAddr::V4(Ipv4Addr::LOCALHOST),
         }
     }
 }
@@ -259,6 +263,12 @@ impl Network {
             "all {capacity} child networks of {} are in use",
             self.cfg.links
         )))
+    }
+
+    /// The address on the host's side that reaches the guest of child network `name` (its
+    /// namespace forwards it to the guest).
+    pub fn guest_address(&self, name: &str) -> Option<Ipv4Addr> {
+        setup::index_of(name).map(|i| setup::link_addrs(&self.cfg, i).1)
     }
 
     /// Remove a lease's namespace, links and rules.

@@ -35,7 +35,7 @@ fn veth(index: u32) -> String {
 }
 
 /// The host's and the namespace's ends of link `index`.
-fn link_addrs(cfg: &NetConfig, index: u32) -> (Ipv4Addr, Ipv4Addr) {
+pub(super) fn link_addrs(cfg: &NetConfig, index: u32) -> (Ipv4Addr, Ipv4Addr) {
     let base = u32::from(cfg.links.addr) + index * 4;
     (Ipv4Addr::from(base + 1), Ipv4Addr::from(base + 2))
 }
