@@ -28,6 +28,9 @@ pub enum BenchCommand {
     /// Branch: the pause window of DIFF and FULL branches after N MiB written (beside a bare
     /// pause + resume), the call's return time, and spawn-to-ready from depth 0..D of a chain.
     Branch(crate::bench_branch::BranchBench),
+    /// Child networks: spawn-to-ready with and without a network, TCP throughput between a
+    /// guest and a server on this host (iperf3), requests per second to an exposed port.
+    Net(crate::bench_net::NetBench),
 }
 
 #[derive(clap::Args)]
@@ -57,6 +60,7 @@ pub fn run(c: BenchCommand) -> Result<i32> {
         BenchCommand::Agent(a) => tine_agent::bench::run(&a).map(|()| 0),
         BenchCommand::Fetch(f) => crate::bench_fetch::run(f),
         BenchCommand::Branch(b) => crate::bench_branch::run(b),
+        BenchCommand::Net(b) => crate::bench_net::run(b),
     }
 }
 

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_branch;
 mod bench_fetch;
+mod bench_net;
 mod defaults;
 mod doctor;
 mod fork;

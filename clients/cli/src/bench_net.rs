@@ -1,0 +1,301 @@
+//! `tine bench net`: what a child network costs and carries. Spawn-to-ready of children with
+//! and without a network (one at a time, the namespaces pooled as a daemon keeps them), TCP
+//! throughput between a guest and a server in a namespace the bench makes (Debian's iperf3
+//! on both ends: the host's binary and libraries are copied into the guest), and HTTP
+//! requests per second to a server in the guest through an exposed port. Sets up child
+//! networks on this host like an executor does (forwarding on, the `inet tine` table).
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use tine_agent::client::{AgentClient, ExecOptions};
+use tine_host::network::{NetConfig, Policy};
+use tine_host::{Host, Limits, Owner, ParentSpec, Readiness, SpawnOptions, SpawnPhases};
+use tine_proto::names::{SandboxId, Tag};
+
+use crate::bench_fetch::p50;
+
+#[derive(clap::Args)]
+pub struct NetBench {
+    /// The image the parent boots (it needs python3).
+    #[arg(long, default_value = "python-numpy")]
+    image: String,
+    /// Children spawned one at a time, with and without a network.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Seconds of each iperf3 run and of each request loop.
+    #[arg(long, default_value_t = 5)]
+    seconds: u64,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// The "internet" the bench talks to: a namespace with one end of a veth pair.
+const INET_NS: &str = "tine-bench-inet";
+const INET_HOST: &str = "198.51.100.1";
+const INET_ADDR: &str = "198.51.100.2";
+
+struct Inet;
+
+impl Inet {
+    fn make() -> Result<Inet> {
+        Inet::remove();
+        let ip = |args: &str| -> Result<()> {
+            let st = Command::new("ip").args(args.split_whitespace()).status()?;
+            if !st.success() {
+                bail!("ip {args} failed");
+            }
+            Ok(())
+        };
+        ip(&format!("netns add {INET_NS}"))?;
+        let inet = Inet;
+        ip(&format!(
+            "link add tbinet type veth peer name tbinet0 netns {INET_NS}"
+        ))?;
+        ip(&format!("addr add {INET_HOST}/24 dev tbinet"))?;
+        ip("link set tbinet up")?;
+        ip(&format!("-n {INET_NS} addr add {INET_ADDR}/24 dev tbinet0"))?;
+        ip(&format!("-n {INET_NS} link set tbinet0 up"))?;
+        ip(&format!("-n {INET_NS} link set lo up"))?;
+        Ok(inet)
+    }
+
+    fn remove() {
+        let _ = Command::new("ip")
+            .args(["link", "del", "tbinet"])
+            .stderr(Stdio::null())
+            .status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", INET_NS])
+            .stderr(Stdio::null())
+            .status();
+    }
+
+    /// A one-shot iperf3 server in the namespace.
+    fn iperf3_server(&self) -> Result<Child> {
+        let c = Command::new("ip")
+            .args([
+                "netns", "exec", INET_NS, "iperf3", "-s", "-1", "-B", INET_ADDR,
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting iperf3 -s (apt install iperf3)")?;
+        std::thread::sleep(Duration::from_millis(500));
+        Ok(c)
+    }
+}
+
+impl Drop for Inet {
+    fn drop(&mut self) {
+        Inet::remove();
+    }
+}
+
+fn spawn_one(host: &Host, tag: &Tag, network: Option<Policy>) -> Result<(SandboxId, SpawnPhases)> {
+    host.prestart_workers(1);
+    let out = Mutex::new(None);
+    let opts = SpawnOptions {
+        ready_timeout: Some(Duration::from_secs(300)),
+        network,
+        ..SpawnOptions::default()
+    };
+    host.spawn(tag, vec![SandboxId::random("bench")], &opts, |o| {
+        *out.lock().unwrap() = Some(o)
+    })?;
+    let o = out
+        .into_inner()
+        .unwrap()
+        .context("the spawn reported nothing")?;
+    match o.result {
+        Ok(p) => Ok((o.id, p)),
+        Err(e) => bail!("child {} failed: {e}", o.id),
+    }
+}
+
+/// Copy the host's iperf3 and the libraries it needs beyond the C library into the guest's
+/// /tmp/iperf3 (guest and host are both Debian bookworm).
+fn install_iperf3(agent: &AgentClient) -> Result<()> {
+    let ldd = Command::new("ldd").arg("/usr/bin/iperf3").output()?;
+    let mut files = vec![PathBuf::from("/usr/bin/iperf3")];
+    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+        let Some(path) = line
+            .split("=> ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+        else {
+            continue;
+        };
+        let name = Path::new(path)
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy();
+        if !["libc.so", "libm.so"].iter().any(|l| name.starts_with(l)) {
+            files.push(PathBuf::from(path));
+        }
+    }
+    agent.exec_output(&["mkdir", "-p", "/tmp/iperf3"], &ExecOptions::default())?;
+    for f in files {
+        let name = f.file_name().unwrap().to_string_lossy().into_owned();
+        let data = std::fs::read(&f)
+            .with_context(|| format!("reading {} (apt install iperf3)", f.display()))?;
+        agent.write_file(&format!("/tmp/iperf3/{name}"), 0o755, &data[..])?;
+    }
+    Ok(())
+}
+
+/// iperf3 from the guest to the namespace's server (`reverse`: server to guest); bits/s.
+fn iperf3(inet: &Inet, agent: &AgentClient, seconds: u64, reverse: bool) -> Result<f64> {
+    let mut server = inet.iperf3_server()?;
+    let t = seconds.to_string();
+    let mut argv = vec!["/tmp/iperf3/iperf3", "-c", INET_ADDR, "-t", &t, "-J"];
+    if reverse {
+        argv.push("-R");
+    }
+    let opts = ExecOptions {
+        env: vec![("LD_LIBRARY_PATH".into(), "/tmp/iperf3".into())],
+        timeout: Some(Duration::from_secs(seconds + 60)),
+        ..ExecOptions::default()
+    };
+    let (status, out, err) = agent.exec_output(&argv, &opts)?;
+    let _ = server.kill();
+    let _ = server.wait();
+    if !status.success() {
+        bail!(
+            "iperf3 in the guest: {}{}",
+            String::from_utf8_lossy(&out),
+            String::from_utf8_lossy(&err)
+        );
+    }
+    let doc: serde_json::Value = serde_json::from_slice(&out).context("iperf3's JSON")?;
+    doc["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .context("iperf3's JSON has no end.sum_received.bits_per_second")
+}
+
+/// Requests per second for `seconds`, a new connection per request (HTTP/1.0).
+fn requests_per_second(addr: &str, seconds: u64) -> Result<f64> {
+    let t0 = Instant::now();
+    let mut n = 0u64;
+    while t0.elapsed() < Duration::from_secs(seconds) {
+        let mut c =
+            std::net::TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
+        c.set_read_timeout(Some(Duration::from_secs(10)))?;
+        c.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
+        let mut body = Vec::new();
+        c.read_to_end(&mut body)?;
+        if !body.starts_with(b"HTTP/1.0 200") {
+            bail!(
+                "{addr} answered {:?}",
+                String::from_utf8_lossy(&body[..body.len().min(40)])
+            );
+        }
+        n += 1;
+    }
+    Ok(n as f64 / t0.elapsed().as_secs_f64())
+}
+
+pub fn run(b: NetBench) -> Result<i32> {
+    if b.runs == 0 || b.seconds == 0 {
+        bail!("--runs and --seconds must be at least 1");
+    }
+    let base = crate::local::host_config(Owner::Cli, Limits::default(), Readiness::Agent)?;
+    let scratch = tempfile::Builder::new()
+        .prefix("bench-net-")
+        .tempdir_in(&base.data_dir)
+        .context("making a scratch directory in the data dir")?;
+    let mut cfg = base.clone();
+    cfg.data_dir = scratch.path().to_path_buf();
+    let plain = Host::open(cfg.clone())?;
+    cfg.network = Some(NetConfig {
+        pool: 2,
+        ..NetConfig::default()
+    });
+    let net = Host::open(cfg)?;
+    net.fill_pool();
+    let tag = Tag::parse("bench-net")?;
+    let t = Instant::now();
+    net.create_snapshot(&ParentSpec {
+        image: b.image.clone(),
+        tag: tag.clone(),
+        vcpus: 1,
+        mem_mib: None,
+        evals: Vec::new(),
+        ready_timeout: None,
+        replace: false,
+    })?;
+    println!(
+        "parent {} booted with a network interface and snapshotted in {:.1} s",
+        b.image,
+        t.elapsed().as_secs_f64()
+    );
+
+    // Spawn-to-ready, alternating so drift in the host's load hits both alike.
+    let (mut with, mut without, mut phase) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..b.runs {
+        std::thread::sleep(Duration::from_millis(300)); // the pools refill
+        let (id, p) = spawn_one(&net, &tag, None)?;
+        with.push(p.total.as_secs_f64() * 1e3);
+        phase.push(p.network.as_secs_f64() * 1e3);
+        net.kill(&id)?;
+        let (id, p) = spawn_one(&plain, &tag, None)?;
+        without.push(p.total.as_secs_f64() * 1e3);
+        plain.kill(&id)?;
+    }
+    let (with_p50, without_p50, phase_p50) = (p50(&mut with), p50(&mut without), p50(&mut phase));
+
+    // Throughput and requests, on one child.
+    let inet = Inet::make()?;
+    let (id, _) = spawn_one(&net, &tag, None)?;
+    let agent = tine_host::ready::agent(&net.vm_dir(&id)?.join("vsock.sock"));
+    install_iperf3(&agent)?;
+    let up = iperf3(&inet, &agent, b.seconds, false)?;
+    let down = iperf3(&inet, &agent, b.seconds, true)?;
+    let started = agent.eval(
+        "import threading, http.server; _srv = http.server.ThreadingHTTPServer(('0.0.0.0', 8000), http.server.SimpleHTTPRequestHandler); threading.Thread(target=_srv.serve_forever, daemon=True).start(); 'serving'",
+    )?;
+    if let Some(e) = started.error {
+        bail!("starting the guest's HTTP server: {e}");
+    }
+    let exposed = net.expose_port(&id, 8000)?.to_string();
+    let link = net
+        .list()
+        .into_iter()
+        .find(|v| v.record.id == id)
+        .and_then(|v| v.record.net)
+        .and_then(|n| net.network()?.guest_address(&n))
+        .context("the child's link address")?;
+    let direct = format!("{link}:8000");
+    let rps_exposed = requests_per_second(&exposed, b.seconds)?;
+    let rps_direct = requests_per_second(&direct, b.seconds)?;
+    net.kill(&id)?;
+    drop(inet);
+
+    println!("\nchild networks, {} children one at a time each way; iperf3 and request loops {} s each\n", b.runs, b.seconds);
+    println!("| measure | value | how |");
+    println!("| --- | ---: | --- |");
+    println!("| spawn-to-ready p50, no network | {without_p50:.1} ms | executor without child networks, same snapshot (its interface has no link) |");
+    println!("| spawn-to-ready p50, with network | {with_p50:.1} ms | namespace from the pool, default policy |");
+    println!("| of which `network` phase p50 | {phase_p50:.2} ms | taking the namespace (and applying a policy if it differs) |");
+    println!("| TCP guest -> server | {:.0} Mbit/s | iperf3 -c in the guest, iperf3 -s in a namespace on this host |", up / 1e6);
+    println!(
+        "| TCP server -> guest | {:.0} Mbit/s | iperf3 -c -R |",
+        down / 1e6
+    );
+    println!("| HTTP requests/s, exposed port | {rps_exposed:.0} | {exposed}: a connection per request to python's http.server in the guest |");
+    println!("| HTTP requests/s, link address | {rps_direct:.0} | {direct}: the same without the host's forwarder |");
+    let doc = format!(
+        "{{\"bench\":\"net\",\"image\":{:?},\"runs\":{},\"seconds\":{},\"spawn_ready_ms_p50_without\":{without_p50:.3},\"spawn_ready_ms_p50_with\":{with_p50:.3},\"network_phase_ms_p50\":{phase_p50:.3},\"tcp_up_bps\":{up:.0},\"tcp_down_bps\":{down:.0},\"http_rps_exposed\":{rps_exposed:.1},\"http_rps_link\":{rps_direct:.1}}}",
+        b.image, b.runs, b.seconds
+    );
+    println!("\njson: {doc}");
+    if let Some(p) = b.json {
+        std::fs::write(&p, &doc).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(0)
+}
