@@ -225,6 +225,7 @@ fn ns_table(cfg: &NetConfig, index: u32, policy: &Policy) -> String {
          \x20 chain post {{\n    type nat hook postrouting priority srcnat; policy accept;\n    \
          oifname \"{NS_VETH}\" ip saddr {GUEST_ADDR} snat to {inner}\n  }}\n\
          \x20 chain route {{\n    type filter hook forward priority filter; policy drop;\n    \
+         iifname \"{TAP}\" ip saddr != {GUEST_ADDR} drop\n    \
          ct state established,related accept\n    \
          iifname \"{NS_VETH}\" oifname \"{TAP}\" ct status dnat accept\n    \
          iifname \"{TAP}\" oifname \"{NS_VETH}\" jump outbound\n  }}\n\
@@ -297,6 +298,8 @@ mod tests {
         let t = ns_table(&cfg, 1, &cfg.default_policy);
         assert!(t.contains("ip daddr 10.200.0.6 dnat to 10.254.0.2"), "{t}");
         assert!(t.contains("snat to 10.200.0.6"), "{t}");
+        // A guest cannot send as anyone else (a sibling's link address, say).
+        assert!(t.contains("iifname \"tap0\" ip saddr != 10.254.0.2 drop"), "{t}");
         assert!(t.contains("chain outbound {\n    accept\n  }"), "{t}");
     }
 }
