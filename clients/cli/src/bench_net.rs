@@ -235,19 +235,39 @@ pub fn run(b: NetBench) -> Result<i32> {
         t.elapsed().as_secs_f64()
     );
 
-    // Spawn-to-ready, alternating so drift in the host's load hits both alike.
-    let (mut with, mut without, mut phase) = (Vec::new(), Vec::new(), Vec::new());
+    // Spawn-to-ready, alternating so drift in the host's load hits both alike; each spawn
+    // starts once the pools are full again (a refill running beside it is another cost,
+    // that of a burst).
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    let pool = net.network().map_or(0, |n| n.config().pool);
     for _ in 0..b.runs {
-        std::thread::sleep(Duration::from_millis(300)); // the pools refill
+        let t = Instant::now();
+        while net.network().is_some_and(|n| n.idle() < pool)
+            && t.elapsed() < Duration::from_secs(60)
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(200));
         let (id, p) = spawn_one(&net, &tag, None)?;
-        with.push(p.total.as_secs_f64() * 1e3);
-        phase.push(p.network.as_secs_f64() * 1e3);
+        with.push(p);
         net.kill(&id)?;
         let (id, p) = spawn_one(&plain, &tag, None)?;
-        without.push(p.total.as_secs_f64() * 1e3);
+        without.push(p);
         plain.kill(&id)?;
     }
-    let (with_p50, without_p50, phase_p50) = (p50(&mut with), p50(&mut without), p50(&mut phase));
+    let p50_of = |runs: &[SpawnPhases], i: usize| {
+        p50(&mut runs
+            .iter()
+            .map(|p| p.named()[i].1.as_secs_f64() * 1e3)
+            .collect::<Vec<_>>())
+    };
+    let names = SpawnPhases::default().named().map(|(n, _)| n);
+    let total = names.len() - 1;
+    let (with_p50, without_p50, phase_p50) = (
+        p50_of(&with, total),
+        p50_of(&without, total),
+        p50_of(&with, 0),
+    );
 
     // Throughput and requests, on one child.
     let inet = Inet::make()?;
@@ -292,6 +312,22 @@ pub fn run(b: NetBench) -> Result<i32> {
     let doc = format!(
         "{{\"bench\":\"net\",\"image\":{:?},\"runs\":{},\"seconds\":{},\"spawn_ready_ms_p50_without\":{without_p50:.3},\"spawn_ready_ms_p50_with\":{with_p50:.3},\"network_phase_ms_p50\":{phase_p50:.3},\"tcp_up_bps\":{up:.0},\"tcp_down_bps\":{down:.0},\"http_rps_exposed\":{rps_exposed:.1},\"http_rps_link\":{rps_direct:.1}}}",
         b.image, b.runs, b.seconds
+    );
+    println!("\nspawn phases, p50 ms:\n");
+    println!("| phase | with network | without |");
+    println!("| --- | ---: | ---: |");
+    let mut phases_json = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let (w, wo) = (p50_of(&with, i), p50_of(&without, i));
+        println!("| {name} | {w:.2} | {wo:.2} |");
+        phases_json.push(format!(
+            "{{\"phase\":{name:?},\"with_ms_p50\":{w:.3},\"without_ms_p50\":{wo:.3}}}"
+        ));
+    }
+    let doc = format!(
+        "{}, \"phases\":[{}]}}",
+        doc.trim_end_matches('}'),
+        phases_json.join(",")
     );
     println!("\njson: {doc}");
     if let Some(p) = b.json {

@@ -237,7 +237,10 @@ impl Host {
     pub fn fill_pool(&self) {
         self.pool.refill();
         if let Some(net) = self.network.clone() {
-            std::thread::spawn(move || net.fill());
+            std::thread::spawn(move || {
+                crate::network::background_priority();
+                net.fill()
+            });
         }
     }
 
@@ -400,6 +403,9 @@ impl Host {
             }
             None => None,
         };
+        if let Some(n) = &self.network {
+            n.refill_in_background();
+        }
         let made = boot_and_snapshot(spec, &self.cfg.image_cache, &work, &staging, timeout, net);
         let _ = std::fs::remove_dir_all(&work);
         if let (Some(n), Some(l)) = (&self.network, lease) {
@@ -891,6 +897,9 @@ impl Host {
         if let (Some(img), Some(f)) = (&lazy, &self.fetcher) {
             // Its first children run: fetch the whole image now, for the ones to come.
             f.fill_in_background(tag, &img.head);
+        }
+        if let (Some(net), Some(_)) = (&self.network, &policy) {
+            net.refill_in_background();
         }
         Ok(())
     }

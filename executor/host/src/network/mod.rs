@@ -183,7 +183,8 @@ impl Network {
         }
     }
 
-    /// A namespace with `policy` in force: a pooled one when there is one.
+    /// A namespace with `policy` in force: a pooled one when there is one (the caller tops
+    /// the pool up afterwards, [`refill_in_background`](Self::refill_in_background)).
     pub fn take(self: &Arc<Self>, policy: &Policy) -> Result<Lease> {
         let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let mut lease = match pooled {
@@ -197,8 +198,12 @@ impl Network {
             }
             lease.policy = policy.clone();
         }
-        self.refill_in_background();
         Ok(lease)
+    }
+
+    /// Prepared namespaces waiting in the pool.
+    pub fn idle(&self) -> usize {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// Prepare namespaces until the pool holds `pool` of them.
@@ -217,12 +222,15 @@ impl Network {
         }
     }
 
-    fn refill_in_background(self: &Arc<Self>) {
+    /// Top the pool up from a thread of lowest priority. Called once a spawn's children are
+    /// ready rather than as each takes a namespace, so the refill does not compete with them.
+    pub fn refill_in_background(self: &Arc<Self>) {
         if self.cfg.pool == 0 || self.refilling.swap(true, Ordering::AcqRel) {
             return;
         }
         let net = self.clone();
         std::thread::spawn(move || {
+            background_priority();
             net.fill();
             net.refilling.store(false, Ordering::Release);
         });
@@ -288,6 +296,16 @@ impl Network {
         for l in idle {
             self.release(l);
         }
+    }
+}
+
+/// Lowest CPU priority for the calling thread and what it starts (threads and processes
+/// inherit it): preparing namespaces ahead must not take CPU from children being made ready.
+pub fn background_priority() {
+    // SAFETY: plain syscalls on the calling thread.
+    unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19);
     }
 }
 

@@ -299,7 +299,10 @@ mod tests {
         assert!(t.contains("ip daddr 10.200.0.6 dnat to 10.254.0.2"), "{t}");
         assert!(t.contains("snat to 10.200.0.6"), "{t}");
         // A guest cannot send as anyone else (a sibling's link address, say).
-        assert!(t.contains("iifname \"tap0\" ip saddr != 10.254.0.2 drop"), "{t}");
+        assert!(
+            t.contains("iifname \"tap0\" ip saddr != 10.254.0.2 drop"),
+            "{t}"
+        );
         assert!(t.contains("chain outbound {\n    accept\n  }"), "{t}");
     }
 }
