@@ -134,6 +134,14 @@ impl RetryPolicy {
             }
             tracing::warn!(attempt, %e, "{what} failed, retrying in {pause:?}");
             tokio::time::sleep(pause).await;
+            // The timer can wake a little late: past the deadline, no further attempt.
+            if Instant::now() >= deadline {
+                return Err(Failure {
+                    error: e,
+                    attempts: attempt,
+                    elapsed: start.elapsed(),
+                });
+            }
             backoff = (backoff * 2).min(self.max_backoff);
             attempt += 1;
         }
@@ -255,9 +263,10 @@ mod tests {
             })
             .await
             .unwrap_err();
-        // 0 ms, ~200 ms, then ~400 ms more would cross 500 ms: two attempts.
+        // 0 ms, ~200 ms, then ~400 ms more would cross 500 ms: two attempts (three when the
+        // jitter makes both pauses short). A sleep may end a timer tick late, hence the slack.
         assert!(
-            t.elapsed() < Duration::from_millis(500),
+            t.elapsed() < Duration::from_millis(525),
             "{:?}",
             t.elapsed()
         );
