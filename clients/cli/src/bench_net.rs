@@ -295,6 +295,9 @@ pub fn run(b: NetBench) -> Result<i32> {
     let rps_direct = requests_per_second(&direct, b.seconds)?;
     net.kill(&id)?;
     drop(inet);
+    if let Some(n) = net.network() {
+        n.remove_host_table();
+    }
 
     println!("\nchild networks, {} children one at a time each way; iperf3 and request loops {} s each\n", b.runs, b.seconds);
     println!("| measure | value | how |");

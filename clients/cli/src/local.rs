@@ -5,7 +5,7 @@
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use tine_host::network::{NetConfig, Policy, Target};
 use tine_host::{Host, HostConfig, Limits, Owner, Readiness};
 use tine_proto::names::ExecutorId;
@@ -126,12 +126,17 @@ impl NetArgs {
             .iter()
             .map(|d| parse("net-deny", d))
             .collect::<Result<Vec<_>>>()?;
-        if let Some(ip) = control_plane.and_then(control_plane_ipv4) {
-            deny.push(Target {
-                addr: ip,
-                prefix: 32,
-                port: None,
-            });
+        if let Some(t) = deny.iter().find(|t| t.port.is_some()) {
+            anyhow::bail!("--net-deny {t}: host-wide entries are whole networks, without a port");
+        }
+        if let Some(url) = control_plane {
+            for ip in control_plane_ipv4s(url)? {
+                deny.push(Target {
+                    addr: ip,
+                    prefix: 32,
+                    port: None,
+                });
+            }
         }
         let dns = if self.net_dns.is_empty() {
             host_nameservers()
@@ -156,12 +161,30 @@ impl NetArgs {
     }
 }
 
-/// The IPv4 address in a control plane URL (`http://10.0.0.5:7070`), if it is one and not
-/// loopback (loopback is out of every child's reach anyway).
-fn control_plane_ipv4(url: &str) -> Option<Ipv4Addr> {
+/// The IPv4 addresses of the control plane in `url` (`https://cp.internal:7070`), resolved
+/// now, without loopback ones (loopback is out of every child's reach anyway). A name that
+/// does not resolve is an error: children must not be able to reach a control plane that
+/// the executor could not keep out of their reach.
+fn control_plane_ipv4s(url: &str) -> Result<Vec<Ipv4Addr>> {
+    use std::net::ToSocketAddrs;
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    let host = rest.split(['/', ':']).next()?;
-    host.parse::<Ipv4Addr>().ok().filter(|a| !a.is_loopback())
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
+    if let Ok(ip) = host.parse::<Ipv4Addr>() {
+        return Ok(if ip.is_loopback() { vec![] } else { vec![ip] });
+    }
+    let addrs = (host, 0).to_socket_addrs().with_context(|| {
+        format!("resolving the control plane's host {host:?} to keep children away from it")
+    })?;
+    let mut v4: Vec<Ipv4Addr> = addrs
+        .filter_map(|a| match a.ip() {
+            std::net::IpAddr::V4(ip) if !ip.is_loopback() => Some(ip),
+            _ => None,
+        })
+        .collect();
+    v4.sort();
+    v4.dedup();
+    Ok(v4)
 }
 
 /// The host's resolvers from /etc/resolv.conf, without loopback ones (a guest cannot reach
@@ -183,4 +206,46 @@ pub fn cli_host(readiness: Readiness) -> Result<Host> {
         Limits::one_shot(),
         readiness,
     )?)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_control_plane_is_kept_out_of_childrens_reach() {
+        let ip = |s: &str| s.parse::<Ipv4Addr>().unwrap();
+        assert_eq!(
+            control_plane_ipv4s("https://10.0.0.5:7070").unwrap(),
+            [ip("10.0.0.5")]
+        );
+        assert_eq!(
+            control_plane_ipv4s("http://10.0.0.5").unwrap(),
+            [ip("10.0.0.5")]
+        );
+        // Loopback is out of every child's reach already.
+        assert!(control_plane_ipv4s("http://127.0.0.1:7070")
+            .unwrap()
+            .is_empty());
+        assert!(control_plane_ipv4s("http://localhost:7070")
+            .unwrap()
+            .is_empty());
+        assert!(control_plane_ipv4s("https://no-such-host.invalid:7070").is_err());
+    }
+
+    #[test]
+    fn host_wide_deny_entries_have_no_port() {
+        let args = NetArgs {
+            no_network: false,
+            net_internet: None,
+            net_deny: vec!["10.0.0.0/8:22".into()],
+            net_dns: vec![],
+            net_links: "10.200.0.0/16".into(),
+            net_pool: 1,
+            net_no_masquerade: false,
+            net_expose_ip: "127.0.0.1".parse().unwrap(),
+        };
+        let e = args.config(false, None).unwrap_err().to_string();
+        assert!(e.contains("without a port"), "{e}");
+    }
 }

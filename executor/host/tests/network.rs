@@ -84,7 +84,7 @@ fn leftovers() -> (usize, usize) {
         .unwrap_or(0);
     let links = output("ip", &["-o", "link", "show"])
         .lines()
-        .filter(|l| l.split(": ").nth(1).is_some_and(|n| n.starts_with("tn")))
+        .filter(|l| l.split(": ").nth(1).is_some_and(|n| n.starts_with("tinen")))
         .count();
     (ns, links)
 }
@@ -121,10 +121,11 @@ fn children_get_their_own_confined_network() {
 
     // The host-wide rules: children never reach the host, each other, link-local addresses
     // or the operator's deny list.
-    let host_table = output("nft", &["list", "table", "inet", "tine"]);
+    let table_name = host.network().unwrap().host_table().to_string();
+    let host_table = output("nft", &["list", "table", "inet", &table_name]);
     for rule in [
-        "iifname \"tn*\" drop",
-        "iifname \"tn*\" oifname \"tn*\" drop",
+        "iifname \"tinen*\" drop",
+        "iifname \"tinen*\" oifname \"tinen*\" drop",
         "169.254.0.0/16",
         "192.0.2.0/24",
         "masquerade",

@@ -124,6 +124,10 @@ impl Lease {
 /// as a file under `<data>/net/` from before its namespace exists until after it is gone.
 pub struct Network {
     cfg: NetConfig,
+    /// This executor's table in the host's nftables (`inet <name>`).
+    host_table: String,
+    /// The pool was drained: a refill still running releases what it makes.
+    closed: AtomicBool,
     leases: PathBuf,
     idle: Mutex<Vec<Lease>>,
     next: AtomicU32,
@@ -141,12 +145,15 @@ impl Network {
         }
         setup::check_tools()?;
         setup::enable_forwarding()?;
-        setup::install_host_table(&cfg)?;
+        let host_table = setup::host_table_name(data_dir);
+        setup::install_host_table(&host_table, &cfg)?;
         let leases = data_dir.join("net");
         std::fs::create_dir_all(&leases)
             .map_err(HostError::io(format!("creating {}", leases.display())))?;
         let net = Arc::new(Network {
             cfg,
+            host_table,
+            closed: AtomicBool::new(false),
             leases,
             idle: Mutex::new(Vec::new()),
             next: AtomicU32::new(0),
@@ -157,6 +164,18 @@ impl Network {
 
     pub fn config(&self) -> &NetConfig {
         &self.cfg
+    }
+
+    /// This executor's table in the host's nftables (`nft list table inet NAME`).
+    pub fn host_table(&self) -> &str {
+        &self.host_table
+    }
+
+    /// Drain the pool and remove this executor's host table (a temporary executor, e.g. a
+    /// benchmark's, when it is done; a daemon's children need the table after it exits).
+    pub fn remove_host_table(&self) {
+        self.drain_pool();
+        setup::remove_host_table(&self.host_table);
     }
 
     /// Namespaces recorded here (in use, pooled, or left behind).
@@ -213,6 +232,10 @@ impl Network {
                 return;
             }
             match self.prepare() {
+                Ok(l) if self.closed.load(Ordering::Acquire) => {
+                    self.release(l);
+                    return;
+                }
                 Ok(l) => self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(l),
                 Err(e) => {
                     tracing::warn!("preparing a child network for the pool: {e}");
@@ -291,6 +314,7 @@ impl Network {
 
     /// Remove the pooled namespaces (the host is closing).
     pub fn drain_pool(&self) {
+        self.closed.store(true, Ordering::Release);
         let idle: Vec<Lease> =
             std::mem::take(&mut *self.idle.lock().unwrap_or_else(|p| p.into_inner()));
         for l in idle {
@@ -321,8 +345,10 @@ pub fn remove_recorded(leases: &Path, name: &str) {
         tracing::warn!(ns = %name, "not a child network name; left alone");
         return;
     };
-    setup::destroy(index);
-    let _ = std::fs::remove_file(leases.join(name));
+    // A namespace that could not be removed keeps its record: the next start sweeps it.
+    if setup::destroy(index) {
+        let _ = std::fs::remove_file(leases.join(name));
+    }
 }
 
 /// Open the tap of namespace `ns` from a thread that enters it, leaving the caller's own

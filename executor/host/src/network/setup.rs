@@ -10,8 +10,8 @@ use super::{NetConfig, Policy, GATEWAY, GUEST_ADDR, GUEST_PREFIX, TAP, TAP_MAC};
 use crate::error::{HostError, Result};
 
 const NS_PREFIX: &str = "tine-";
-/// Host-side veth names: `tn<index>` (the host's rules match `tn*`).
-const VETH_PREFIX: &str = "tn";
+/// Host-side veth names: `tinen<index>` (the host's rules match `tinen*`).
+const VETH_PREFIX: &str = "tinen";
 /// The veth end inside each namespace.
 const NS_VETH: &str = "veth0";
 
@@ -103,11 +103,17 @@ pub(super) fn enable_forwarding() -> Result<()> {
     Ok(())
 }
 
-/// The host's table, replaced as a whole (one transaction) so restarts and several executors
-/// on one host converge on the same rules.
-pub(super) fn install_host_table(cfg: &NetConfig) -> Result<()> {
+/// The host's table of one executor (`name`, see [`host_table_name`]), replaced as a whole
+/// (one transaction) at each start. Several executors on one host each have their own: a
+/// packet any of them drops is dropped, so none can loosen another's deny list.
+pub(super) fn install_host_table(name: &str, cfg: &NetConfig) -> Result<()> {
     let mut deny: Vec<String> = vec!["127.0.0.0/8".into(), "169.254.0.0/16".into()];
     deny.extend(cfg.deny.iter().map(|t| format!("{}/{}", t.addr, t.prefix)));
+    // One rule per entry: overlapping entries in one set are refused by some nft versions.
+    let deny_rules: String = deny
+        .iter()
+        .map(|d| format!("    iifname \"{VETH_PREFIX}*\" ip daddr {d} drop\n"))
+        .collect();
     let nat = if cfg.masquerade {
         format!(
             "  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    \
@@ -118,18 +124,37 @@ pub(super) fn install_host_table(cfg: &NetConfig) -> Result<()> {
         String::new()
     };
     let text = format!(
-        "table inet tine\ndelete table inet tine\ntable inet tine {{\n\
+        "table inet {name}\ndelete table inet {name}\ntable inet {name} {{\n\
          \x20 chain input {{\n    type filter hook input priority filter - 10; policy accept;\n    \
          iifname \"{VETH_PREFIX}*\" ct state established,related accept\n    \
          iifname \"{VETH_PREFIX}*\" drop\n  }}\n\
          \x20 chain forward {{\n    type filter hook forward priority filter - 10; policy accept;\n    \
          iifname \"{VETH_PREFIX}*\" oifname \"{VETH_PREFIX}*\" drop\n    \
          oifname \"{VETH_PREFIX}*\" ct state established,related accept\n    \
-         oifname \"{VETH_PREFIX}*\" drop\n    \
-         iifname \"{VETH_PREFIX}*\" ip daddr {{ {} }} drop\n  }}\n{nat}}}\n",
-        deny.join(", ")
+         oifname \"{VETH_PREFIX}*\" drop\n{deny_rules}  }}\n{nat}}}\n"
     );
     run("nft", &["-f", "-"], Some(&text))
+}
+
+/// Remove an executor's host table (a benchmark's, when it is done).
+pub(super) fn remove_host_table(name: &str) {
+    if let Err(e) = run("nft", &["delete", "table", "inet", name], None) {
+        tracing::warn!("removing host table {name}: {e}");
+    }
+}
+
+/// The name of the host table of the executor whose data directory is `data_dir`: `tine_`
+/// and a hash of the path (FNV-1a), the same at every start.
+pub(super) fn host_table_name(data_dir: &Path) -> String {
+    let path = data_dir
+        .canonicalize()
+        .unwrap_or_else(|_| data_dir.to_path_buf());
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in path.as_os_str().as_encoded_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("tine_{:08x}", h as u32)
 }
 
 /// Run `f` on a thread that has entered namespace `ns` (commands it starts run there too).
@@ -196,6 +221,15 @@ pub(super) fn create(index: u32, cfg: &NetConfig) -> Result<(), CreateError> {
     let ns = ns_path(index);
     let made = run("ip", &["-batch", "-"], Some(&host_side)).and_then(|()| {
         in_netns(&ns, || {
+            // IPv4 only: nothing in the namespace speaks IPv6 (its rules are IPv4 rules).
+            for knob in [
+                "/proc/sys/net/ipv6/conf/all/disable_ipv6",
+                "/proc/sys/net/ipv6/conf/default/disable_ipv6",
+            ] {
+                if let Err(e) = std::fs::write(knob, "1") {
+                    tracing::debug!("{knob} in {name}: {e} (no IPv6 in this kernel?)");
+                }
+            }
             run("ip", &["-batch", "-"], Some(&inside))?;
             let knob = "/proc/sys/net/ipv4/ip_forward";
             std::fs::write(knob, "1")
@@ -243,8 +277,9 @@ pub(super) fn apply_policy(index: u32, cfg: &NetConfig, policy: &Policy) -> Resu
     })
 }
 
-/// Remove namespace `index` and its links; what is already gone is not an error.
-pub(super) fn destroy(index: u32) {
+/// Remove namespace `index` and its links; what is already gone is not an error. True when
+/// the namespace is gone.
+pub(super) fn destroy(index: u32) -> bool {
     // The host end first and synchronously: a namespace is torn down in the background, and
     // its veth name must be free when the index is reused.
     let _ = Command::new("ip")
@@ -256,6 +291,7 @@ pub(super) fn destroy(index: u32) {
             tracing::warn!("removing a child network: {e}");
         }
     }
+    !ns_path(index).exists()
 }
 
 #[cfg(test)]

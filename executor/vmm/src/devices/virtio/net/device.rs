@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::tap::{Tap, TUN_F_CSUM, VNET_HDR_LEN};
 use super::{event_loop, Mac, DEVICE_ID};
@@ -34,6 +34,12 @@ pub(super) const MAX_FRAME: usize = 65562;
 
 /// Epoll tokens: the tap, and queue `q`'s notification eventfd at `TOKEN_QUEUE_BASE + q`.
 pub(super) const TOKEN_TAP: u64 = 1;
+/// The device's own wake-up: more work left after a pass's budget, or the device dropped.
+pub(super) const TOKEN_KICK: u64 = 2;
+
+/// Descriptor chains one pass handles per queue before letting go of the lock: a guest that
+/// keeps posting, or a flood of frames, cannot hold the device (and a snapshot's pause) forever.
+const BUDGET: usize = QUEUE_SIZE as usize;
 pub(super) const TOKEN_QUEUE_BASE: u64 = 1 << 63;
 
 /// Counters a test or a log line can read.
@@ -64,6 +70,10 @@ pub(super) struct DeviceState {
     rx_len: Option<usize>,
     tx_buf: Vec<u8>,
     pub(super) queue_events: QueueEvents,
+    /// Written when a pass stops at its budget with work left: the device thread goes on.
+    kick: Arc<EventFd>,
+    /// The guest accepted frames with partial checksums (otherwise header flags must be 0).
+    guest_csum: bool,
     stats: NetStats,
 }
 
@@ -88,6 +98,20 @@ impl DeviceState {
         }
     }
 
+    /// Work is left after a pass's budget: the device thread takes it up after the others
+    /// holding the lock had their turn.
+    fn more_later(&self) {
+        let _ = self.kick.write(1);
+    }
+
+    /// The device thread's wake-up: carry on with both queues.
+    pub(super) fn kicked(&mut self) {
+        if self.kick.read().is_ok() {
+            self.process_tx();
+            self.process_rx();
+        }
+    }
+
     fn signal(&self) {
         if let Some(irq) = &self.irq {
             irq.trigger(INT_USED_RING);
@@ -101,7 +125,14 @@ impl DeviceState {
         }
         let Some(mem) = self.mem.clone() else { return };
         let mut used = false;
+        let mut handled = 0;
         while let Some(chain) = self.queues[TX].pop_descriptor_chain(&mem) {
+            handled += 1;
+            if handled > BUDGET {
+                self.queues[TX].go_to_previous_position();
+                self.more_later();
+                break;
+            }
             let head = chain.head_index();
             self.tx_buf.clear();
             let read = chain.reader(&mem).ok().and_then(|mut r| {
@@ -146,12 +177,23 @@ impl DeviceState {
         let Some(mem) = self.mem.clone() else { return };
         let Some(tap) = &self.tap else { return };
         let mut used = false;
+        let mut handled = 0;
         loop {
+            handled += 1;
+            if handled > BUDGET {
+                self.more_later();
+                break;
+            }
             let len = match self.rx_len {
                 Some(n) => n,
                 None => match tap.read_frame(&mut self.rx_frame) {
-                    Ok(n) if n >= VNET_HDR_LEN => n,
-                    Ok(_) => continue,
+                    // A short read, or one reporting more than the buffer holds (truncated):
+                    // not a frame the guest can take.
+                    Ok(n) if (VNET_HDR_LEN..=MAX_FRAME).contains(&n) => n,
+                    Ok(_) => {
+                        self.stats.rx_dropped += 1;
+                        continue;
+                    }
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                     Err(e) => {
                         if e.kind() != ErrorKind::WouldBlock {
@@ -169,23 +211,25 @@ impl DeviceState {
             let head = chain.head_index();
             // num_buffers: always one buffer per frame (no mergeable receive buffers).
             self.rx_frame[10..12].copy_from_slice(&1u16.to_le_bytes());
+            if !self.guest_csum {
+                // Flags (NEEDS_CSUM, DATA_VALID) are only for a driver that accepted them.
+                self.rx_frame[0] = 0;
+            }
+            self.rx_len = None;
             let written = chain.writer(&mem).ok().and_then(|mut w| {
                 (w.available_bytes() >= len)
                     .then(|| w.write_all(&self.rx_frame[..len]).ok())
                     .flatten()
             });
-            self.rx_len = None;
-            match written {
-                Some(()) => {
-                    let _ = self.queues[RX].add_used(&mem, head, len as u32);
-                    self.stats.rx_frames += 1;
-                    used = true;
-                }
-                None => {
-                    // A buffer too small for the frame: drop the frame, keep the buffer.
-                    self.queues[RX].go_to_previous_position();
-                    self.stats.rx_dropped += 1;
-                }
+            // A buffer that cannot hold the frame (too small, not writable: a driver never
+            // posts one) goes back empty with the frame dropped, rather than stall receive.
+            let took = if written.is_some() { len as u32 } else { 0 };
+            let _ = self.queues[RX].add_used(&mem, head, took);
+            used = true;
+            if written.is_some() {
+                self.stats.rx_frames += 1;
+            } else {
+                self.stats.rx_dropped += 1;
             }
         }
         if used {
@@ -212,6 +256,14 @@ impl Net {
                 .ctl(ControlOperation::Add, tap.as_fd().as_raw_fd(), ev)
                 .map_err(thread_err)?;
         }
+        let kick = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(thread_err)?);
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                kick.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, TOKEN_KICK),
+            )
+            .map_err(thread_err)?;
         let state = Arc::new(Mutex::new(DeviceState {
             mem: None,
             queues: Vec::new(),
@@ -223,6 +275,8 @@ impl Net {
             rx_len: None,
             tx_buf: Vec::with_capacity(MAX_FRAME),
             queue_events: QueueEvents::default(),
+            kick,
+            guest_csum: false,
             stats: NetStats::default(),
         }));
         let (worker, ep) = (state.clone(), epoll.clone());
@@ -240,7 +294,10 @@ impl Net {
 
 impl Drop for Net {
     fn drop(&mut self) {
-        self.state.lock().unwrap().stopped = true;
+        let g = &mut *self.state.lock().unwrap();
+        g.stopped = true;
+        // Now, not at its next idle wake-up: the thread lets go of guest RAM and the tap.
+        let _ = g.kick.write(1);
     }
 }
 
@@ -283,6 +340,7 @@ impl VirtioDevice for Net {
                 tracing::warn!("net: {e}");
             }
         }
+        g.guest_csum = acked & F_GUEST_CSUM != 0;
         g.mem = Some(mem);
         g.queues = queues;
         g.irq = Some(irq);
@@ -508,13 +566,21 @@ mod tests {
         assert_eq!(net.stats().rx_frames, 1);
         assert_eq!(net.stats().tx_frames, 1);
 
-        // A receive buffer too small for the next frame: the frame is dropped, the buffer
-        // stays for the one after.
+        // Buffers a driver would never post (too small for the frame, or not writable) come
+        // back empty with the frame dropped, instead of stalling receive.
         post(&mem, RX, 1, 0xA_0000, 40);
         host.send_to(b"too big for forty bytes with headers", "10.9.0.2:5000")
             .unwrap();
-        wait_until("the frame is dropped", || net.stats().rx_dropped >= 1);
-        assert_eq!(used(&mem, RX), 1);
+        wait_until("the small buffer is returned", || used(&mem, RX) == 2);
+        assert_eq!(used_len(&mem, RX, 1), 0);
+        assert_eq!(net.stats().rx_dropped, 1);
+        post(&mem, RX, 2, 0xB_0000, 2048);
+        mem.write_obj(0u16, GuestAddress(ring(RX) + 2 * 16 + 12))
+            .unwrap();
+        host.send_to(b"x", "10.9.0.2:5000").unwrap();
+        wait_until("the read-only buffer is returned", || used(&mem, RX) == 3);
+        assert_eq!(used_len(&mem, RX, 2), 0);
+        assert_eq!(net.stats().rx_dropped, 2);
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use vmm_sys_util::epoll::{Epoll, EpollEvent};
 
-use super::device::{DeviceState, TOKEN_QUEUE_BASE, TOKEN_TAP};
+use super::device::{DeviceState, TOKEN_KICK, TOKEN_QUEUE_BASE, TOKEN_TAP};
 use crate::devices::virtio::{queue_events, LostIrqs};
 
 pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
@@ -22,6 +22,7 @@ pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
         for ev in &events[..n] {
             match ev.data() {
                 TOKEN_TAP => g.tap_readable(),
+                TOKEN_KICK => g.kicked(),
                 t if t >= TOKEN_QUEUE_BASE => {
                     let q = (t - TOKEN_QUEUE_BASE) as usize;
                     // Already consumed (a pause drained it): nothing new to look at.
