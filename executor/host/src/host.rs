@@ -343,10 +343,7 @@ impl Host {
         if !dir.join("snapshot.json").is_file() {
             return Err(HostError::NoSnapshot(tag.clone()));
         }
-        tine_vmm::snapshot::file::load_header(&dir).map_err(|source| HostError::BadSnapshot {
-            tag: tag.clone(),
-            source,
-        })
+        header_in(tag, &dir)
     }
 
     /// Boot an image, warm it, and snapshot it under `spec.tag`. The snapshot appears under
@@ -826,19 +823,19 @@ impl Host {
             }
             _ => Source::Local,
         };
-        let lazy = match source {
-            Source::Lazy(img) => Some(img),
-            Source::Local => {
-                self.snapshot_header(tag)?;
-                None
+        let (lazy, header) = match source {
+            Source::Lazy(img) => {
+                let header = header_in(tag, &img.dir)?;
+                (Some(img), header)
             }
+            Source::Local => (None, self.snapshot_header(tag)?),
         };
         let snapshot = match &lazy {
             Some(img) => img.dir.clone(),
             None => self.snapshot_dir(tag),
         };
         let pages: Option<Arc<dyn Pages>> = lazy.clone().map(|i| i as Arc<dyn Pages>);
-        let policy = self.spawn_policy(tag, &snapshot, opts.network.as_ref())?;
+        let policy = self.spawn_policy(tag, &header, opts.network.as_ref())?;
         let timeout = opts.ready_timeout.unwrap_or(self.cfg.limits.ready_timeout);
         let readiness = opts.readiness.unwrap_or(self.cfg.readiness);
         // Accepted now, so a kill that arrives while a child waits its turn cancels it.
@@ -904,21 +901,15 @@ impl Host {
         Ok(())
     }
 
-    /// The policy children of the snapshot in `dir` get: `asked`, or the host's default;
-    /// None when they get no network (the host has none, or the guest no interface).
+    /// The policy children of snapshot `tag` (its `header`) get: `asked`, or the host's
+    /// default; None when they get no network (the host has none, or the guest no interface).
     fn spawn_policy(
         &self,
         tag: &Tag,
-        dir: &std::path::Path,
+        header: &SnapshotHeader,
         asked: Option<&Policy>,
     ) -> Result<Option<Policy>> {
-        let has_interface = tine_vmm::snapshot::file::load_header(dir)
-            .map_err(|source| HostError::BadSnapshot {
-                tag: tag.clone(),
-                source,
-            })?
-            .network;
-        match (&self.network, has_interface, asked) {
+        match (&self.network, header.network, asked) {
             (Some(net), true, asked) => {
                 Ok(Some(asked.unwrap_or(&net.config().default_policy).clone()))
             }
@@ -946,12 +937,12 @@ impl Host {
     ) -> Result<()> {
         if let (Some(head), Some(f)) = (layer, &self.fetcher) {
             if let Source::Lazy(img) = f.source(tag, head, None)? {
-                return self.spawn_policy(tag, &img.dir, network).map(drop);
+                let header = header_in(tag, &img.dir)?;
+                return self.spawn_policy(tag, &header, network).map(drop);
             }
         }
-        self.snapshot_header(tag)?;
-        self.spawn_policy(tag, &self.snapshot_dir(tag), network)
-            .map(drop)
+        let header = self.snapshot_header(tag)?;
+        self.spawn_policy(tag, &header, network).map(drop)
     }
 
     /// Restore one child of the snapshot in `dir` with its pages served from the image there,
@@ -1476,6 +1467,14 @@ impl Drop for Host {
             net.drain_pool();
         }
     }
+}
+
+/// The header of snapshot `tag` in `dir` (a broken one is the snapshot's error).
+fn header_in(tag: &Tag, dir: &std::path::Path) -> Result<SnapshotHeader> {
+    tine_vmm::snapshot::file::load_header(dir).map_err(|source| HostError::BadSnapshot {
+        tag: tag.clone(),
+        source,
+    })
 }
 
 /// Send `req` to VM `id`'s VMM (its directory `dir`); a VMM that does not answer, or answers
