@@ -225,3 +225,24 @@ pub fn serve_as_worker_if_asked() {
         std::process::exit(code);
     }
 }
+
+/// The host configuration the host-crate tests use on `data`: owned by executor "test",
+/// children ready when their VMM runs (the hand-made guests have no agent), no store and no
+/// child networks (tests add what they exercise).
+pub fn test_host_config(data: &Path, max_vms: u32, pool_size: usize) -> crate::HostConfig {
+    crate::HostConfig {
+        data_dir: data.to_path_buf(),
+        image_cache: data.join("images"),
+        worker_exe: std::env::current_exe().expect("the test binary's path"),
+        owner: crate::Owner::Executor("test".into()),
+        readiness: crate::Readiness::Running,
+        limits: crate::Limits {
+            max_vms,
+            pool_size,
+            ready_timeout: Duration::from_secs(60),
+            ..crate::Limits::default()
+        },
+        store: None,
+        network: None,
+    }
+}

@@ -10,32 +10,17 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tine_host::testing::{
-    counts, kvm_available, write_checksum_guest_snapshot, write_counter_guest_snapshot,
-    write_idle_guest_snapshot,
+    counts, kvm_available, test_host_config, write_checksum_guest_snapshot,
+    write_counter_guest_snapshot, write_idle_guest_snapshot,
 };
 use tine_host::{
-    BranchKind, ErrorKind, FetchMode, Host, HostConfig, HostError, Limits, Liveness, Owner,
-    ProcessIdentity, Readiness, SpawnOptions, SpawnOutcome, StoreConfig, VmRecord,
-    WORKER_SUBCOMMAND,
+    BranchKind, ErrorKind, FetchMode, Host, HostConfig, HostError, Liveness, Owner,
+    ProcessIdentity, SpawnOptions, SpawnOutcome, StoreConfig, VmRecord, WORKER_SUBCOMMAND,
 };
 use tine_proto::names::{SandboxId, Tag};
 
 fn config(data: &Path, max_vms: u32, pool_size: usize) -> HostConfig {
-    HostConfig {
-        data_dir: data.to_path_buf(),
-        image_cache: data.join("images"),
-        worker_exe: std::env::current_exe().unwrap(),
-        owner: Owner::Executor("test".into()),
-        readiness: Readiness::Running,
-        limits: Limits {
-            max_vms,
-            pool_size,
-            ready_timeout: Duration::from_secs(60),
-            ..Limits::default()
-        },
-        store: None,
-        network: None,
-    }
+    test_host_config(data, max_vms, pool_size)
 }
 
 fn tag() -> Tag {

@@ -16,34 +16,21 @@ use std::time::Duration;
 
 use tine_host::network::{NetConfig, Policy, Target};
 use tine_host::testing::{
-    kvm_available, serve_as_worker_if_asked, write_idle_guest_snapshot,
+    kvm_available, serve_as_worker_if_asked, test_host_config, write_idle_guest_snapshot,
     write_idle_guest_snapshot_with_network,
 };
-use tine_host::{
-    ErrorKind, Host, HostConfig, Limits, Owner, Readiness, SpawnOptions, SpawnOutcome,
-};
+use tine_host::{ErrorKind, Host, HostConfig, SpawnOptions, SpawnOutcome};
 use tine_proto::names::{SandboxId, Tag};
 
 fn config(data: &Path, links: &str) -> HostConfig {
     HostConfig {
-        data_dir: data.to_path_buf(),
-        image_cache: data.join("images"),
-        worker_exe: std::env::current_exe().unwrap(),
-        owner: Owner::Executor("test".into()),
-        readiness: Readiness::Running,
-        limits: Limits {
-            max_vms: 16,
-            pool_size: 2,
-            ready_timeout: Duration::from_secs(60),
-            ..Limits::default()
-        },
-        store: None,
         network: Some(NetConfig {
             links: links.parse().unwrap(),
             pool: 2,
             deny: vec!["192.0.2.0/24".parse().unwrap()],
             ..NetConfig::default()
         }),
+        ..test_host_config(data, 16, 2)
     }
 }
 
