@@ -148,6 +148,12 @@ fn sandbox_msg(r: &SandboxRow) -> pb::Sandbox {
         state: state as i32,
         created_unix_ms: r.created_ms,
         ready_us: r.ready_us.unwrap_or(0) as u64,
+        error: r.error.clone().unwrap_or_default(),
+        resources: (r.memory_limit_mib != 0 || r.cpu_millis != 0).then_some(pb::Resources {
+            memory_limit_mib: r.memory_limit_mib as u64,
+            cpu_millis: r.cpu_millis as u32,
+        }),
+        usage: None,
     }
 }
 
@@ -161,6 +167,11 @@ fn report_from(r: Option<pb::ExecutorReport>) -> ExecutorReport {
         mem_available_mib: c.mem_available_mib,
         cached_tags: r.cached_tags,
         live_sandboxes: r.live_sandboxes,
+        ended: r
+            .ended
+            .into_iter()
+            .map(|e| (e.id, e.reason, e.out_of_memory))
+            .collect(),
     }
 }
 
@@ -213,6 +224,54 @@ impl Api {
             .ok_or_else(|| Status::not_found(format!("executor {id} is not registered")))?;
         let c = self.ctx.executors.client(&e.addr)?;
         Ok((e, c))
+    }
+
+    /// What a ready sandbox's cgroup counts, asked of its executor; None (logged) when the
+    /// executor has no cgroups or does not answer in time: the rest of GetSandbox stands.
+    async fn usage(&self, s: &SandboxRow) -> Option<pb::SandboxUsage> {
+        let (_, mut c) = self.executor_client(&s.executor_id).await.ok()?;
+        let call = c.usage(xpb::UsageRequest { id: s.id.clone() });
+        match tokio::time::timeout(Duration::from_secs(2), call).await {
+            Ok(Ok(u)) => Some(u.into_inner()),
+            Ok(Err(e)) if e.code() == Code::FailedPrecondition => None,
+            Ok(Err(e)) => {
+                tracing::warn!(sandbox = %s.id, "usage: {}", e.message());
+                None
+            }
+            Err(_) => {
+                tracing::warn!(sandbox = %s.id, "usage: its executor did not answer in 2 s");
+                None
+            }
+        }
+    }
+
+    /// Record the sandboxes an executor reports ended on their own: FAILED with the reason,
+    /// each audited (once) and counted.
+    async fn apply_ended(&self, executor: &str, report: &ExecutorReport) -> Result<(), Status> {
+        if report.ended.len() > 4096 {
+            return Err(Status::invalid_argument(
+                "report.ended: more than 4096 entries",
+            ));
+        }
+        for (id, _, _) in &report.ended {
+            validate::name("report.ended.id", id)?;
+        }
+        let newly = self.ctx.db.end_reported(executor, &report.ended).await?;
+        for (id, reason, oom) in newly {
+            let cause = if oom { "out_of_memory" } else { "exited" };
+            self.ctx
+                .metrics
+                .sandboxes_ended
+                .with_label_values(&[cause])
+                .inc();
+            tracing::warn!(sandbox = %id, %executor, %reason, "sandbox ended");
+            self.ctx.audit_event(
+                "SandboxEnded",
+                &format!("executor:{executor}"),
+                json!({"id": id, "executor": executor, "reason": reason, "out_of_memory": oom}),
+            );
+        }
+        Ok(())
     }
 
     /// The ready sandbox `id` and a client for its executor.
@@ -531,6 +590,8 @@ impl Api {
         if let Some(n) = &r.network {
             validate::network(n)?;
         }
+        let resources = r.resources.unwrap_or_default();
+        validate::resources(&resources)?;
         let placement = r.placement.clone().unwrap_or_default();
         for id in &placement.executors {
             validate::name("placement.executors", id)?;
@@ -589,7 +650,10 @@ impl Api {
             .zip(&ids)
             .filter_map(|(p, id)| p.map(|i| (id.clone(), r.tag.clone(), candidates[i].id.clone())))
             .collect();
-        self.ctx.db.insert_sandboxes(&rows).await?;
+        self.ctx
+            .db
+            .insert_sandboxes(&rows, (resources.memory_limit_mib, resources.cpu_millis))
+            .await?;
 
         let (tx, rx) = mpsc::channel(r.count as usize + 1);
         let placed = rows.len();
@@ -923,8 +987,10 @@ impl Sandboxes for Api {
     ) -> Result<Response<Self::SpawnStream>, Status> {
         let r = req.get_ref();
         let p = r.placement.clone().unwrap_or_default();
+        let res = r.resources.unwrap_or_default();
         let args = json!({"tag": r.tag, "count": r.count, "policy": p.policy, "executors": p.executors,
-                          "ready_timeout_ms": r.ready_timeout_ms, "no_wait": r.no_wait});
+                          "ready_timeout_ms": r.ready_timeout_ms, "no_wait": r.no_wait,
+                          "memory_limit_mib": res.memory_limit_mib, "cpu_millis": res.cpu_millis});
         let call = self.ctx.begin(Rpc::Spawn, &req, args)?;
         let deadline = call_deadline(&req);
         let res = self.start_spawn(req.into_inner(), deadline).await;
@@ -977,7 +1043,11 @@ impl Sandboxes for Api {
                 .sandbox(&id)
                 .await?
                 .ok_or_else(|| Status::not_found(format!("sandbox {id} does not exist")))?;
-            Ok(sandbox_msg(&s))
+            let mut msg = sandbox_msg(&s);
+            if s.state() == SandboxState::Ready {
+                msg.usage = self.usage(&s).await;
+            }
+            Ok(msg)
         }
         .await;
         self.ctx.finish(call, res.map(Response::new))
@@ -1115,6 +1185,7 @@ impl tine_proto::v1::executors_server::Executors for Api {
                 validate::name("report.live_sandboxes", id)?;
             }
             self.ctx.db.upsert_executor(&r.id, &r.addr, &report).await?;
+            self.apply_ended(&r.id, &report).await?;
             let unknown = self.ctx.db.reconcile_sandboxes(&r.id, &report.live_sandboxes, self.ctx.lost_grace_ms).await?;
             tracing::info!(executor = %r.id, addr = %r.addr, live = report.live_sandboxes.len(), "executor registered");
             Ok(pb::RegisterExecutorResponse {
@@ -1137,6 +1208,7 @@ impl tine_proto::v1::executors_server::Executors for Api {
             let report = report_from(req.into_inner().report);
             let registered = self.ctx.db.heartbeat(&id, &report).await?;
             if registered {
+                self.apply_ended(&id, &report).await?;
                 self.ctx
                     .db
                     .reconcile_sandboxes(&id, &report.live_sandboxes, self.ctx.lost_grace_ms)

@@ -163,6 +163,20 @@ impl Ctx {
         result
     }
 
+    /// Audit something that happened outside a call (an executor reported it).
+    pub fn audit_event(&self, what: &str, principal: &str, args: serde_json::Value) {
+        self.audit.record(&AuditRecord {
+            time: rfc3339(SystemTime::now()),
+            principal: Some(principal),
+            rpc: what,
+            args,
+            status: "OK",
+            message: None,
+            latency_ms: 0.0,
+            peer: None,
+        });
+    }
+
     fn record(
         &self,
         rpc: Rpc,

@@ -186,6 +186,8 @@ pub struct SandboxRow {
     pub created_ms: i64,
     pub ready_us: Option<i64>,
     pub error: Option<String>,
+    pub memory_limit_mib: i64,
+    pub cpu_millis: i64,
 }
 
 /// A sandbox and the address of the executor running it (one query for relayed calls).
@@ -224,6 +226,8 @@ pub struct ExecutorReport {
     pub mem_available_mib: u64,
     pub cached_tags: Vec<String>,
     pub live_sandboxes: Vec<String>,
+    /// Sandboxes that ended on their own: id, reason, killed at its memory limit.
+    pub ended: Vec<(String, String, bool)>,
 }
 
 /// New snapshot as recorded after an executor made it.
@@ -354,6 +358,31 @@ impl Db {
 
     /// Reconcile the executor's live sandboxes with the records: ready sandboxes it no longer
     /// runs become lost; returns the ids it runs that the control plane has no live record of.
+    /// Mark the sandboxes an executor says ended on their own as failed, with why; returns
+    /// the ones that were live until now (each is reported until it ages out on the executor).
+    pub async fn end_reported(
+        &self,
+        executor: &str,
+        ended: &[(String, String, bool)],
+    ) -> Result<Vec<(String, String, bool)>> {
+        let mut newly = Vec::new();
+        for (id, reason, oom) in ended {
+            let r = sqlx::query(
+                "UPDATE sandboxes SET state = 'failed', error = ? \
+                 WHERE id = ? AND executor_id = ? AND state IN ('starting', 'ready')",
+            )
+            .bind(reason)
+            .bind(id)
+            .bind(executor)
+            .execute(&self.pool)
+            .await?;
+            if r.rows_affected() == 1 {
+                newly.push((id.clone(), reason.clone(), *oom));
+            }
+        }
+        Ok(newly)
+    }
+
     pub async fn reconcile_sandboxes(
         &self,
         executor: &str,
@@ -616,33 +645,41 @@ impl Db {
 
     // ---- sandboxes ----
 
-    /// Record new children as starting, all or none.
-    pub async fn insert_sandboxes(&self, rows: &[(String, String, String)]) -> Result<()> {
+    /// Record new children as starting, all or none, with the (memory MiB, CPU millis) their
+    /// spawn asked for.
+    pub async fn insert_sandboxes(
+        &self,
+        rows: &[(String, String, String)],
+        resources: (u64, u32),
+    ) -> Result<()> {
+        const INSERT: &str = "INSERT INTO sandboxes (id, tag, executor_id, state, created_ms, \
+             memory_limit_mib, cpu_millis) VALUES (?, ?, ?, 'starting', ?, ?, ?)";
         let now = now_ms();
+        let (mem, cpu) = (resources.0 as i64, i64::from(resources.1));
         if let [(id, tag, executor)] = rows {
             // One row: a single autocommit statement (no BEGIN/COMMIT round trips).
-            sqlx::query(
-                "INSERT INTO sandboxes (id, tag, executor_id, state, created_ms) VALUES (?, ?, ?, 'starting', ?)",
-            )
-            .bind(id)
-            .bind(tag)
-            .bind(executor)
-            .bind(now)
-            .execute(&self.pool)
-            .await?;
+            sqlx::query(INSERT)
+                .bind(id)
+                .bind(tag)
+                .bind(executor)
+                .bind(now)
+                .bind(mem)
+                .bind(cpu)
+                .execute(&self.pool)
+                .await?;
             return Ok(());
         }
         let mut tx = self.pool.begin().await?;
         for (id, tag, executor) in rows {
-            sqlx::query(
-                "INSERT INTO sandboxes (id, tag, executor_id, state, created_ms) VALUES (?, ?, ?, 'starting', ?)",
-            )
-            .bind(id)
-            .bind(tag)
-            .bind(executor)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
+            sqlx::query(INSERT)
+                .bind(id)
+                .bind(tag)
+                .bind(executor)
+                .bind(now)
+                .bind(mem)
+                .bind(cpu)
+                .execute(&mut *tx)
+                .await?;
         }
         tx.commit().await?;
         Ok(())

@@ -11,6 +11,8 @@ pub struct Metrics {
     pub spawn_to_ready: Histogram,
     pub sandboxes_active: IntGauge,
     pub executors_up: IntGauge,
+    /// Sandboxes that ended on their own, by cause (out_of_memory, exited).
+    pub sandboxes_ended: IntCounterVec,
 }
 
 impl Metrics {
@@ -45,12 +47,21 @@ impl Metrics {
             "Executors with a recent heartbeat (draining ones included)",
         )
         .expect("metric");
+        let sandboxes_ended = IntCounterVec::new(
+            Opts::new(
+                "tine_sandboxes_ended_total",
+                "Sandboxes that ended on their own, by cause (out_of_memory, exited)",
+            ),
+            &["cause"],
+        )
+        .expect("metric");
         for c in [
             Box::new(rpcs.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(rpc_seconds.clone()),
             Box::new(spawn_to_ready.clone()),
             Box::new(sandboxes_active.clone()),
             Box::new(executors_up.clone()),
+            Box::new(sandboxes_ended.clone()),
         ] {
             registry.register(c).expect("unique metric names");
         }
@@ -61,6 +72,7 @@ impl Metrics {
             spawn_to_ready,
             sandboxes_active,
             executors_up,
+            sandboxes_ended,
         }
     }
 

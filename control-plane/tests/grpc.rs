@@ -42,6 +42,8 @@ struct FakeState {
     branch_gate: Option<Arc<tokio::sync::Notify>>,
     /// StartBranch ends with this error after the resume instead of the snapshot.
     branch_failure: Option<String>,
+    /// What each Spawn call passed on as its children's resources.
+    resources: Vec<Option<pb::Resources>>,
 }
 
 #[derive(Clone, Default)]
@@ -166,6 +168,7 @@ impl Executor for FakeExecutor {
         let (tx, rx) = tokio::sync::mpsc::channel(r.ids.len() + 1);
         let mut st = self.state.lock().unwrap();
         st.spawn_calls += 1;
+        st.resources.push(r.resources);
         for (i, id) in r.ids.into_iter().enumerate() {
             if st.room.is_some_and(|room| st.live.len() >= room) {
                 let full = Status::resource_exhausted("executor fake is full (1 of 1 VMs running)");
@@ -225,6 +228,20 @@ impl Executor for FakeExecutor {
         let r = req.into_inner();
         Ok(Response::new(pb::EvalResponse {
             value: Some(format!("evaluated {} on {}", r.code, r.sandbox_id)),
+            ..Default::default()
+        }))
+    }
+
+    async fn usage(
+        &self,
+        req: Request<xpb::UsageRequest>,
+    ) -> Result<Response<pb::SandboxUsage>, Status> {
+        // What a cgroup would count, made up from the id so the relay is visible.
+        let id = req.into_inner().id;
+        Ok(Response::new(pb::SandboxUsage {
+            memory_current_bytes: 3 << 20,
+            memory_max_bytes: 128 << 20,
+            cpu_usage_us: id.len() as u64,
             ..Default::default()
         }))
     }
@@ -426,6 +443,7 @@ async fn register(
             }),
             cached_tags: tags.iter().map(|s| s.to_string()).collect(),
             live_sandboxes: live.to_vec(),
+            ended: vec![],
         }),
     })
     .await
@@ -1371,5 +1389,125 @@ async fn tls_listener_serves_clients_that_trust_its_ca() {
             .await
             .is_err());
     }
+    cp.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn resources_are_checked_recorded_and_ended_sandboxes_say_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (fake, addr) = start_executor(&t.executor).await;
+    register(cp.addr, &t, "ex-a", addr, 8, &["py"], &[]).await;
+    add_snapshot(&cp, "py", None, "ex-a").await;
+    let (_, mut sb, _) = clients(cp.addr, Some(&t.user)).await;
+    let req = |memory_limit_mib, cpu_millis| pb::SpawnRequest {
+        tag: "py".into(),
+        count: 2,
+        resources: Some(pb::Resources {
+            memory_limit_mib,
+            cpu_millis,
+        }),
+        ..Default::default()
+    };
+    // Below the floors, or past any host: refused, naming the field, before any executor.
+    for (m, c, field) in [
+        (16, 0, "resources.memory_limit_mib: 16 is outside 64"),
+        (0, 5, "resources.cpu_millis: 5 is outside 10"),
+        (u64::MAX, 0, "resources.memory_limit_mib"),
+    ] {
+        let e = sb.spawn(req(m, c)).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        assert!(e.message().starts_with(field), "{e:?}");
+    }
+    assert_eq!(fake.state.lock().unwrap().spawn_calls, 0);
+
+    let mut stream = sb.spawn(req(128, 250)).await.unwrap().into_inner();
+    let mut ids = Vec::new();
+    while let Some(ev) = stream.next().await {
+        if let Some(pb::spawn_event::Result::Ready(s)) = ev.unwrap().result {
+            ids.push(s.id);
+        }
+    }
+    assert_eq!(ids.len(), 2);
+    let want = Some(pb::Resources {
+        memory_limit_mib: 128,
+        cpu_millis: 250,
+    });
+    assert_eq!(fake.state.lock().unwrap().resources, vec![want]);
+    let get = |sb: &mut SandboxesClient<Svc>, id: &str| {
+        let mut sb = sb.clone();
+        let id = id.to_string();
+        async move {
+            sb.get_sandbox(pb::GetSandboxRequest { id })
+                .await
+                .unwrap()
+                .into_inner()
+        }
+    };
+    // A ready sandbox reports its limits and what its executor counts.
+    let s = get(&mut sb, &ids[0]).await;
+    assert_eq!(s.resources, want);
+    let u = s.usage.expect("usage of a ready sandbox");
+    assert_eq!(u.memory_current_bytes, 3 << 20);
+    assert_eq!(u.cpu_usage_us, ids[0].len() as u64);
+
+    // The executor reports the first one killed at its memory limit, twice (two heartbeats).
+    let (_, _, mut ex) = clients(cp.addr, Some(&t.executor)).await;
+    let reason = "out of memory: its VMM was killed at its limit of 128 MiB";
+    for _ in 0..2 {
+        let registered = ex
+            .heartbeat(pb::HeartbeatRequest {
+                id: "ex-a".into(),
+                report: Some(pb::ExecutorReport {
+                    capacity: Some(pb::Capacity {
+                        max_sandboxes: 8,
+                        ..Default::default()
+                    }),
+                    cached_tags: vec!["py".into()],
+                    live_sandboxes: vec![ids[1].clone()],
+                    ended: vec![pb::EndedSandbox {
+                        id: ids[0].clone(),
+                        reason: reason.into(),
+                        out_of_memory: true,
+                    }],
+                }),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .registered;
+        assert!(registered);
+    }
+    let s = get(&mut sb, &ids[0]).await;
+    assert_eq!(s.state, pb::SandboxState::Failed as i32, "{s:?}");
+    assert_eq!(s.error, reason);
+    assert!(s.usage.is_none());
+    assert_eq!(
+        get(&mut sb, &ids[1]).await.state,
+        pb::SandboxState::Ready as i32
+    );
+
+    // Audited once, with the spawn's limits on the spawn's own record; counted by cause.
+    let lines = audit_lines(dir.path());
+    let ended: Vec<_> = lines
+        .iter()
+        .filter(|l| l["rpc"] == "SandboxEnded")
+        .collect();
+    assert_eq!(ended.len(), 1, "{ended:?}");
+    assert_eq!(ended[0]["args"]["id"], ids[0].as_str());
+    assert_eq!(ended[0]["args"]["out_of_memory"], true);
+    assert_eq!(ended[0]["principal"], "executor:ex-a");
+    let spawn = lines
+        .iter()
+        .find(|l| l["rpc"] == "tine.v1.Sandboxes/Spawn" && l["status"] == "OK")
+        .unwrap();
+    assert_eq!(spawn["args"]["memory_limit_mib"], 128);
+    assert_eq!(spawn["args"]["cpu_millis"], 250);
+    let metrics = http_get(cp.metrics_addr.unwrap(), "/metrics").await;
+    assert!(
+        metrics.contains("tine_sandboxes_ended_total{cause=\"out_of_memory\"} 1"),
+        "{metrics}"
+    );
     cp.shutdown().await.unwrap();
 }

@@ -16,5 +16,14 @@ export TINE_AGENT_BIN="$PWD/target/dist/tine-agent"
 echo "== unit and integration tests"; cargo test --workspace
 echo "== API end to end: tine up + grpcurl + tine CLI + the Python client"
 cargo test -p tine-cli --test api -- --ignored
+# The host crate's test binary, for the cgroup test the lab runs (same features as above).
+TINE_HOST_TEST_BIN=$(cargo test --workspace --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "host" \
+            and m["target"]["kind"] == ["test"] and m.get("executable"):
+        print(m["executable"])')
+export TINE_HOST_TEST_BIN
 echo "== lab tests (boot Linux under real KVM inside the nested lab)"
 cargo test -p tine-cli --test lab -- --ignored --test-threads=1

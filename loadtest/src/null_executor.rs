@@ -55,6 +55,12 @@ impl Executor for NullExecutor {
     ) -> Result<Response<pb::ExposePortResponse>, Status> {
         unsupported("exposed ports")
     }
+    async fn usage(
+        &self,
+        _: Request<xpb::UsageRequest>,
+    ) -> Result<Response<pb::SandboxUsage>, Status> {
+        unsupported("usage")
+    }
     type StartBranchStream = BoxStream<xpb::BranchEvent>;
     async fn start_branch(
         &self,

@@ -1,7 +1,10 @@
 //! Input checks shared by every RPC: each failure is an INVALID_ARGUMENT naming the field.
 //! Names are parsed into their validated types here, at the edge.
 
-use tine_proto::limits::{MAX_READY_TIMEOUT_MS, MAX_SPAWN};
+use tine_proto::limits::{
+    MAX_CPU_MILLIS, MAX_MEMORY_LIMIT_MIB, MAX_READY_TIMEOUT_MS, MAX_SPAWN, MIN_CPU_MILLIS,
+    MIN_MEMORY_LIMIT_MIB,
+};
 use tine_proto::names::{ExecutorId, NameError, SandboxId, Tag};
 use tonic::Status;
 
@@ -48,6 +51,27 @@ pub fn ready_timeout_ms(ms: u32) -> Result<(), Status> {
         return Err(invalid(
             "ready_timeout_ms",
             format!("{ms} is over {MAX_READY_TIMEOUT_MS}"),
+        ));
+    }
+    Ok(())
+}
+
+/// A spawn's resources: each 0 (the default) or within its documented bounds.
+pub fn resources(r: &tine_proto::v1::Resources) -> Result<(), Status> {
+    let m = r.memory_limit_mib;
+    if m != 0 && !(MIN_MEMORY_LIMIT_MIB..=MAX_MEMORY_LIMIT_MIB).contains(&m) {
+        return Err(invalid(
+            "resources.memory_limit_mib",
+            format!(
+                "{m} is outside {MIN_MEMORY_LIMIT_MIB}..={MAX_MEMORY_LIMIT_MIB} (0: the default)"
+            ),
+        ));
+    }
+    let c = r.cpu_millis;
+    if c != 0 && !(MIN_CPU_MILLIS..=MAX_CPU_MILLIS).contains(&c) {
+        return Err(invalid(
+            "resources.cpu_millis",
+            format!("{c} is outside {MIN_CPU_MILLIS}..={MAX_CPU_MILLIS} (0: unlimited)"),
         ));
     }
     Ok(())
@@ -161,5 +185,24 @@ mod tests {
         assert!(guest_path("path", "etc/passwd").is_err());
         assert!(executor_addr("127.0.0.1:80").is_err());
         executor_addr("http://127.0.0.1:7071").unwrap();
+        let res = |memory_limit_mib, cpu_millis| {
+            resources(&tine_proto::v1::Resources {
+                memory_limit_mib,
+                cpu_millis,
+            })
+        };
+        res(0, 0).unwrap();
+        res(64, 10).unwrap();
+        let e = res(63, 0).unwrap_err();
+        assert!(e
+            .message()
+            .starts_with("resources.memory_limit_mib: 63 is outside 64"));
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(res(MAX_MEMORY_LIMIT_MIB + 1, 0).is_err());
+        assert!(res(0, 9)
+            .unwrap_err()
+            .message()
+            .contains("resources.cpu_millis: 9"));
+        assert!(res(0, MAX_CPU_MILLIS + 1).is_err());
     }
 }

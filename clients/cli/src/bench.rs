@@ -346,6 +346,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         layer: None,
         fetch: None,
         network: None,
+        resources: Default::default(),
     };
     for &n in &b.counts {
         let t0 = Instant::now();

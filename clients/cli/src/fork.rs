@@ -132,6 +132,7 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
         layer: None,
         fetch: None,
         network: None,
+        resources: Default::default(),
     };
     let t0 = Instant::now();
     let results = std::sync::Mutex::new((Vec::new(), 0usize));

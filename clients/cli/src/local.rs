@@ -35,7 +35,18 @@ pub fn host_config(owner: Owner, limits: Limits, readiness: Readiness) -> Result
         store: None,
         // Child networks are an executor's (`tine up`, `tine executor`).
         network: None,
+        // Children of `tine fork` are confined as an executor's are, where the host can.
+        cgroups: tine_host::CgroupMode::Auto,
     })
+}
+
+/// `--cgroup`: `auto`, `off`, or a cgroup v2 directory the executor owns.
+pub fn cgroup_mode(flag: &str) -> tine_host::CgroupMode {
+    match flag {
+        "auto" => tine_host::CgroupMode::Auto,
+        "off" => tine_host::CgroupMode::Off,
+        dir => tine_host::CgroupMode::At(PathBuf::from(dir)),
+    }
 }
 
 /// An executor's store settings; its layer cache lives in its data directory.
@@ -54,6 +65,7 @@ pub fn executor_host(
     pool_size: usize,
     store: Option<StoreChoice>,
     network: Option<NetConfig>,
+    cgroups: tine_host::CgroupMode,
 ) -> Result<HostConfig> {
     let store = store.map(|s| tine_host::StoreConfig {
         url: s.url,
@@ -75,6 +87,7 @@ pub fn executor_host(
             ..Limits::default()
         },
         network,
+        cgroups,
     })
 }
 

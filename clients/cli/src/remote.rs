@@ -128,6 +128,19 @@ pub enum SandboxCommand {
         /// Never reachable: CIDR[:port] (repeatable; wins over --allow).
         #[arg(long = "deny")]
         deny: Vec<String>,
+        /// Host memory each child may hold (its VMM and the pages it wrote); the kernel kills
+        /// it past that (0: the guest's RAM plus 128 MiB; at least 64).
+        #[arg(long, default_value_t = 0)]
+        memory_limit_mib: u64,
+        /// CPU share of each child in thousandths of a core (0: unlimited; at least 10).
+        #[arg(long, default_value_t = 0)]
+        cpu_millis: u32,
+        #[arg(long)]
+        json: bool,
+    },
+    /// One sandbox: its state, why it ended, its limits and what it uses now.
+    Get {
+        id: String,
         #[arg(long)]
         json: bool,
     },
@@ -205,6 +218,8 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                 internet,
                 allow,
                 deny,
+                memory_limit_mib,
+                cpu_millis,
                 json,
             } => {
                 let network = (internet.is_some() || !allow.is_empty() || !deny.is_empty())
@@ -227,7 +242,12 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                     .spawn(pb::SpawnRequest {
                         tag,
                         count,
-                        resources: None,
+                        resources: (memory_limit_mib != 0 || cpu_millis != 0).then_some(
+                            pb::Resources {
+                                memory_limit_mib,
+                                cpu_millis,
+                            },
+                        ),
                         placement: Some(pb::Placement {
                             policy: policy as i32,
                             executors,
@@ -286,6 +306,15 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                     );
                 }
                 Ok(if failed > 0 { 1 } else { 0 })
+            }
+            SandboxCommand::Get { id, json } => {
+                let s = sb
+                    .get_sandbox(pb::GetSandboxRequest { id })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                print_sandbox(&s, json);
+                Ok(0)
             }
             SandboxCommand::Ls { tag, all } => {
                 let r = sb
@@ -700,4 +729,68 @@ pub fn executors(c: ExecutorsCommand) -> Result<i32> {
         }
         Ok(0)
     })
+}
+
+/// `tine sandbox get`: one field per line, or one JSON object.
+fn print_sandbox(s: &pb::Sandbox, json: bool) {
+    let state = pb::SandboxState::try_from(s.state)
+        .map(|st| {
+            st.as_str_name()
+                .trim_start_matches("SANDBOX_STATE_")
+                .to_lowercase()
+        })
+        .unwrap_or_default();
+    let res = s.resources.unwrap_or_default();
+    let u = s.usage.as_ref();
+    if json {
+        let v = serde_json::json!({
+            "id": s.id, "tag": s.tag, "executor": s.executor, "state": state,
+            "created_unix_ms": s.created_unix_ms, "ready_us": s.ready_us, "error": s.error,
+            "memory_limit_mib": res.memory_limit_mib, "cpu_millis": res.cpu_millis,
+            "usage": u.map(|u| serde_json::json!({
+                "memory_current_bytes": u.memory_current_bytes,
+                "memory_peak_bytes": u.memory_peak_bytes,
+                "memory_max_bytes": u.memory_max_bytes,
+                "cpu_usage_us": u.cpu_usage_us,
+                "cpu_throttled_periods": u.cpu_throttled_periods,
+            })),
+        });
+        println!("{v}");
+        return;
+    }
+    let or_default = |v: u64, unit: &str, default: &str| {
+        if v == 0 {
+            default.to_string()
+        } else {
+            format!("{v} {unit}")
+        }
+    };
+    println!("id:             {}", s.id);
+    println!("state:          {state}");
+    println!("snapshot:       {}", s.tag);
+    println!("executor:       {}", s.executor);
+    println!("ready in:       {:.2} ms", s.ready_us as f64 / 1e3);
+    if !s.error.is_empty() {
+        println!("ended:          {}", s.error);
+    }
+    println!(
+        "memory limit:   {}",
+        or_default(res.memory_limit_mib, "MiB", "default (guest RAM + 128 MiB)")
+    );
+    println!(
+        "cpu share:      {}",
+        or_default(u64::from(res.cpu_millis), "millis", "unlimited")
+    );
+    if let Some(u) = u {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        println!("memory.current: {:.1} MiB", mib(u.memory_current_bytes));
+        if u.memory_peak_bytes > 0 {
+            println!("memory.peak:    {:.1} MiB", mib(u.memory_peak_bytes));
+        }
+        if u.memory_max_bytes > 0 {
+            println!("memory.max:     {:.1} MiB", mib(u.memory_max_bytes));
+        }
+        println!("cpu time:       {:.3} s", u.cpu_usage_us as f64 / 1e6);
+        println!("cpu throttled:  {} periods", u.cpu_throttled_periods);
+    }
 }

@@ -91,8 +91,20 @@ pub struct UpArgs {
     /// Start even though /dev/kvm is PVM (VM calls will fail).
     #[arg(long)]
     allow_pvm: bool,
+    /// Children's cgroups: auto (this process's own cgroup if nothing else runs in it,
+    /// else tine-<hash> at the top of cgroup v2), off, or a cgroup v2 directory to use.
+    #[arg(long, default_value = "auto")]
+    cgroup: String,
     #[command(flatten)]
     net: local::NetArgs,
+}
+
+/// The children's cgroups: none where no VM can run (a PVM host), so nothing is touched.
+fn child_cgroups(flag: &str, refusal: &Option<String>) -> tine_host::CgroupMode {
+    match refusal {
+        Some(_) => tine_host::CgroupMode::Off,
+        None => local::cgroup_mode(flag),
+    }
 }
 
 /// The executor's child networks: none where it cannot run VMs (a PVM host), so nothing is
@@ -162,6 +174,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
                 }),
                 // One user's machine: children reach the internet unless told otherwise.
                 child_networks(&a.net, &pvm_refusal(a.allow_pvm), true, None)?,
+                child_cgroups(&a.cgroup, &pvm_refusal(a.allow_pvm)),
             )?,
             metrics_listen: Some(a.executor_metrics_listen),
             allow_plaintext_remote: false,
@@ -344,6 +357,9 @@ pub struct ExecutorArgs {
     allow_plaintext_remote: bool,
     #[arg(long)]
     allow_pvm: bool,
+    /// Children's cgroups: auto, off, or a cgroup v2 directory (see `tine up --help`).
+    #[arg(long, default_value = "auto")]
+    cgroup: String,
     #[command(flatten)]
     net: local::NetArgs,
 }
@@ -397,6 +413,7 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
                     false,
                     a.control_plane.as_deref(),
                 )?,
+                child_cgroups(&a.cgroup, &pvm_refusal(a.allow_pvm)),
             )?,
             metrics_listen: Some(a.metrics_listen),
             allow_plaintext_remote: a.allow_plaintext_remote,

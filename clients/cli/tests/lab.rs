@@ -115,6 +115,46 @@ fn cached_kernel(file_prefix: &str) -> String {
         .to_string()
 }
 
+/// The host crate's test binary (`executor/host/tests/host.rs`): `$TINE_HOST_TEST_BIN`, which
+/// deploy/dev/test.sh sets from cargo's own report, else the newest one cargo built.
+fn host_test_binary() -> String {
+    if let Ok(p) = std::env::var("TINE_HOST_TEST_BIN") {
+        return p;
+    }
+    let deps = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/deps");
+    std::fs::read_dir(&deps)
+        .unwrap_or_else(|e| panic!("{}: {e}", deps.display()))
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.starts_with("host-") && !name.contains('.')
+        })
+        .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok())
+        .map(|e| e.path().display().to_string())
+        .expect("no host test binary: run `cargo test -p tine-host --no-run` first")
+}
+
+#[test]
+#[ignore = "needs cgroup v2 with its controllers next to real KVM: the nested lab's L1 has both"]
+fn children_are_confined_by_their_cgroups() {
+    // Tiny hand-made guests (no Linux to boot): a page-writing hog under 64 MiB, a busy guest
+    // at 100 millis, an idle sibling; see the test itself in the host crate.
+    let bin = host_test_binary();
+    let (code, out) = where_linux_boots_on(1, &[&bin, "children_are_held_to_their_cgroup_limits"]);
+    assert!(!out.contains("SKIPPED"), "cgroups were not usable:\n{out}");
+    assert!(
+        out.contains("test children_are_held_to_their_cgroup_limits ... ok"),
+        "{out}"
+    );
+    assert_eq!(code, 0, "{out}");
+    for l in out
+        .lines()
+        .filter(|l| l.contains("of a core") || l.contains("out of memory"))
+    {
+        println!("{l}");
+    }
+}
+
 #[test]
 #[ignore = "boots Linux: needs VMX/SVM or the nested lab (slow)"]
 fn pvh_boot_with_two_vcpus_reaches_init_and_powers_off() {

@@ -161,6 +161,7 @@ async fn executor(
                 gc_grace: tine_host::DEFAULT_GC_GRACE,
             }),
             network: None,
+            cgroups: tine_host::CgroupMode::Off,
         },
         metrics_listen: None,
         allow_plaintext_remote: false,

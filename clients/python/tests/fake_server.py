@@ -140,6 +140,8 @@ class Sandboxes(pb_grpc.SandboxesServicer):
                 created_unix_ms=1_700_000_000_000,
                 ready_us=1000 + i,
             )
+            if request.HasField("resources"):
+                sb.resources.CopyFrom(request.resources)
             self.st.sandboxes[sid] = sb
             self.st.globals[sid] = {}
             yield pb.SpawnEvent(index=i, ready=sb)
@@ -158,7 +160,13 @@ class Sandboxes(pb_grpc.SandboxesServicer):
         sb = self.st.sandboxes.get(request.id)
         if sb is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.id!r}")
-        return sb
+        assert sb is not None
+        # A running one's cgroup as its executor would count it; an ended one has none.
+        out = pb.Sandbox()
+        out.CopyFrom(sb)
+        if sb.state == pb.SANDBOX_STATE_READY:
+            out.usage.CopyFrom(pb.SandboxUsage(memory_current_bytes=3 << 20, memory_max_bytes=128 << 20, cpu_usage_us=250))
+        return out
 
     def ExposePort(self, request: Any, context: Any) -> Any:
         _auth(context)

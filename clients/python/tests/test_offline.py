@@ -189,6 +189,20 @@ def test_spawn() -> None:
             raise AssertionError("bad policy accepted")
 
 
+def test_resources_and_usage() -> None:
+    with _served() as (srv, c):
+        sb = c.spawn("py", n=1, memory_limit_mib=128, cpu_millis=250)[0]
+        assert (sb.memory_limit_mib, sb.cpu_millis) == (128, 250)
+        assert sb.usage is None, "not read yet"
+        u = sb.refresh().usage
+        assert u is not None and u.memory_current_bytes == 3 << 20 and u.cpu_usage_us == 250
+        # The control plane's verdict on an ended one: its reason, no usage.
+        srv.state.sandboxes[sb.id].state = tine.v1.tine_pb2.SANDBOX_STATE_FAILED
+        srv.state.sandboxes[sb.id].error = "out of memory: its VMM was killed at its limit of 128 MiB"
+        sb.refresh()
+        assert sb.state == "FAILED" and sb.error.startswith("out of memory") and sb.usage is None
+
+
 def test_network_policy_and_exposed_ports() -> None:
     with _served() as (srv, c):
         c.spawn("py", n=1)

@@ -18,6 +18,7 @@ from tine.client import (
     Sandbox,
     Snapshot,
     SpawnEvent,
+    Usage,
     resolve_addr,
     resolve_token,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "SpawnEvent",
     "SpawnFailure",
     "TineError",
+    "Usage",
     "resolve_addr",
     "resolve_token",
 ]

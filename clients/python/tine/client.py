@@ -396,6 +396,28 @@ def _network(internet: bool | None, allow: Sequence[str], deny: Sequence[str]) -
     return pb.Network(internet=want, allow=list(allow), deny=list(deny))
 
 
+@dataclass(frozen=True)
+class Usage:
+    """What a sandbox's cgroup on its executor counts."""
+
+    memory_current_bytes: int
+    """Its VMM and the guest pages it wrote (the snapshot's shared pages are the executor's)."""
+    memory_peak_bytes: int
+    memory_max_bytes: int
+    cpu_usage_us: int
+    cpu_throttled_periods: int
+
+    @classmethod
+    def _from_pb(cls, u: pb.SandboxUsage) -> Usage:
+        return cls(
+            memory_current_bytes=u.memory_current_bytes,
+            memory_peak_bytes=u.memory_peak_bytes,
+            memory_max_bytes=u.memory_max_bytes,
+            cpu_usage_us=u.cpu_usage_us,
+            cpu_throttled_periods=u.cpu_throttled_periods,
+        )
+
+
 class Sandbox:
     """A running child of a snapshot. Use as a context manager to kill it on exit."""
 
@@ -413,6 +435,15 @@ class Sandbox:
         self.created_unix_ms: int = s.created_unix_ms
         self.ready_us: int = s.ready_us
         """Spawn-to-ready as the executor measured it, in microseconds."""
+        self.error: str = s.error
+        """Why it ended (FAILED, LOST), e.g. "out of memory: ..."; "" while it runs."""
+        self.memory_limit_mib: int = s.resources.memory_limit_mib
+        """The memory limit its spawn asked for (0: the executor's default)."""
+        self.cpu_millis: int = s.resources.cpu_millis
+        """The CPU share its spawn asked for, in thousandths of a core (0: unlimited)."""
+        self.usage: Usage | None = Usage._from_pb(s.usage) if s.HasField("usage") else None
+        """What its cgroup counted when last read (``refresh()``); None until then, once it
+        ended, or on an executor without cgroups."""
 
     def __repr__(self) -> str:
         return (

@@ -16,6 +16,8 @@ pub struct ExecutorMetrics {
     pub spawn_failures: IntCounterVec,
     /// VMMs that exited on their own after they were ready (guest power-off, crash).
     pub vm_exits: IntCounter,
+    /// Of those, the ones the kernel killed at their memory limit.
+    pub oom_kills: IntCounter,
 }
 
 impl ExecutorMetrics {
@@ -52,12 +54,18 @@ impl ExecutorMetrics {
             "VMMs that exited on their own after their child was ready",
         )
         .expect("metric");
+        let oom_kills = IntCounter::new(
+            "tine_executor_oom_kills_total",
+            "Children whose VMM the kernel killed at their cgroup's memory limit",
+        )
+        .expect("metric");
         for c in [
             Box::new(spawn_phase.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(pool_idle.clone()),
             Box::new(vms_running.clone()),
             Box::new(spawn_failures.clone()),
             Box::new(vm_exits.clone()),
+            Box::new(oom_kills.clone()),
         ] {
             registry.register(c).expect("unique metric names");
         }
@@ -68,6 +76,7 @@ impl ExecutorMetrics {
             vms_running,
             spawn_failures,
             vm_exits,
+            oom_kills,
         }
     }
 

@@ -11,7 +11,9 @@ use futures::Stream;
 use tine_agent::client::{AgentErrorCode, ClientError, ExecOptions};
 use tine_host::network::Policy;
 use tine_host::ready::agent;
-use tine_host::{BranchKind, ErrorKind, Host, HostError, LayerInfo, ParentSpec, SpawnOptions};
+use tine_host::{
+    BranchKind, ErrorKind, Host, HostError, LayerInfo, ParentSpec, Resources, SpawnOptions,
+};
 use tine_proto::executor::v1 as xpb;
 use tine_proto::executor::v1::executor_server::Executor;
 use tine_proto::v1 as pb;
@@ -35,7 +37,14 @@ pub struct State {
     /// Refuse VM work on a PVM /dev/kvm (Linux guests cannot run there).
     pub vm_refusal: Option<String>,
     pub metrics: ExecutorMetrics,
+    /// Children that ended on their own, newest last, with when: reported with every
+    /// heartbeat until they age out, so the control plane learns why even past a missed one.
+    ended: std::sync::Mutex<std::collections::VecDeque<(std::time::Instant, pb::EndedSandbox)>>,
 }
+
+/// How long an ended child is reported, and at most how many are.
+const ENDED_KEPT: Duration = Duration::from_secs(600);
+const ENDED_MAX: usize = 1024;
 
 fn internal(e: impl std::fmt::Display) -> Status {
     Status::internal(e.to_string())
@@ -53,6 +62,7 @@ pub fn host_status(e: &HostError) -> Status {
         ErrorKind::Denied => Status::permission_denied(m),
         ErrorKind::Unavailable => Status::unavailable(m),
         ErrorKind::Cancelled => Status::cancelled(m),
+        ErrorKind::Invalid => Status::invalid_argument(m),
         ErrorKind::Internal => {
             tracing::error!("{m}");
             Status::internal(m)
@@ -103,7 +113,16 @@ impl State {
             host,
             vm_refusal,
             metrics: ExecutorMetrics::new(),
+            ended: Default::default(),
         })
+    }
+
+    fn ended(&self) -> Vec<pb::EndedSandbox> {
+        let mut e = self.ended.lock().unwrap_or_else(|p| p.into_inner());
+        while e.front().is_some_and(|(t, _)| t.elapsed() > ENDED_KEPT) {
+            e.pop_front();
+        }
+        e.iter().map(|(_, x)| x.clone()).collect()
     }
 
     pub fn report(&self) -> pb::ExecutorReport {
@@ -130,6 +149,7 @@ impl State {
                 .map(|t| t.into_string())
                 .collect(),
             live_sandboxes: live,
+            ended: self.ended(),
         }
     }
 
@@ -165,6 +185,23 @@ impl State {
     pub fn reap(&self) {
         let gone = self.host.reap();
         self.metrics.vm_exits.inc_by(gone.len() as u64);
+        let oom = gone.iter().filter(|g| g.out_of_memory).count();
+        self.metrics.oom_kills.inc_by(oom as u64);
+        let mut ended = self.ended.lock().unwrap_or_else(|p| p.into_inner());
+        for g in gone {
+            if ended.len() == ENDED_MAX {
+                ended.pop_front();
+            }
+            ended.push_back((
+                std::time::Instant::now(),
+                pb::EndedSandbox {
+                    id: g.id.into_string(),
+                    reason: g.reason,
+                    out_of_memory: g.out_of_memory,
+                },
+            ));
+        }
+        drop(ended);
         self.metrics
             .vms_running
             .set(self.host.live_ids().len() as i64);
@@ -446,22 +483,26 @@ impl Executor for ExecutorService {
             Some(n) => Some(self.state.policy(validate::network(n)?)?),
             None => None,
         };
+        let resources = r.resources.unwrap_or_default();
         let opts = SpawnOptions {
             ready_timeout: (r.ready_timeout_ms != 0)
                 .then(|| Duration::from_millis(r.ready_timeout_ms as u64)),
             layer,
-            network: network.clone(),
+            network,
+            resources: Resources {
+                memory_limit_mib: resources.memory_limit_mib,
+                cpu_millis: resources.cpu_millis,
+            },
             ..SpawnOptions::default()
         };
-        // A missing, unfetchable or broken snapshot fails the call, not each child; a host
-        // without it fetches it here (or, lazily, what the first child needs), once.
-        let (st, t) = (self.state.clone(), tag.clone());
-        tokio::task::spawn_blocking(move || {
-            st.host.prepare_spawn(&t, layer.as_ref(), network.as_ref())
-        })
-        .await
-        .map_err(internal)?
-        .map_err(|e| host_status(&e))?;
+        // A missing, unfetchable or broken snapshot, or limits this host cannot give, fail
+        // the call, not each child; a host without the snapshot fetches it here (or, lazily,
+        // what the first child needs), once.
+        let (st, t, o) = (self.state.clone(), tag.clone(), opts.clone());
+        tokio::task::spawn_blocking(move || st.host.prepare_spawn(&t, &o))
+            .await
+            .map_err(internal)?
+            .map_err(|e| host_status(&e))?;
         let (tx, rx) = mpsc::channel(ids.len() + 1);
         let st = self.state.clone();
         let span = tracing::Span::current();
@@ -590,6 +631,27 @@ impl Executor for ExecutorService {
             .map_err(|e| host_status(&e))?;
         Ok(Response::new(pb::ExposePortResponse {
             address: addr.to_string(),
+        }))
+    }
+
+    async fn usage(
+        &self,
+        req: Request<xpb::UsageRequest>,
+    ) -> Result<Response<pb::SandboxUsage>, Status> {
+        let id = validate::sandbox_id("id", &req.into_inner().id)?;
+        let u = self.state.host.usage(&id).map_err(|e| host_status(&e))?;
+        let u = u.ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "sandbox {id} has no cgroup: {}",
+                self.state.host.cgroups_refused()
+            ))
+        })?;
+        Ok(Response::new(pb::SandboxUsage {
+            memory_current_bytes: u.memory_current,
+            memory_peak_bytes: u.memory_peak,
+            memory_max_bytes: u.memory_max.unwrap_or(0),
+            cpu_usage_us: u.cpu_usage.as_micros() as u64,
+            cpu_throttled_periods: u.cpu_throttled,
         }))
     }
 

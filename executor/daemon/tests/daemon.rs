@@ -48,6 +48,7 @@ async fn start(data: &Path, token: &str, max_vms: u32) -> RunningExecutor {
             },
             store: None,
             network: None,
+            cgroups: tine_host::CgroupMode::Off,
         },
         metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
         allow_plaintext_remote: false,

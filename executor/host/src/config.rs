@@ -102,6 +102,8 @@ pub struct HostConfig {
     /// Children's networks (None: parents boot without a network interface and children
     /// get none).
     pub network: Option<crate::network::NetConfig>,
+    /// Children's cgroups.
+    pub cgroups: crate::cgroup::CgroupMode,
 }
 
 impl HostConfig {

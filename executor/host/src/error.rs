@@ -23,6 +23,8 @@ pub enum ErrorKind {
     Denied,
     /// Our own fault (I/O, a worker that could not start).
     Internal,
+    /// The request asks for something out of bounds.
+    Invalid,
     /// Stopped on request before it was done.
     Cancelled,
     /// Something this host depends on (the cluster's store) did not answer or answered wrong.
@@ -93,6 +95,16 @@ pub enum HostError {
     Network { what: String, reason: String },
     #[error("network: {0}")]
     NetworkRefused(String),
+    #[error("resources: {0}")]
+    Limits(String),
+    #[error("resources: {0}")]
+    NoCgroups(String),
+    #[error("cgroup: {0}")]
+    Cgroup(String),
+    #[error(
+        "VM {id} ran out of memory: the kernel killed its VMM at its limit of {limit_mib} MiB"
+    )]
+    OutOfMemory { id: SandboxId, limit_mib: u64 },
     #[error("another process owns {dir}: {why}")]
     Locked { dir: PathBuf, why: String },
     #[error("{context}: {source}")]
@@ -116,7 +128,8 @@ impl HostError {
         match self {
             NoSnapshot(_) | NoVm(_) => ErrorKind::NotFound,
             SnapshotExists(_) | VmExists(_) => ErrorKind::AlreadyExists,
-            Full { .. } => ErrorKind::Exhausted,
+            Full { .. } | OutOfMemory { .. } => ErrorKind::Exhausted,
+            Limits(_) => ErrorKind::Invalid,
             NotOwner { .. } | Locked { .. } => ErrorKind::Denied,
             RestoreTimeout(_) | NotReady { .. } => ErrorKind::Deadline,
             BadSnapshot { .. }
@@ -130,9 +143,10 @@ impl HostError {
             | WarmupCall { .. }
             | Branch { .. }
             | HasDescendants { .. }
-            | NetworkRefused(_) => ErrorKind::Precondition,
+            | NetworkRefused(_)
+            | NoCgroups(_) => ErrorKind::Precondition,
             Network { .. } => ErrorKind::Internal,
-            Worker { .. } | Io { .. } | Vmm(_) | Store { .. } => ErrorKind::Internal,
+            Worker { .. } | Io { .. } | Vmm(_) | Store { .. } | Cgroup(_) => ErrorKind::Internal,
             Fetch { .. } => ErrorKind::Unavailable,
             Cancelled(_) => ErrorKind::Cancelled,
         }
@@ -166,6 +180,9 @@ impl HostError {
             Cancelled(_) => "cancelled",
             Fetch { .. } => "fetch",
             Network { .. } | NetworkRefused(_) => "network",
+            Limits(_) | NoCgroups(_) => "resources",
+            Cgroup(_) => "cgroup",
+            OutOfMemory { .. } => "out_of_memory",
             Io { .. } => "io",
             Vmm(_) => "vmm",
         }

@@ -1,7 +1,7 @@
 //! [`Host`]: the one owner of the VMs on a host. The executor daemon and the `tine` CLI both
 //! go through it, so there is one spawn path, one set of limits and one record format.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::Child;
@@ -12,6 +12,7 @@ use tine_vmm::vm::Rebase;
 use tine_proto::names::{SandboxId, Tag};
 use tine_vmm::snapshot::file::SnapshotHeader;
 
+use crate::cgroup::{CgroupError, CgroupMode, Cgroups, ChildLimits, Usage};
 use crate::config::{HostConfig, Readiness};
 use crate::error::{HostError, Result};
 use crate::fetch::{FetchMode, Fetcher, Source};
@@ -99,6 +100,33 @@ pub struct SpawnOptions {
     /// The children's egress policy (None: the host's default). Refused on a host without
     /// networking or for a snapshot whose guest has no network interface.
     pub network: Option<Policy>,
+    /// What each child is held to (zeros: the defaults). Refused on a host without cgroups.
+    pub resources: Resources,
+}
+
+/// What a spawn asks each child to be held to; checked against [`ChildLimits::for_child`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Resources {
+    /// 0: the guest's RAM plus the VMM's overhead.
+    pub memory_limit_mib: u64,
+    /// Thousandths of a core (0: unlimited).
+    pub cpu_millis: u32,
+}
+
+impl Resources {
+    fn asked(&self) -> bool {
+        *self != Resources::default()
+    }
+}
+
+/// A child whose VMM exited (or was killed for want of memory) while it was ready.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ended {
+    pub id: SandboxId,
+    /// How it ended and the tail of its vmm.log.
+    pub reason: String,
+    /// Killed by the kernel for exceeding its memory limit.
+    pub out_of_memory: bool,
 }
 
 /// What every child of one spawn call is made from.
@@ -112,6 +140,8 @@ struct ChildPlan<'a> {
     lazy: Option<&'a Arc<dyn Pages>>,
     /// Its network's policy (None: no network).
     policy: Option<&'a Policy>,
+    /// Its cgroup's limits (None: no cgroup).
+    limits: Option<&'a ChildLimits>,
 }
 
 /// How one child of a spawn ended.
@@ -158,6 +188,12 @@ pub struct Host {
     network: Option<Arc<Network>>,
     /// Guest ports exposed on this host, per child; closed with it.
     exposed: Mutex<HashMap<SandboxId, Vec<crate::network::expose::Forward>>>,
+    /// Children's cgroups (None: children run unconfined; see `no_cgroups`).
+    cgroups: Option<Cgroups>,
+    /// Why children get no cgroups (refused to a spawn that asks for limits).
+    no_cgroups: String,
+    /// Snapshots (by state checksum) whose memory files this host's cgroup was charged for.
+    charged: Mutex<HashSet<String>>,
     /// Held while an executor daemon owns this data directory.
     _lock: Option<OwnedFd>,
 }
@@ -181,6 +217,10 @@ impl Host {
             f.sweep();
         }
         host.adopt_survivors();
+        if let Some(cg) = &host.cgroups {
+            let keep = host.vms().live.keys().map(|id| id.to_string()).collect();
+            cg.sweep(&keep);
+        }
         if let Some(net) = &host.network {
             let keep = host
                 .vms()
@@ -198,6 +238,22 @@ impl Host {
             std::fs::create_dir_all(&d)
                 .map_err(HostError::io(format!("creating {}", d.display())))?;
         }
+        // Before any worker starts: the executor may move itself into its own leaf cgroup.
+        let (cgroups, no_cgroups) = match Cgroups::open(&cfg.cgroups, &cfg.data_dir) {
+            Ok(Some(c)) => (Some(c), String::new()),
+            Ok(None) => (
+                None,
+                "this executor runs without cgroups (--cgroup off)".into(),
+            ),
+            Err(CgroupError::Unavailable(why)) if cfg.cgroups == CgroupMode::Auto => {
+                tracing::warn!("children run without cgroups, so without limits: {why}");
+                (
+                    None,
+                    format!("this executor cannot give children cgroups: {why}"),
+                )
+            }
+            Err(e) => return Err(HostError::Cgroup(e.to_string())),
+        };
         let pool = WorkerPool::new(
             cfg.worker_exe.clone(),
             cfg.limits.pool_size,
@@ -224,6 +280,9 @@ impl Host {
             fetcher,
             network,
             exposed: Mutex::new(HashMap::new()),
+            cgroups,
+            no_cgroups,
+            charged: Mutex::new(HashSet::new()),
             _lock: lock,
         })
     }
@@ -314,6 +373,86 @@ impl Host {
         let _ = std::fs::remove_dir_all(&record.dir);
         if let Some(ns) = &record.net {
             crate::network::remove_recorded(&self.cfg.data_dir.join("net"), ns);
+        }
+        if let Some(cg) = &self.cgroups {
+            cg.remove(&record.id);
+        }
+    }
+
+    /// `id`'s memory limit, if the kernel killed in its cgroup for want of memory.
+    fn out_of_memory(&self, id: &SandboxId) -> Option<u64> {
+        let u = self.cgroups.as_ref()?.usage(id)?;
+        (u.oom_kills > 0).then_some(u.memory_max.unwrap_or(0))
+    }
+
+    /// The cgroups children run in (None: none, see [`Host::cgroups_refused`]).
+    pub fn cgroups(&self) -> Option<&Cgroups> {
+        self.cgroups.as_ref()
+    }
+
+    /// Why children get no cgroups ("" when they do).
+    pub fn cgroups_refused(&self) -> &str {
+        &self.no_cgroups
+    }
+
+    /// What child `id`'s cgroup counted (None: it runs without one).
+    pub fn usage(&self, id: &SandboxId) -> Result<Option<Usage>> {
+        if !self.vms().live.contains_key(id) {
+            return Err(HostError::NoVm(id.clone()));
+        }
+        Ok(self.cgroups.as_ref().and_then(|c| c.usage(id)))
+    }
+
+    /// The limits children of a snapshot (its `header`) get for `asked`, or why not.
+    fn child_limits(
+        &self,
+        header: &SnapshotHeader,
+        asked: &Resources,
+    ) -> Result<Option<ChildLimits>> {
+        if self.cgroups.is_none() {
+            if asked.asked() {
+                return Err(HostError::NoCgroups(self.no_cgroups.clone()));
+            }
+            return Ok(None);
+        }
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+        ChildLimits::for_child(
+            header.mem_size >> 20,
+            asked.memory_limit_mib,
+            asked.cpu_millis,
+            cpus,
+        )
+        .map(Some)
+        .map_err(HostError::Limits)
+    }
+
+    /// Charge the snapshot in `dir`'s memory files to this host's cgroup before children map
+    /// them (once per snapshot), so each child is charged for what it writes.
+    fn charge_snapshot(&self, header: &SnapshotHeader, dir: &std::path::Path) {
+        if self.cgroups.is_none() {
+            return;
+        }
+        let key = format!("{}:{}", dir.display(), header.state_sha256);
+        if self
+            .charged
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&key)
+        {
+            return;
+        }
+        let t = Instant::now();
+        match crate::cgroup::charge_snapshot(dir) {
+            Ok(bytes) => {
+                tracing::info!(snapshot = %dir.display(), mib = bytes >> 20, took_ms = t.elapsed().as_millis() as u64, "snapshot memory charged to the executor");
+                self.charged
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(key);
+            }
+            Err(e) => {
+                tracing::warn!(snapshot = %dir.display(), "reading the snapshot's memory ahead of its children: {e}")
+            }
         }
     }
 
@@ -836,6 +975,10 @@ impl Host {
         };
         let pages: Option<Arc<dyn Pages>> = lazy.clone().map(|i| i as Arc<dyn Pages>);
         let policy = self.spawn_policy(tag, &header, opts.network.as_ref())?;
+        let limits = self.child_limits(&header, &opts.resources)?;
+        if lazy.is_none() {
+            self.charge_snapshot(&header, &snapshot);
+        }
         let timeout = opts.ready_timeout.unwrap_or(self.cfg.limits.ready_timeout);
         let readiness = opts.readiness.unwrap_or(self.cfg.readiness);
         // Accepted now, so a kill that arrives while a child waits its turn cancels it.
@@ -884,6 +1027,7 @@ impl Host {
                                 timeout,
                                 lazy: pages.as_ref(),
                                 policy: policy.as_ref(),
+                                limits: limits.as_ref(),
                             },
                             id,
                         )
@@ -929,20 +1073,21 @@ impl Host {
     /// missing, unfetchable or broken snapshot fails a whole spawn call before any child.
     /// Children asking for `network` are checked too (a host without networking, or a
     /// snapshot without an interface, refuses them here).
-    pub fn prepare_spawn(
-        &self,
-        tag: &Tag,
-        layer: Option<&tine_snapshot_store::Digest>,
-        network: Option<&Policy>,
-    ) -> Result<()> {
-        if let (Some(head), Some(f)) = (layer, &self.fetcher) {
-            if let Source::Lazy(img) = f.source(tag, head, None)? {
-                let header = header_in(tag, &img.dir)?;
-                return self.spawn_policy(tag, &header, network).map(drop);
-            }
-        }
-        let header = self.snapshot_header(tag)?;
-        self.spawn_policy(tag, &header, network).map(drop)
+    pub fn prepare_spawn(&self, tag: &Tag, opts: &SpawnOptions) -> Result<()> {
+        let lazy = match (&opts.layer, &self.fetcher) {
+            (Some(head), Some(f)) => match f.source(tag, head, None)? {
+                Source::Lazy(img) => Some(img),
+                Source::Local => None,
+            },
+            _ => None,
+        };
+        let header = match &lazy {
+            Some(img) => header_in(tag, &img.dir)?,
+            None => self.snapshot_header(tag)?,
+        };
+        self.spawn_policy(tag, &header, opts.network.as_ref())?;
+        self.child_limits(&header, &opts.resources)?;
+        Ok(())
     }
 
     /// Restore one child of the snapshot in `dir` with its pages served from the image there,
@@ -968,6 +1113,7 @@ impl Host {
                 timeout: self.cfg.limits.ready_timeout,
                 lazy: Some(&pages),
                 policy: None,
+                limits: None,
             },
             id.clone(),
         );
@@ -1033,6 +1179,7 @@ impl Host {
             timeout,
             lazy,
             policy,
+            limits,
         } = *plan;
         let t = Instant::now();
         let span = tracing::info_span!("spawn.child", id = %id, tag = %tag);
@@ -1050,7 +1197,7 @@ impl Host {
             Some(_) => JobMemory::Lazy,
             None => JobMemory::Image,
         };
-        let handed = self.hand_off(tag, snapshot, &id, memory, policy);
+        let handed = self.hand_off(tag, snapshot, &id, memory, policy, limits);
         let (pid, restored_pipe, process, network) = match handed {
             Ok(x) => x,
             Err(e) => return fail(id, None, e),
@@ -1088,6 +1235,14 @@ impl Host {
                 .unwrap_or(e)),
             (r, _) => r,
         };
+        // One the kernel killed for its memory limit: say so.
+        let result = result.map_err(|e| match self.out_of_memory(&id) {
+            Some(limit) => HostError::OutOfMemory {
+                id: id.clone(),
+                limit_mib: limit >> 20,
+            },
+            None => e,
+        });
         let mut vms = self.vms();
         let Some(live) = vms.live.get_mut(&id) else {
             // Killed while it was being made ready.
@@ -1130,9 +1285,10 @@ impl Host {
         id: &SandboxId,
         memory: JobMemory,
         policy: Option<&Policy>,
+        limits: Option<&ChildLimits>,
     ) -> Result<(u32, std::fs::File, ProcessIdentity, Duration)> {
         let _s = tracing::info_span!("spawn.handoff").entered();
-        let started = self.start_worker(tag, snapshot, id, memory, policy);
+        let started = self.start_worker(tag, snapshot, id, memory, policy, limits);
         let mut vms = self.vms();
         vms.starting -= 1;
         let cancelled = vms.pending.remove(id) == Some(true);
@@ -1165,6 +1321,7 @@ impl Host {
         id: &SandboxId,
         memory: JobMemory,
         policy: Option<&Policy>,
+        limits: Option<&ChildLimits>,
     ) -> Result<(VmRecord, Child, std::fs::File, Duration)> {
         let dir = self.cfg.vms_dir().join(id.as_str());
         match std::fs::create_dir(&dir) {
@@ -1200,6 +1357,12 @@ impl Host {
             };
             // Recorded before the job is handed over: a daemon that dies now still knows it.
             record.write()?;
+            // Confined before it touches the snapshot: what it maps and writes from here on
+            // is charged to the child.
+            if let (Some(cg), Some(limits)) = (&self.cgroups, limits) {
+                cg.attach(id, limits, pid)
+                    .map_err(|e| HostError::Cgroup(e.to_string()))?;
+            }
             let (child, restored) = worker.run(&WorkerJob {
                 snapshot: snapshot.to_path_buf(),
                 dir: dir.clone(),
@@ -1212,6 +1375,9 @@ impl Host {
             let _ = std::fs::remove_dir_all(&dir);
             if let (Some(net), Some(l)) = (&self.network, lease) {
                 net.release(l);
+            }
+            if let Some(cg) = &self.cgroups {
+                cg.remove(id);
             }
         }
         started
@@ -1348,7 +1514,7 @@ impl Host {
 
     /// Forget ready VMs whose VMM exited, reaping our own processes; returns each with its
     /// reason and the tail of its vmm.log. Children not ready yet belong to their spawn.
-    pub fn reap(&self) -> Vec<(SandboxId, String)> {
+    pub fn reap(&self) -> Vec<Ended> {
         let mut gone = Vec::new();
         self.vms().live.retain(|id, l| {
             if !l.ready {
@@ -1372,9 +1538,29 @@ impl Host {
         gone.into_iter()
             .map(|(id, record, how)| {
                 let tail = vmm_log(&record.dir);
-                tracing::warn!(%id, %how, vmm_log = %tail, "VMM exited");
+                let oom = self.out_of_memory(&id);
                 self.discard(&record);
-                (id, format!("{how}: {tail}"))
+                match oom {
+                    Some(limit) => {
+                        tracing::warn!(%id, limit_mib = limit >> 20, "VM killed: out of memory");
+                        Ended {
+                            reason: format!(
+                                "out of memory: its VMM was killed at its limit of {} MiB",
+                                limit >> 20
+                            ),
+                            id,
+                            out_of_memory: true,
+                        }
+                    }
+                    None => {
+                        tracing::warn!(%id, %how, vmm_log = %tail, "VMM exited");
+                        Ended {
+                            id,
+                            reason: format!("{how}: {tail}"),
+                            out_of_memory: false,
+                        }
+                    }
+                }
             })
             .collect()
     }

@@ -3,6 +3,7 @@
 //! after a restart. Configured by one [`HostConfig`] value; it reads no environment. The
 //! executor daemon and the `tine` CLI both use it.
 
+pub mod cgroup;
 pub mod config;
 pub mod console;
 pub mod control;
@@ -21,11 +22,14 @@ pub mod records;
 pub mod testing;
 pub mod worker;
 
+pub use cgroup::{CgroupMode, ChildLimits, Usage};
 pub use config::{HostConfig, Limits, Owner, Readiness};
 pub use control::BranchKind;
 pub use error::{ErrorKind, HostError};
 pub use fetch::FetchMode;
-pub use host::{Branch, Host, LazyReport, Resumed, SpawnOptions, SpawnOutcome, VmInfo};
+pub use host::{
+    Branch, Ended, Host, LazyReport, Resources, Resumed, SpawnOptions, SpawnOutcome, VmInfo,
+};
 pub use layers::{Collected, Fetched, LayerInfo, StoreConfig, DEFAULT_GC_GRACE};
 pub use parent::{MadeSnapshot, ParentSpec};
 pub use process::{Liveness, ProcessIdentity};

@@ -202,6 +202,35 @@ pub fn write_counter_guest_snapshot(dir: &Path, mem_mib: u64) -> anyhow::Result<
     snapshot_once(ram, dir, "the counter guest", |c| c.lines().count() >= 3)
 }
 
+/// Where the hog guest's writes start.
+pub const HOG_START: u64 = 0x80_0000;
+
+/// Write into `dir` the snapshot of a guest that, forever, increments a word in every page
+/// of its RAM from [`HOG_START`] to its end and prints `.` on COM1 after each pass. A child
+/// makes every one of those pages its own within a pass: `mem_mib` MiB, less 8, of host
+/// memory, as a guest that allocates without bound would. No agent: spawn with
+/// `Readiness::Running`.
+pub fn write_hog_guest_snapshot(dir: &Path, mem_mib: u64) -> anyhow::Result<()> {
+    let pages = ((mem_mib << 20) - HOG_START) / 4096;
+    let mut code: Vec<u8> = Vec::new();
+    // top: mov rsi, HOG_START; mov rcx, pages
+    code.extend_from_slice(&[0x48, 0xbe]);
+    code.extend_from_slice(&HOG_START.to_le_bytes());
+    code.extend_from_slice(&[0x48, 0xb9]);
+    code.extend_from_slice(&pages.to_le_bytes());
+    // page: inc qword [rsi]; add rsi, 4096; dec rcx; jnz page
+    code.extend_from_slice(&[
+        0x48, 0xff, 0x06, 0x48, 0x81, 0xc6, 0x00, 0x10, 0x00, 0x00, 0x48, 0xff, 0xc9, 0x75, 0xf1,
+    ]);
+    // mov dx, 0x3f8; mov al, '.'; out dx, al; jmp top
+    code.extend_from_slice(&[0x66, 0xba, 0xf8, 0x03, 0xb0, b'.', 0xee, 0xe9]);
+    let back = -((code.len() + 4) as i32);
+    code.extend_from_slice(&back.to_le_bytes());
+    let ram = GuestRam::new_memfd(mem_mib)?;
+    ram.memory().write_slice(&code, GuestAddress(CODE))?;
+    snapshot_once(ram, dir, "the hog guest", |c| c.contains('.'))
+}
+
 /// The counts a counter guest's console shows (whole lines only).
 pub fn counts(console: &str) -> Vec<u64> {
     console
@@ -244,5 +273,6 @@ pub fn test_host_config(data: &Path, max_vms: u32, pool_size: usize) -> crate::H
         },
         store: None,
         network: None,
+        cgroups: crate::CgroupMode::Off,
     }
 }

@@ -207,7 +207,13 @@ fn children_get_their_own_confined_network() {
 
     // Asking for a network where there is none is refused, before any child.
     let e = host
-        .prepare_spawn(&tag("plain"), None, Some(&Policy::default()))
+        .prepare_spawn(
+            &tag("plain"),
+            &SpawnOptions {
+                network: Some(Policy::default()),
+                ..SpawnOptions::default()
+            },
+        )
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Precondition, "{e}");
     assert!(e.to_string().contains("without a network interface"), "{e}");

@@ -95,6 +95,8 @@ mount -t tmpfs -o mode=755 tmpfs /host/run || fail "mount /host/run"
 mkdir -p /host/dev/pts /host/dev/shm
 mount -t devpts devpts /host/dev/pts
 mount -t tmpfs -o mode=1777 tmpfs /host/dev/shm
+# cgroup v2 with every controller (nothing mounts v1 here): children get their own cgroups.
+mount -t cgroup2 cgroup2 /host/sys/fs/cgroup || echo "$m no cgroup2"
 . /tine/setup.sh
 mkdir -p /host/run/tine
 cp /tine/job.sh /host/run/tine/job.sh || fail "copy job"

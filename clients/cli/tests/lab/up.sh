@@ -1,7 +1,7 @@
 #!/bin/sh
 # Control plane end to end: `tine up` (control plane + local executor), a snapshot made through
 # the API, sandboxes spawned through the CLI and the Python client, evals in each, child
-# networks (net.sh), branches, metrics.
+# networks (net.sh), cgroup limits (limits.sh), branches, metrics.
 # Usage: up.sh TINE IMAGE WORKDIR PYTHON_VENV
 set -u
 T=$1 IMG=$2 W=$3 VENV=$4
@@ -41,6 +41,7 @@ done
 "$T" sandbox ls
 
 . "$(dirname "$0")/net.sh"
+. "$(dirname "$0")/limits.sh"
 
 # The Python client: the example (3 sandboxes, eval in each) and the live test suite with spawning.
 if "$VENV/bin/python" "$PY/examples/fork_and_eval.py" py -n 3 >"$W/py-example" 2>&1; then ok python-example
@@ -107,12 +108,13 @@ cat "$W/py-branch"
 EXM=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["executor_metrics"])' "$W/data/up.json")
 python3 -c 'import sys,urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
   "http://$EXM/metrics" >"$W/executor-metrics" 2>&1
-grep -E '^tine_executor_(spawn_phase_seconds_(sum|count)|pool_idle_workers|vms_running|spawn_failures_total)' "$W/executor-metrics"
+grep -E '^tine_executor_(spawn_phase_seconds_(sum|count)|pool_idle_workers|vms_running|spawn_failures_total|oom_kills_total)' "$W/executor-metrics"
 n=$(sed -n 's/^tine_executor_spawn_phase_seconds_count{phase="restore"} //p' "$W/executor-metrics")
 missing=""
 for p in network handoff restore running agent fixup total; do
   grep -q "^tine_executor_spawn_phase_seconds_count{phase=\"$p\"} [1-9]" "$W/executor-metrics" || missing="$missing $p"
 done
-[ -z "$missing" ] && [ "${n:-0}" -ge 3 ] && ok executor-metrics \
-  || fail executor-metrics "phases without observations:$missing (restore count ${n:-none})"
+oom=$(sed -n 's/^tine_executor_oom_kills_total //p' "$W/executor-metrics")
+[ -z "$missing" ] && [ "${n:-0}" -ge 3 ] && [ "${oom:-0}" -ge 1 ] && ok executor-metrics \
+  || fail executor-metrics "phases without observations:$missing (restore count ${n:-none}; oom kills ${oom:-none})"
 kill -TERM $UP; wait $UP && ok shutdown || fail shutdown "tine up exited $?"

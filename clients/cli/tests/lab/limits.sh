@@ -1,0 +1,72 @@
+# Children's cgroups, sourced by up.sh once `tine up` runs and snapshot "py" exists. L1 mounts
+# cgroup v2 with every controller, so the executor gives each child its own cgroup.
+# Uses T, W, ok and fail from up.sh.
+
+json_field() { python3 -c 'import json,sys; v=json.loads(sys.stdin.read())
+for k in sys.argv[1].split("."): v = (v or {}).get(k)
+print("" if v is None else v)' "$1"; }
+
+# Below the floor: refused before any child starts, naming the field.
+out=$("$T" sandbox spawn --tag py -n 1 --memory-limit-mib 16 2>&1)
+case $out in
+  *INVALID_ARGUMENT*memory_limit_mib*) ok limits-floor ;;
+  *) fail limits-floor "$out" ;;
+esac
+
+# The acceptance command: two children held to 128 MiB and a quarter of a core.
+"$T" sandbox spawn --tag py -n 2 --memory-limit-mib 128 --cpu-millis 250 >"$W/spawn-lim" 2>&1
+cat "$W/spawn-lim"
+L1=$(grep 'ready in' "$W/spawn-lim" | awk 'NR == 1 {print $1}')
+L2=$(grep 'ready in' "$W/spawn-lim" | awk 'NR == 2 {print $1}')
+"$T" sandbox get "$L1" | tee "$W/get-lim"
+cg=$(ls -d /sys/fs/cgroup/tine-*/vms/"$L1" 2>/dev/null | head -1)
+if [ -n "$cg" ] && [ "$(cat "$cg/memory.max")" = $((128 << 20)) ] \
+   && [ "$(cat "$cg/cpu.max")" = "25000 100000" ] && [ "$(cat "$cg/memory.swap.max" 2>/dev/null || echo 0)" = 0 ] \
+   && grep -q '^memory.current:' "$W/get-lim" && grep -q '^memory limit: *128 MiB' "$W/get-lim"; then
+  ok limits-cgroup
+else
+  fail limits-cgroup "cgroup '$cg': $(cat "$cg/memory.max" "$cg/cpu.max" 2>&1 | tr '\n' ' ') $(cat "$W/get-lim")"
+fi
+
+# A busy loop for 4 s of the guest's (wall) time is held to its quarter of a core.
+cpu0=$("$T" sandbox get "$L1" --json | json_field usage.cpu_usage_us)
+thr0=$("$T" sandbox get "$L1" --json | json_field usage.cpu_throttled_periods)
+t0=$(date +%s%N)
+"$T" sandbox exec "$L1" -- python3 -c 'import time
+t = time.time()
+while time.time() - t < 4: pass' >/dev/null 2>&1
+t1=$(date +%s%N)
+cpu1=$("$T" sandbox get "$L1" --json | json_field usage.cpu_usage_us)
+thr1=$("$T" sandbox get "$L1" --json | json_field usage.cpu_throttled_periods)
+share=$(python3 -c "print(f'{($cpu1 - $cpu0) / (($t1 - $t0) / 1000):.3f}')")
+echo "cpu-share: a busy guest at --cpu-millis 250 used $share of a core over $(( (t1 - t0) / 1000000 )) ms (throttled $((thr1 - thr0)) periods)"
+if python3 -c "import sys; sys.exit(0 if $share < 0.4 else 1)" && [ $((thr1 - thr0)) -gt 0 ]; then
+  ok limits-cpu-share
+else
+  fail limits-cpu-share "share $share, throttled $((thr1 - thr0)) periods"
+fi
+
+# A guest that writes past its limit: its VMM is killed, the sandbox FAILED with the reason,
+# its sibling untouched.
+"$T" sandbox eval "$L1" 'x = b"x" * (300 << 20); len(x)' >"$W/oom-eval" 2>&1
+echo "the eval past the limit answered: $(tail -1 "$W/oom-eval")"
+i=0
+until "$T" sandbox get "$L1" --json >"$W/get-oom" 2>&1 \
+    && [ "$(json_field state <"$W/get-oom")" = failed ]; do
+  i=$((i + 1)); [ $i -lt 60 ] || break
+  sleep 0.5
+done
+"$T" sandbox get "$L1"
+err=$(json_field error <"$W/get-oom")
+if [ "$(json_field state <"$W/get-oom")" = failed ] && case $err in "out of memory"*) true ;; *) false ;; esac \
+   && [ ! -d "$cg" ] && [ "$("$T" sandbox eval "$L2" 'parent_value * 2' 2>&1)" = 42 ]; then
+  ok limits-oom
+else
+  fail limits-oom "$(cat "$W/get-oom"); cgroup left: $(ls -d "$cg" 2>&1)"
+fi
+if grep '"rpc":"SandboxEnded"' "$W/data/audit.log" | grep -q '"out_of_memory":true'; then
+  ok limits-oom-audited
+else
+  fail limits-oom-audited "$(grep SandboxEnded "$W/data/audit.log")"
+fi
+"$T" sandbox kill "$L2" >/dev/null 2>&1
