@@ -154,6 +154,7 @@ fn sandbox_msg(r: &SandboxRow) -> pb::Sandbox {
             cpu_millis: r.cpu_millis as u32,
         }),
         usage: None,
+        expires_unix_ms: r.expires_ms.unwrap_or(0),
     }
 }
 
@@ -241,6 +242,62 @@ impl Api {
             Err(_) => {
                 tracing::warn!(sandbox = %s.id, "usage: its executor did not answer in 2 s");
                 None
+            }
+        }
+    }
+
+    /// Kill the live sandboxes whose timeout ran out: each through its executor (one that is
+    /// gone there already counts as killed), then recorded KILLED with why, audited and
+    /// counted. One whose executor does not answer is tried again on the next pass.
+    pub async fn expire_due(&self) {
+        let due = match self.ctx.db.expired(now_ms()).await {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!("listing expired sandboxes: {e}");
+                return;
+            }
+        };
+        for at in due {
+            let id = at.sandbox.id.clone();
+            let killed = match self.ctx.executors.client(&at.addr) {
+                Ok(mut c) => {
+                    let kill = c.kill(xpb::KillRequest { id: id.clone() });
+                    match tokio::time::timeout(Duration::from_secs(5), kill).await {
+                        Ok(Ok(_)) => Ok(()),
+                        Ok(Err(e)) if e.code() == Code::NotFound => Ok(()),
+                        Ok(Err(e)) => Err(e.message().to_string()),
+                        Err(_) => Err("no answer in 5 s".to_string()),
+                    }
+                }
+                Err(e) => Err(e.message().to_string()),
+            };
+            if let Err(why) = killed {
+                tracing::warn!(sandbox = %id, executor = %at.sandbox.executor_id, "killing an expired sandbox: {why}; trying again");
+                continue;
+            }
+            let lived_s = (now_ms() - at.sandbox.created_ms).max(0) / 1000;
+            let reason = format!("expired: its timeout ran out after {lived_s} s");
+            match self
+                .ctx
+                .db
+                .end_live_sandbox(&id, SandboxState::Killed, &reason)
+                .await
+            {
+                Ok(Some(_)) => {
+                    tracing::info!(sandbox = %id, lived_s, "sandbox expired");
+                    self.ctx
+                        .metrics
+                        .sandboxes_ended
+                        .with_label_values(&["expired"])
+                        .inc();
+                    self.ctx.audit_event(
+                        "SandboxExpired",
+                        "control-plane",
+                        json!({"id": id, "executor": at.sandbox.executor_id, "lived_s": lived_s}),
+                    );
+                }
+                Ok(None) => {} // ended meanwhile (killed, failed): nothing to add
+                Err(e) => tracing::warn!(sandbox = %id, "recording an expiry: {e}"),
             }
         }
     }
@@ -592,6 +649,7 @@ impl Api {
         }
         let resources = r.resources.unwrap_or_default();
         validate::resources(&resources)?;
+        let lifetime = self.ctx.timeouts.for_spawn(r.sandbox_timeout_s)?;
         let placement = r.placement.clone().unwrap_or_default();
         for id in &placement.executors {
             validate::name("placement.executors", id)?;
@@ -652,7 +710,11 @@ impl Api {
             .collect();
         self.ctx
             .db
-            .insert_sandboxes(&rows, (resources.memory_limit_mib, resources.cpu_millis))
+            .insert_sandboxes(
+                &rows,
+                (resources.memory_limit_mib, resources.cpu_millis),
+                lifetime,
+            )
             .await?;
 
         let (tx, rx) = mpsc::channel(r.count as usize + 1);
@@ -990,7 +1052,8 @@ impl Sandboxes for Api {
         let res = r.resources.unwrap_or_default();
         let args = json!({"tag": r.tag, "count": r.count, "policy": p.policy, "executors": p.executors,
                           "ready_timeout_ms": r.ready_timeout_ms, "no_wait": r.no_wait,
-                          "memory_limit_mib": res.memory_limit_mib, "cpu_millis": res.cpu_millis});
+                          "memory_limit_mib": res.memory_limit_mib, "cpu_millis": res.cpu_millis,
+                          "sandbox_timeout_s": r.sandbox_timeout_s});
         let call = self.ctx.begin(Rpc::Spawn, &req, args)?;
         let deadline = call_deadline(&req);
         let res = self.start_spawn(req.into_inner(), deadline).await;
@@ -1094,6 +1157,33 @@ impl Sandboxes for Api {
             validate::code("code", &r.code)?;
             let mut c = self.sandbox_client(&r.sandbox_id).await?;
             Ok(c.eval(r).await?.into_inner())
+        }
+        .await;
+        self.ctx.finish(call, res.map(Response::new))
+    }
+
+    async fn set_timeout(
+        &self,
+        req: Request<pb::SetTimeoutRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let r = req.get_ref().clone();
+        let args = json!({"sandbox_id": r.sandbox_id, "timeout_s": r.timeout_s});
+        let call = self.ctx.begin(Rpc::SetTimeout, &req, args)?;
+        let res = async {
+            validate::name("sandbox_id", &r.sandbox_id)?;
+            let s = self.ctx.timeouts.check_set(r.timeout_s)?;
+            let expires = now_ms() + i64::from(s) * 1000;
+            match self.ctx.db.set_expiry(&r.sandbox_id, expires).await? {
+                Some(row) => Ok(sandbox_msg(&row)),
+                None => Err(match self.ctx.db.sandbox(&r.sandbox_id).await? {
+                    Some(row) => Status::failed_precondition(format!(
+                        "sandbox {} has ended ({})",
+                        row.id,
+                        row.state().as_str()
+                    )),
+                    None => Status::not_found(format!("sandbox {} does not exist", r.sandbox_id)),
+                }),
+            }
         }
         .await;
         self.ctx.finish(call, res.map(Response::new))

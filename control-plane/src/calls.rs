@@ -38,6 +38,7 @@ pub enum Rpc {
     WriteFile,
     Branch,
     ExposePort,
+    SetTimeout,
     RegisterExecutor,
     Heartbeat,
     ListExecutors,
@@ -61,6 +62,7 @@ impl Rpc {
             Rpc::WriteFile => "tine.v1.Sandboxes/WriteFile",
             Rpc::Branch => "tine.v1.Sandboxes/Branch",
             Rpc::ExposePort => "tine.v1.Sandboxes/ExposePort",
+            Rpc::SetTimeout => "tine.v1.Sandboxes/SetTimeout",
             Rpc::RegisterExecutor => "tine.v1.Executors/RegisterExecutor",
             Rpc::Heartbeat => "tine.v1.Executors/Heartbeat",
             Rpc::ListExecutors => "tine.v1.Executors/ListExecutors",
@@ -91,6 +93,54 @@ pub struct Ctx {
     pub heartbeat_interval_s: u32,
     /// How long a ready sandbox its executor stopped reporting is given before it is lost.
     pub lost_grace_ms: i64,
+    pub timeouts: SandboxTimeouts,
+}
+
+/// How long sandboxes live: the operator's default and the most a caller may ask for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SandboxTimeouts {
+    /// Seconds a sandbox lives when its spawn does not say (0: until killed).
+    pub default_s: u32,
+    /// The most a spawn or SetTimeout may ask for, in seconds.
+    pub max_s: u32,
+}
+
+impl Default for SandboxTimeouts {
+    /// E2B's default of five minutes; a day at most.
+    fn default() -> Self {
+        SandboxTimeouts {
+            default_s: 300,
+            max_s: 86_400,
+        }
+    }
+}
+
+impl SandboxTimeouts {
+    /// The seconds a spawn asking for `asked` (0: the default) gets, or why not (None: never
+    /// expires).
+    pub fn for_spawn(&self, asked: u32) -> Result<Option<u32>, Status> {
+        if asked > self.max_s {
+            return Err(Status::invalid_argument(format!(
+                "sandbox_timeout_s: {asked} is over the maximum of {} s",
+                self.max_s
+            )));
+        }
+        Ok(match asked {
+            0 => (self.default_s != 0).then_some(self.default_s),
+            s => Some(s),
+        })
+    }
+
+    /// The seconds SetTimeout may set: 1..=max.
+    pub fn check_set(&self, asked: u32) -> Result<u32, Status> {
+        if asked == 0 || asked > self.max_s {
+            return Err(Status::invalid_argument(format!(
+                "timeout_s: {asked} is outside 1..={}",
+                self.max_s
+            )));
+        }
+        Ok(asked)
+    }
 }
 
 /// An accepted call in progress.

@@ -188,6 +188,8 @@ pub struct SandboxRow {
     pub error: Option<String>,
     pub memory_limit_mib: i64,
     pub cpu_millis: i64,
+    /// When its timeout runs out (None: never).
+    pub expires_ms: Option<i64>,
 }
 
 /// A sandbox and the address of the executor running it (one query for relayed calls).
@@ -646,16 +648,18 @@ impl Db {
     // ---- sandboxes ----
 
     /// Record new children as starting, all or none, with the (memory MiB, CPU millis) their
-    /// spawn asked for.
+    /// spawn asked for and the seconds they live (None: until killed).
     pub async fn insert_sandboxes(
         &self,
         rows: &[(String, String, String)],
         resources: (u64, u32),
+        timeout_s: Option<u32>,
     ) -> Result<()> {
         const INSERT: &str = "INSERT INTO sandboxes (id, tag, executor_id, state, created_ms, \
-             memory_limit_mib, cpu_millis) VALUES (?, ?, ?, 'starting', ?, ?, ?)";
+             memory_limit_mib, cpu_millis, expires_ms) VALUES (?, ?, ?, 'starting', ?, ?, ?, ?)";
         let now = now_ms();
         let (mem, cpu) = (resources.0 as i64, i64::from(resources.1));
+        let expires = timeout_s.map(|s| now + i64::from(s) * 1000);
         if let [(id, tag, executor)] = rows {
             // One row: a single autocommit statement (no BEGIN/COMMIT round trips).
             sqlx::query(INSERT)
@@ -665,6 +669,7 @@ impl Db {
                 .bind(now)
                 .bind(mem)
                 .bind(cpu)
+                .bind(expires)
                 .execute(&self.pool)
                 .await?;
             return Ok(());
@@ -678,6 +683,7 @@ impl Db {
                 .bind(now)
                 .bind(mem)
                 .bind(cpu)
+                .bind(expires)
                 .execute(&mut *tx)
                 .await?;
         }
@@ -701,6 +707,48 @@ impl Db {
             .bind(id)
             .fetch_optional(&self.pool)
             .await?)
+    }
+
+    /// Move a live sandbox's expiry; None if it is not live (or does not exist).
+    pub async fn set_expiry(&self, id: &str, expires_ms: i64) -> Result<Option<SandboxRow>> {
+        Ok(sqlx::query_as(
+            "UPDATE sandboxes SET expires_ms = ? WHERE id = ? AND state IN ('starting', 'ready') \
+             RETURNING *",
+        )
+        .bind(expires_ms)
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// Live sandboxes whose timeout ran out by `now_ms`, with their executors' addresses.
+    pub async fn expired(&self, now_ms: i64) -> Result<Vec<SandboxAt>> {
+        Ok(sqlx::query_as(
+            "SELECT s.*, e.addr FROM sandboxes s JOIN executors e ON e.id = s.executor_id \
+             WHERE s.expires_ms IS NOT NULL AND s.expires_ms <= ? \
+             AND s.state IN ('starting', 'ready') ORDER BY s.expires_ms LIMIT 256",
+        )
+        .bind(now_ms)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// End a sandbox only if it is still live; returns its row if this call ended it.
+    pub async fn end_live_sandbox(
+        &self,
+        id: &str,
+        state: SandboxState,
+        error: &str,
+    ) -> Result<Option<SandboxRow>> {
+        Ok(sqlx::query_as(
+            "UPDATE sandboxes SET state = ?, error = ? WHERE id = ? \
+             AND state IN ('starting', 'ready') RETURNING *",
+        )
+        .bind(state.as_str())
+        .bind(error)
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?)
     }
 
     pub async fn sandbox_at(&self, id: &str) -> Result<Option<SandboxAt>> {

@@ -15,6 +15,7 @@ use tonic::transport::Server;
 
 use crate::api::Api;
 use crate::audit::AuditLog;
+pub use crate::calls::SandboxTimeouts;
 use crate::calls::{Auth, Ctx};
 use crate::db::Db;
 use crate::executors::ExecutorPool;
@@ -40,6 +41,8 @@ pub struct ServerConfig {
     pub lost_grace_ms: i64,
     /// Serve plaintext gRPC on a non-loopback address (tokens would cross the network in clear).
     pub allow_plaintext_remote: bool,
+    /// How long sandboxes live.
+    pub sandbox_timeouts: SandboxTimeouts,
 }
 
 /// Refuse configurations that would expose the API unsafely.
@@ -102,6 +105,7 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
         executors,
         heartbeat_interval_s: cfg.heartbeat_interval_s.max(1),
         lost_grace_ms: cfg.lost_grace_ms,
+        timeouts: cfg.sandbox_timeouts,
     });
     let api = Api { ctx: ctx.clone() };
 
@@ -164,7 +168,8 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
         background.push(t);
     }
     background.push(tokio::spawn(reopen_audit_on_sighup(ctx.clone())));
-    background.push(tokio::spawn(refresh_gauges(api)));
+    background.push(tokio::spawn(refresh_gauges(api.clone())));
+    background.push(tokio::spawn(expire_sandboxes(api)));
     tracing::info!(%addr, "control plane listening");
     Ok(RunningServer {
         addr,
@@ -187,6 +192,15 @@ async fn reopen_audit_on_sighup(ctx: Arc<Ctx>) {
             Ok(()) => tracing::info!(path = %ctx.audit.path().display(), "audit log reopened"),
             Err(e) => tracing::error!("reopening the audit log: {e}"),
         }
+    }
+}
+
+/// Kill sandboxes whose timeout ran out, every half second. Expiries live in the database, so
+/// ones that came due while no control plane ran are killed at the next start.
+async fn expire_sandboxes(api: Api) {
+    loop {
+        api.expire_due().await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 

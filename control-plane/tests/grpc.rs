@@ -391,6 +391,7 @@ fn config(dir: &Path, t: &Tokens) -> ServerConfig {
         heartbeat_interval_s: 5,
         lost_grace_ms: 0,
         allow_plaintext_remote: false,
+        sandbox_timeouts: Default::default(),
     }
 }
 
@@ -487,6 +488,7 @@ async fn spawn_all(
             ready_timeout_ms: 0,
             no_wait: false,
             network: None,
+            sandbox_timeout_s: 0,
         })
         .await
         .unwrap()
@@ -1508,6 +1510,143 @@ async fn resources_are_checked_recorded_and_ended_sandboxes_say_why() {
     assert!(
         metrics.contains("tine_sandboxes_ended_total{cause=\"out_of_memory\"} 1"),
         "{metrics}"
+    );
+    cp.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn sandboxes_expire_on_time_even_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (fake, addr) = start_executor(&t.executor).await;
+    register(cp.addr, &t, "ex-a", addr, 8, &["py"], &[]).await;
+    add_snapshot(&cp, "py", None, "ex-a").await;
+    let (_, sb, _) = clients(cp.addr, Some(&t.user)).await;
+    let spawn = |sb: &SandboxesClient<Svc>, sandbox_timeout_s: u32| {
+        let mut sb = sb.clone();
+        async move {
+            let mut s = sb
+                .spawn(pb::SpawnRequest {
+                    tag: "py".into(),
+                    count: 1,
+                    sandbox_timeout_s,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            let mut out = None;
+            while let Some(ev) = s.next().await {
+                if let Some(pb::spawn_event::Result::Ready(x)) = ev?.result {
+                    out = Some(x);
+                }
+            }
+            Ok::<_, Status>(out.expect("a ready child"))
+        }
+    };
+    // Over the maximum: refused, naming the field and the bound.
+    let e = spawn(&sb, 86_401).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(
+        e.message()
+            .contains("sandbox_timeout_s: 86401 is over the maximum of 86400 s"),
+        "{e:?}"
+    );
+
+    // The default: five minutes from the spawn.
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let long = spawn(&sb, 0).await.unwrap();
+    let left = long.expires_unix_ms - before;
+    assert!((299_000..=301_000).contains(&left), "{left}");
+    // SetTimeout moves it either way, within 1..=max.
+    let set = |sb: &SandboxesClient<Svc>, id: &str, timeout_s: u32| {
+        let mut sb = sb.clone();
+        let sandbox_id = id.to_string();
+        async move {
+            sb.set_timeout(pb::SetTimeoutRequest {
+                sandbox_id,
+                timeout_s,
+            })
+            .await
+            .map(|r| r.into_inner())
+        }
+    };
+    let moved = set(&sb, &long.id, 3600).await.unwrap();
+    assert!(moved.expires_unix_ms - before >= 3_599_000, "{moved:?}");
+    for bad in [0, 86_401] {
+        let e = set(&sb, &long.id, bad).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{bad}: {e:?}");
+    }
+    assert_eq!(
+        set(&sb, "sbx-nope", 10).await.unwrap_err().code(),
+        Code::NotFound
+    );
+
+    // One second: killed on its executor and recorded with why.
+    let short = spawn(&sb, 1).await.unwrap();
+    let get = |sb: &SandboxesClient<Svc>, id: &str| {
+        let mut sb = sb.clone();
+        let id = id.to_string();
+        async move {
+            sb.get_sandbox(pb::GetSandboxRequest { id })
+                .await
+                .unwrap()
+                .into_inner()
+        }
+    };
+    let t0 = std::time::Instant::now();
+    while get(&sb, &short.id).await.state != pb::SandboxState::Killed as i32 {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "never expired"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let s = get(&sb, &short.id).await;
+    assert!(
+        s.error.starts_with("expired: its timeout ran out after"),
+        "{s:?}"
+    );
+    assert!(!fake.state.lock().unwrap().live.contains(&short.id));
+    assert!(
+        fake.state.lock().unwrap().live.contains(&long.id),
+        "only the due one"
+    );
+    // An ended sandbox's timeout cannot be set.
+    let e = set(&sb, &short.id, 10).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+
+    // Due while no control plane runs: killed at the next start.
+    let doomed = spawn(&sb, 1).await.unwrap();
+    cp.shutdown().await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    assert!(fake.state.lock().unwrap().live.contains(&doomed.id));
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (_, sb, _) = clients(cp.addr, Some(&t.user)).await;
+    let t0 = std::time::Instant::now();
+    while get(&sb, &doomed.id).await.state != pb::SandboxState::Killed as i32 {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "never expired after restart"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(!fake.state.lock().unwrap().live.contains(&doomed.id));
+
+    // Audited (by the control plane itself) and counted.
+    let expired: Vec<_> = audit_lines(dir.path())
+        .into_iter()
+        .filter(|l| l["rpc"] == "SandboxExpired")
+        .collect();
+    assert_eq!(expired.len(), 2, "{expired:?}");
+    assert_eq!(expired[0]["principal"], "control-plane");
+    let metrics = http_get(cp.metrics_addr.unwrap(), "/metrics").await;
+    assert!(
+        metrics.contains("tine_sandboxes_ended_total{cause=\"expired\"} 1"),
+        "the restarted process counted its own: {metrics}"
     );
     cp.shutdown().await.unwrap();
 }

@@ -96,6 +96,7 @@ async fn main() -> Result<()> {
                 heartbeat_interval_s: 5,
                 lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,
                 allow_plaintext_remote: false,
+                sandbox_timeouts: Default::default(),
             })
             .await?;
             let report = ExecutorReport {

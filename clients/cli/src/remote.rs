@@ -135,9 +135,14 @@ pub enum SandboxCommand {
         /// CPU share of each child in thousandths of a core (0: unlimited; at least 10).
         #[arg(long, default_value_t = 0)]
         cpu_millis: u32,
+        /// Seconds each child lives before it is killed (0: the control plane's default).
+        #[arg(long, default_value_t = 0)]
+        sandbox_timeout_secs: u32,
         #[arg(long)]
         json: bool,
     },
+    /// Kill a sandbox SECS seconds from now instead (extend or shorten its timeout).
+    SetTimeout { id: String, secs: u32 },
     /// One sandbox: its state, why it ended, its limits and what it uses now.
     Get {
         id: String,
@@ -220,6 +225,7 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                 deny,
                 memory_limit_mib,
                 cpu_millis,
+                sandbox_timeout_secs,
                 json,
             } => {
                 let network = (internet.is_some() || !allow.is_empty() || !deny.is_empty())
@@ -255,6 +261,7 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                         ready_timeout_ms,
                         no_wait,
                         network,
+                        sandbox_timeout_s: sandbox_timeout_secs,
                     })
                     .await
                     .map_err(status_err)?
@@ -306,6 +313,18 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                     );
                 }
                 Ok(if failed > 0 { 1 } else { 0 })
+            }
+            SandboxCommand::SetTimeout { id, secs } => {
+                let s = sb
+                    .set_timeout(pb::SetTimeoutRequest {
+                        sandbox_id: id,
+                        timeout_s: secs,
+                    })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                println!("{} now expires in {secs} s", s.id);
+                Ok(0)
             }
             SandboxCommand::Get { id, json } => {
                 let s = sb
@@ -747,6 +766,7 @@ fn print_sandbox(s: &pb::Sandbox, json: bool) {
             "id": s.id, "tag": s.tag, "executor": s.executor, "state": state,
             "created_unix_ms": s.created_unix_ms, "ready_us": s.ready_us, "error": s.error,
             "memory_limit_mib": res.memory_limit_mib, "cpu_millis": res.cpu_millis,
+            "expires_unix_ms": s.expires_unix_ms,
             "usage": u.map(|u| serde_json::json!({
                 "memory_current_bytes": u.memory_current_bytes,
                 "memory_peak_bytes": u.memory_peak_bytes,
@@ -772,6 +792,14 @@ fn print_sandbox(s: &pb::Sandbox, json: bool) {
     println!("ready in:       {:.2} ms", s.ready_us as f64 / 1e3);
     if !s.error.is_empty() {
         println!("ended:          {}", s.error);
+    } else if s.expires_unix_ms > 0 {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
+        println!(
+            "expires in:     {:.0} s",
+            (s.expires_unix_ms - now).max(0) as f64 / 1e3
+        );
     }
     println!(
         "memory limit:   {}",

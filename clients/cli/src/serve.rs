@@ -85,6 +85,8 @@ pub struct UpArgs {
     /// Most sandboxes the local executor runs at once.
     #[arg(long, default_value_t = 256)]
     max_sandboxes: u32,
+    #[command(flatten)]
+    lifetimes: LifetimeArgs,
     /// VMM worker processes kept started for fast spawns.
     #[arg(long, default_value_t = 8)]
     pool: usize,
@@ -148,6 +150,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
             heartbeat_interval_s: 5,
             lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,
             allow_plaintext_remote: false,
+            sandbox_timeouts: a.lifetimes.timeouts()?,
         })
         .await?;
         let id = ExecutorId::parse("local")?;
@@ -246,6 +249,35 @@ pub struct ControlPlaneArgs {
     heartbeat_interval_s: u32,
     #[arg(long)]
     allow_plaintext_remote: bool,
+    #[command(flatten)]
+    lifetimes: LifetimeArgs,
+}
+
+/// How long sandboxes live (`tine up`, `tine control-plane`).
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct LifetimeArgs {
+    /// Seconds a sandbox lives when its spawn does not say (0: until killed).
+    #[arg(long, default_value_t = 300)]
+    sandbox_timeout_secs: u32,
+    /// The most a spawn or SetTimeout may ask for, in seconds.
+    #[arg(long, default_value_t = 86_400)]
+    max_sandbox_timeout_secs: u32,
+}
+
+impl LifetimeArgs {
+    fn timeouts(self) -> Result<tine_control_plane::server::SandboxTimeouts> {
+        anyhow::ensure!(
+            self.max_sandbox_timeout_secs >= 1
+                && self.sandbox_timeout_secs <= self.max_sandbox_timeout_secs,
+            "--sandbox-timeout-secs {} must be at most --max-sandbox-timeout-secs {} (at least 1)",
+            self.sandbox_timeout_secs,
+            self.max_sandbox_timeout_secs
+        );
+        Ok(tine_control_plane::server::SandboxTimeouts {
+            default_s: self.sandbox_timeout_secs,
+            max_s: self.max_sandbox_timeout_secs,
+        })
+    }
 }
 
 pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
@@ -281,6 +313,7 @@ pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
             heartbeat_interval_s: a.heartbeat_interval_s,
             lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,
             allow_plaintext_remote: a.allow_plaintext_remote,
+            sandbox_timeouts: a.lifetimes.timeouts()?,
         })
         .await?;
         println!(

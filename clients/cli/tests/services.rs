@@ -81,6 +81,7 @@ async fn control_plane(dir: &Path) -> Cluster {
         heartbeat_interval_s: 1,
         lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,
         allow_plaintext_remote: false,
+        sandbox_timeouts: Default::default(),
     })
     .await
     .unwrap();

@@ -140,6 +140,8 @@ class Sandboxes(pb_grpc.SandboxesServicer):
                 created_unix_ms=1_700_000_000_000,
                 ready_us=1000 + i,
             )
+            if request.sandbox_timeout_s:
+                sb.expires_unix_ms = 1_700_000_000_000 + request.sandbox_timeout_s * 1000
             if request.HasField("resources"):
                 sb.resources.CopyFrom(request.resources)
             self.st.sandboxes[sid] = sb
@@ -167,6 +169,14 @@ class Sandboxes(pb_grpc.SandboxesServicer):
         if sb.state == pb.SANDBOX_STATE_READY:
             out.usage.CopyFrom(pb.SandboxUsage(memory_current_bytes=3 << 20, memory_max_bytes=128 << 20, cpu_usage_us=250))
         return out
+
+    def SetTimeout(self, request: Any, context: Any) -> Any:
+        _auth(context)
+        sb = self._get(request.sandbox_id, context)
+        if not 1 <= request.timeout_s <= 86_400:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: {request.timeout_s} is outside 1..=86400")
+        sb.expires_unix_ms = 1_700_000_000_000 + request.timeout_s * 1000
+        return sb
 
     def ExposePort(self, request: Any, context: Any) -> Any:
         _auth(context)

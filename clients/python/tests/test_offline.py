@@ -196,6 +196,11 @@ def test_resources_and_usage() -> None:
         assert sb.usage is None, "not read yet"
         u = sb.refresh().usage
         assert u is not None and u.memory_current_bytes == 3 << 20 and u.cpu_usage_us == 250
+        # Its lifetime: as spawned, then moved.
+        sb2 = c.spawn("py", n=1, lifetime_s=60)[0]
+        assert sb2.expires_unix_ms == 1_700_000_060_000
+        assert sb2.set_timeout(600).expires_unix_ms == 1_700_000_600_000
+        _raises("INVALID_ARGUMENT", sb2.set_timeout, 0)
         # The control plane's verdict on an ended one: its reason, no usage.
         srv.state.sandboxes[sb.id].state = tine.v1.tine_pb2.SANDBOX_STATE_FAILED
         srv.state.sandboxes[sb.id].error = "out of memory: its VMM was killed at its limit of 128 MiB"

@@ -441,6 +441,8 @@ class Sandbox:
         """The memory limit its spawn asked for (0: the executor's default)."""
         self.cpu_millis: int = s.resources.cpu_millis
         """The CPU share its spawn asked for, in thousandths of a core (0: unlimited)."""
+        self.expires_unix_ms: int = s.expires_unix_ms
+        """When its timeout runs out and the control plane kills it (0: never)."""
         self.usage: Usage | None = Usage._from_pb(s.usage) if s.HasField("usage") else None
         """What its cgroup counted when last read (``refresh()``); None until then, once it
         ended, or on an executor without cgroups."""
@@ -556,6 +558,13 @@ class Sandbox:
         self._killed = True
         if r.HasField("sandbox"):
             self._update(r.sandbox)
+
+    def set_timeout(self, seconds: int) -> Sandbox:
+        """Have the control plane kill this sandbox ``seconds`` from now (extend or shorten
+        its timeout; 1 up to the operator's maximum)."""
+        req = pb.SetTimeoutRequest(sandbox_id=self.id, timeout_s=seconds)
+        self._update(self._client._unary(self._client._sandboxes.SetTimeout, req))
+        return self
 
     def refresh(self) -> Sandbox:
         """Re-read the sandbox's state from the control plane."""
@@ -772,6 +781,7 @@ class Client:
         executors: Sequence[str] = (),
         memory_limit_mib: int = 0,
         cpu_millis: int = 0,
+        lifetime_s: int = 0,
         wait_for_snapshot: bool = True,
         internet: bool | None = None,
         allow: Sequence[str] = (),
@@ -782,6 +792,9 @@ class Client:
 
         ``policy``: "spread" (balance across executors) or "pack" (fill one first);
         ``timeout_s``: per-child readiness deadline (None: the server's default);
+        ``memory_limit_mib``/``cpu_millis``: what each child's cgroup holds it to (0: the
+        executor's defaults); ``lifetime_s``: seconds each child lives before the control
+        plane kills it (0: the operator's default; ``Sandbox.set_timeout`` moves it);
         ``executors``: only these executors; ``wait_for_snapshot=False``: fail with
         FAILED_PRECONDITION instead of waiting when ``tag`` is still being written.
         ``internet``: let the children reach the internet (None: the executor's default);
@@ -804,6 +817,7 @@ class Client:
             ready_timeout_ms=_ms(timeout_s),
             no_wait=not wait_for_snapshot,
             network=_network(internet, allow, deny),
+            sandbox_timeout_s=lifetime_s,
         )
         for ev in self._stream(self._sandboxes.Spawn, req, None):
             kind = ev.WhichOneof("result")
@@ -831,6 +845,7 @@ class Client:
         executors: Sequence[str] = (),
         memory_limit_mib: int = 0,
         cpu_millis: int = 0,
+        lifetime_s: int = 0,
         wait_for_snapshot: bool = True,
         internet: bool | None = None,
         allow: Sequence[str] = (),
@@ -850,6 +865,7 @@ class Client:
                 executors=executors,
                 memory_limit_mib=memory_limit_mib,
                 cpu_millis=cpu_millis,
+                lifetime_s=lifetime_s,
                 wait_for_snapshot=wait_for_snapshot,
                 internet=internet,
                 allow=allow,

@@ -201,6 +201,25 @@ pub struct DirEntry {
 pub struct ReseedOutcome {
     pub credited: bool,
     pub python_reseeded: Vec<String>,
+    pub identity_set: bool,
+}
+
+/// What makes a clone distinguishable inside: its hostname and machine-id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CloneIdentity {
+    pub hostname: String,
+    /// 32 lowercase hex digits (systemd's machine-id(5) format).
+    pub machine_id: String,
+}
+
+impl CloneIdentity {
+    /// `hostname` with a machine-id drawn from `random` (16 bytes).
+    pub fn new(hostname: &str, random: [u8; 16]) -> CloneIdentity {
+        CloneIdentity {
+            hostname: hostname.to_string(),
+            machine_id: random.iter().map(|b| format!("{b:02x}")).collect(),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -552,12 +571,22 @@ impl AgentClient {
         }
     }
 
-    /// Mixes `entropy` into the guest kernel RNG and reseeds the warm
-    /// interpreter's `random`/`numpy.random` (call after every clone).
-    pub fn reseed(&self, entropy: &[u8]) -> Result<ReseedOutcome> {
+    /// Mixes `entropy` into the guest kernel RNG, reseeds the warm interpreter's
+    /// `random`/`numpy.random` and, if given, sets the clone's `identity` (call after every
+    /// clone).
+    pub fn reseed(
+        &self,
+        entropy: &[u8],
+        identity: Option<&CloneIdentity>,
+    ) -> Result<ReseedOutcome> {
+        let (hostname, machine_id) = identity
+            .map(|i| (i.hostname.clone(), i.machine_id.clone()))
+            .unwrap_or_default();
         let mut s = self.open(
             request::Kind::Reseed(pb::ReseedRequest {
                 entropy: entropy.to_vec(),
+                hostname,
+                machine_id,
             }),
             None,
         )?;
@@ -565,6 +594,7 @@ impl AgentClient {
             Kind::Reseed(r) => Ok(ReseedOutcome {
                 credited: r.credited,
                 python_reseeded: r.python_reseeded,
+                identity_set: r.identity_set,
             }),
             other => Err(unexpected("reseed", &other)),
         }

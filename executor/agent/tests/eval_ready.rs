@@ -73,7 +73,7 @@ fn reseed_reseeds_loaded_random_module() {
     let c = agent.client();
     c.eval("import random").unwrap();
     // No entropy bytes: the test host's kernel pool is left alone.
-    let r = c.reseed(&[]).unwrap();
+    let r = c.reseed(&[], None).unwrap();
     assert_eq!(r.python_reseeded, ["random"]);
 }
 

@@ -131,12 +131,38 @@ pub fn make_ready(
         step: "drawing a seed",
         reason: e.to_string(),
     })?;
-    client.reseed(&seed).map_err(|e| HostError::Fixup {
-        step: "reseeding the RNG",
-        reason: e.to_string(),
-    })?;
+    // Its own hostname (its sandbox id) and machine-id, drawn with the seed.
+    let mut machine_id = [0u8; 16];
+    machine_id.copy_from_slice(&seed[48..]);
+    let identity = dir.file_name().map(|n| {
+        tine_agent::client::CloneIdentity::new(&hostname_of(&n.to_string_lossy()), machine_id)
+    });
+    let seed = &seed[..48];
+    client
+        .reseed(seed, identity.as_ref())
+        .map_err(|e| HostError::Fixup {
+            step: "reseeding the RNG",
+            reason: e.to_string(),
+        })?;
     phases.fixup = t2.elapsed();
     Ok(())
+}
+
+/// A hostname for the child with sandbox id `id`: the id, with what a hostname cannot hold
+/// (`_`, `+`) made `-`, at most 64 characters.
+fn hostname_of(id: &str) -> String {
+    let keep = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '.';
+    let name: String = id
+        .trim_start_matches(|c: char| !c.is_ascii_alphanumeric())
+        .chars()
+        .map(|c| if keep(c) { c } else { '-' })
+        .take(64)
+        .collect();
+    if name.is_empty() {
+        "tine".to_string()
+    } else {
+        name
+    }
 }
 
 /// Wait up to `timeout` for a worker's [`Restored`] report: None at EOF (it failed).
@@ -173,4 +199,19 @@ fn wait_restored(f: &std::fs::File, timeout: Duration) -> Result<Option<Restored
         }
     }
     Ok(Restored::decode(&buf))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_sandbox_id_makes_a_hostname() {
+        assert_eq!(
+            super::hostname_of("sbx-1811c74a030833e5"),
+            "sbx-1811c74a030833e5"
+        );
+        assert_eq!(super::hostname_of("a_b+c"), "a-b-c");
+        assert_eq!(super::hostname_of(&"x".repeat(128)).len(), 64);
+        assert_eq!(super::hostname_of("-_x"), "x");
+        assert_eq!(super::hostname_of("__"), "tine");
+    }
 }

@@ -49,6 +49,25 @@ p1=$("$T" eval --socket "$(sock "$c1")" 'import random; random.random()')
 p2=$("$T" eval --socket "$(sock "$c2")" 'import random; random.random()')
 [ -n "$p1" ] && [ "$p1" != "$p2" ] && ok python-random-differs || fail python-random-differs "$p1 / $p2"
 
+# Every clone its own: Python's random, numpy's legacy and default_rng generators, uuid4, its
+# hostname (its id) and machine-id, across all ten children.
+: >"$W/identity"
+for id in $ids; do
+  printf '%s ' "$id" >>"$W/identity"
+  "$T" eval --socket "$(sock "$id")" "import random, uuid, socket, numpy; ' '.join(map(str, (random.random(), numpy.random.rand(), numpy.random.default_rng().random(), uuid.uuid4(), socket.gethostname(), open('/etc/machine-id').read().strip())))" >>"$W/identity" 2>&1
+done
+cat "$W/identity"
+if python3 - "$W/identity" <<'PY'
+import sys
+rows = [l.split() for l in open(sys.argv[1]) if l.strip()]
+assert len(rows) == 10 and all(len(r) == 7 for r in rows), rows
+for i, name in enumerate(["random", "numpy legacy", "default_rng", "uuid4", "hostname", "machine-id"], 1):
+    vals = [r[i].strip("'") for r in rows]
+    assert len(set(vals)) == len(vals), f"{name} repeats: {vals}"
+assert all(r[5].strip("'") == r[0] for r in rows), "hostname is not the sandbox id"
+PY
+then ok identity-distinct; else fail identity-distinct "see the table above"; fi
+
 "$T" fork --tag warm -n 1 --ready-timeout-secs 120 >"$W/fork1" 2>&1
 c3=$(grep 'ready in' "$W/fork1" | awk '{print $1}')
 [ -n "$c3" ] && [ "$("$T" eval --socket "$(sock "$c3")" "'secret' in globals()")" = False ] &&

@@ -1,4 +1,4 @@
-# Children's cgroups, sourced by up.sh once `tine up` runs and snapshot "py" exists. L1 mounts
+# Children's cgroups and lifetimes, sourced by up.sh once `tine up` runs and snapshot "py" exists. L1 mounts
 # cgroup v2 with every controller, so the executor gives each child its own cgroup.
 # Uses T, W, ok and fail from up.sh.
 
@@ -70,3 +70,20 @@ else
   fail limits-oom-audited "$(grep SandboxEnded "$W/data/audit.log")"
 fi
 "$T" sandbox kill "$L2" >/dev/null 2>&1
+
+# Lifetimes: a child given an hour, then three seconds from now, is killed by the control
+# plane on time, its VM gone on the executor, and says why.
+E=$("$T" sandbox spawn --tag py -n 1 --sandbox-timeout-secs 3600 2>&1 | grep 'ready in' | awk '{print $1}')
+"$T" sandbox set-timeout "$E" 3
+i=0
+until [ "$("$T" sandbox get "$E" --json 2>/dev/null | json_field state)" = killed ]; do
+  i=$((i + 1)); [ $i -lt 60 ] || break
+  sleep 0.5
+done
+"$T" sandbox get "$E" --json >"$W/get-expired" 2>&1
+case $(json_field error <"$W/get-expired") in
+  "expired: its timeout ran out"*)
+    if [ ! -e "$W/data/vms/$E" ]; then ok lifetime-expired
+    else fail lifetime-expired "its VM is still on the executor"; fi ;;
+  *) fail lifetime-expired "$(cat "$W/get-expired")" ;;
+esac

@@ -33,6 +33,7 @@ STORE=s3://tine/cluster
 "$T" token new --file "$W/tokens.json" --name executors --role executor >"$W/executor.token"
 CP=$(port)
 "$T" control-plane --listen "127.0.0.1:$CP" --db "$W/cp.db" --tokens "$W/tokens.json" \
+  --sandbox-timeout-secs 3600 \
   --audit-log "$W/audit.log" --metrics-listen 127.0.0.1:0 >"$W/cp.out" 2>"$W/cp.err" &
 PIDS="$PIDS $!"
 wait_port "$CP"

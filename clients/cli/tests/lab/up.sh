@@ -11,9 +11,10 @@ ok() { echo "CHECK $1 ok"; }
 fail() { echo "CHECK $1 FAIL $2"; }
 
 # --net-no-masquerade: the test's "internet" routes the child links back, so its server sees
-# each child's own address (net.sh).
+# each child's own address (net.sh). An hour's default lifetime: the lab is slow, and the
+# expiry itself is checked with a short one (limits.sh).
 "$T" up --data-dir "$W/data" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
-  --executor-metrics-listen 127.0.0.1:0 --pool 4 --net-no-masquerade \
+  --executor-metrics-listen 127.0.0.1:0 --pool 4 --net-no-masquerade --sandbox-timeout-secs 3600 \
   >"$W/up.out" 2>"$W/up.err" &
 UP=$!
 i=0

@@ -139,12 +139,17 @@ impl Agent {
             }
             Some(request::Kind::Reseed(r)) => {
                 let credited = system::add_entropy(&r.entropy)?;
+                let identity_set = !r.hostname.is_empty();
+                if identity_set {
+                    system::set_identity(&r.hostname, &r.machine_id)?;
+                }
                 let python_reseeded = self.python.reseed();
                 reply(
                     conn,
                     Kind::Reseed(pb::ReseedResponse {
                         credited,
                         python_reseeded,
+                        identity_set,
                     }),
                 )
             }

@@ -62,6 +62,47 @@ pub fn add_entropy(entropy: &[u8]) -> anyhow::Result<bool> {
     Ok(credited)
 }
 
+/// Give this clone its own hostname (the kernel's and /etc/hostname) and /etc/machine-id.
+/// Both are checked first: the host names them, but nothing unchecked reaches a syscall.
+pub fn set_identity(hostname: &str, machine_id: &str) -> anyhow::Result<()> {
+    check_identity(hostname, machine_id)?;
+    // SAFETY: a valid buffer of the given length.
+    if unsafe { libc::sethostname(hostname.as_ptr().cast(), hostname.len()) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("sethostname");
+    }
+    write_identity(std::path::Path::new("/etc"), hostname, machine_id)
+}
+
+fn check_identity(hostname: &str, machine_id: &str) -> anyhow::Result<()> {
+    let host_ok = (1..=64).contains(&hostname.len())
+        && hostname
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        && !hostname.starts_with(['-', '.']);
+    anyhow::ensure!(
+        host_ok,
+        "hostname {hostname:?}: 1-64 letters, digits, '-', '.'"
+    );
+    let id_ok = machine_id.len() == 32
+        && machine_id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    anyhow::ensure!(id_ok, "machine_id {machine_id:?}: 32 lowercase hex digits");
+    Ok(())
+}
+
+/// `<etc>/hostname` and `<etc>/machine-id`, each replaced whole (written aside, renamed).
+fn write_identity(etc: &std::path::Path, hostname: &str, machine_id: &str) -> anyhow::Result<()> {
+    for (name, value) in [("hostname", hostname), ("machine-id", machine_id)] {
+        let path = etc.join(name);
+        let tmp = etc.join(format!(".{name}.tine"));
+        std::fs::write(&tmp, format!("{value}\n"))
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
 /// MemFree from /proc/meminfo, in KiB (0 if unreadable).
 fn mem_free_kib() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
@@ -85,4 +126,37 @@ pub fn prepare_snapshot() -> anyhow::Result<(u64, u64)> {
     // Absent without CONFIG_COMPACTION: dropping caches is what matters.
     let _ = std::fs::write("/proc/sys/vm/compact_memory", b"1");
     Ok((before, mem_free_kib()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identities_are_checked_and_written_whole() {
+        let id = "0123456789abcdef0123456789abcdef";
+        check_identity("sbx-1811c74a030833e5", id).unwrap();
+        for bad in ["", "-x", ".x", "a b", "a/b", "a\nb", &"x".repeat(65)] {
+            assert!(check_identity(bad, id).is_err(), "{bad:?}");
+        }
+        for bad in [
+            "",
+            "0123",
+            &"0".repeat(33),
+            "0123456789ABCDEF0123456789ABCDEF",
+        ] {
+            assert!(check_identity("h", bad).is_err(), "{bad:?}");
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(tmp.path().join("machine-id"), "parent\n").unwrap();
+        write_identity(tmp.path(), "child-1", id).unwrap();
+        let read = |n: &str| std::fs::read_to_string(tmp.path().join(n)).unwrap();
+        assert_eq!(read("hostname"), "child-1\n");
+        assert_eq!(read("machine-id"), format!("{id}\n"));
+        assert_eq!(
+            std::fs::read_dir(tmp.path()).unwrap().count(),
+            2,
+            "no temp files left"
+        );
+    }
 }
