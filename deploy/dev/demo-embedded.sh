@@ -16,7 +16,7 @@ export $(cat "$D/up.out")
 echo "== snapshot: boot python-numpy, import numpy (warm-up), set parent_value, snapshot"
 "$T" snapshots create --tag demo --image python-numpy --eval 'parent_value = 21'
 echo "== fork $N children"
-"$T" sandbox spawn --tag demo -n "$N" | tee "$D/spawn"
+"$T" sandbox spawn --tag demo -n "$N" --sandbox-timeout-secs 1800 | tee "$D/spawn"
 echo "== eval in each child (numpy already imported; parent_value inherited)"
 for id in $(grep 'ready in' "$D/spawn" | awk '{print $1}'); do
   printf '%s: ' "$id"
