@@ -481,6 +481,9 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                     .into_inner();
                 print!("{}", r.stdout);
                 eprint!("{}", r.stderr);
+                if let Some(why) = &r.restarted {
+                    eprintln!("[tine] the sandbox's interpreter was restarted first: {why}");
+                }
                 if let Some(err) = r.error {
                     eprintln!("{err}");
                     return Ok(1);

@@ -143,7 +143,7 @@ impl Agent {
                 if identity_set {
                     system::set_identity(&r.hostname, &r.machine_id)?;
                 }
-                let python_reseeded = self.python.reseed();
+                let python_reseeded = self.python.reseed()?;
                 reply(
                     conn,
                     Kind::Reseed(pb::ReseedResponse {

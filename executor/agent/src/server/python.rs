@@ -136,28 +136,34 @@ impl Interpreter {
     }
 
     /// Tells a running interpreter to reseed `random`/`numpy.random`; does not
-    /// start one just for that. Returns the modules reseeded.
-    pub fn reseed(&self) -> Vec<String> {
+    /// start one just for that. Returns the modules reseeded. An interpreter that fails
+    /// meanwhile is an error: the clone's warm state is gone, and it must not be reported
+    /// ready as if it were there.
+    pub fn reseed(&self) -> anyhow::Result<Vec<String>> {
         let mut st = self.lock();
         let Some(proc) = st.proc.as_mut() else {
-            return Vec::new();
+            return Ok(Vec::new());
         };
+        // A fresh clone faults its interpreter's pages in as it runs: on a loaded host (or
+        // the nested lab) that takes seconds. The host's readiness deadline bounds the wait;
+        // this one only catches an interpreter that is stuck for good.
         match request(
             proc,
             b'R',
             "",
-            Some(Instant::now() + Duration::from_secs(10)),
+            Some(Instant::now() + Duration::from_secs(300)),
         ) {
-            Ok(r) => r
+            Ok(r) => Ok(r
                 .value
                 .split(',')
                 .filter(|s| !s.is_empty())
                 .map(str::to_owned)
-                .collect(),
+                .collect()),
             Err(e) => {
+                let why = format!("interpreter failed during reseed ({e})");
                 st.proc = None;
-                st.lost = Some(format!("interpreter failed during reseed ({e})"));
-                Vec::new()
+                st.lost = Some(why.clone());
+                anyhow::bail!("{why}; its warm state is lost")
             }
         }
     }
