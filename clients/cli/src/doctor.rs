@@ -92,18 +92,18 @@ fn kernel_check(out: &mut Vec<Check>) {
 }
 
 fn cgroup_check(out: &mut Vec<Check>) {
-    let v2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
-    let found = if v2 {
-        let c = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers").unwrap_or_default();
-        format!("v2 ({})", c.trim())
-    } else {
-        "not mounted as cgroup v2".to_string()
+    let (status, found) = match tine_host::cgroup::probe() {
+        Ok(at) => (
+            Status::Ok,
+            format!("v2 at {} with cpu, memory, pids", at.display()),
+        ),
+        Err(why) => (Status::Warn, why),
     };
     out.push(check(
         "cgroup v2",
-        if v2 { Status::Ok } else { Status::Warn },
+        status,
         found,
-        "boot with systemd.unified_cgroup_hierarchy=1 (or mount cgroup2 on /sys/fs/cgroup) so each child gets memory.max",
+        "boot with systemd.unified_cgroup_hierarchy=1 (or mount cgroup2 on /sys/fs/cgroup) so each child gets its memory, CPU and process limits; without it spawns asking for limits are refused",
     ));
 }
 

@@ -284,6 +284,23 @@ impl Cgroups {
     }
 }
 
+/// Where cgroup v2 is mounted with the controllers children need, or why children cannot
+/// get cgroups here; creates nothing (`tine doctor`).
+pub fn probe() -> Result<PathBuf, String> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mount = cgroup2_mount(&mountinfo).ok_or("no cgroup v2 hierarchy is mounted")?;
+    let missing = lacking(&mount.join("cgroup.controllers"));
+    if missing.is_empty() {
+        Ok(mount)
+    } else {
+        Err(format!(
+            "cgroup v2 at {} lacks the {} controller(s) (held by cgroup v1?)",
+            mount.display(),
+            missing.join(", ")
+        ))
+    }
+}
+
 /// The subtree for [`CgroupMode::Auto`].
 fn auto_root(data_dir: &Path) -> Result<PathBuf, CgroupError> {
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
