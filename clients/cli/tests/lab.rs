@@ -371,6 +371,7 @@ fn control_plane_end_to_end_with_the_python_client() {
             "limits-cpu-share",
             "limits-oom",
             "limits-oom-audited",
+            "hostile-flood",
             "lifetime-expired",
             "python-example",
             "python-tests",

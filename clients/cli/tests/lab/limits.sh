@@ -69,7 +69,26 @@ if grep '"rpc":"SandboxEnded"' "$W/data/audit.log" | grep -q '"out_of_memory":tr
 else
   fail limits-oom-audited "$(grep SandboxEnded "$W/data/audit.log")"
 fi
-"$T" sandbox kill "$L2" >/dev/null 2>&1
+# A guest flooding its output at a client that never reads: the executor holds a bounded
+# buffer, so its memory stays flat, and a sibling answers meanwhile.
+SIB=$("$T" sandbox spawn --tag py -n 1 2>&1 | grep 'ready in' | awk '{print $1}')
+rss() { awk '/^VmRSS/ {print $2}' "/proc/$UP/status"; }
+rss0=$(rss)
+( "$T" sandbox exec "$L2" --timeout-ms 20000 -- sh -c 'yes flood-flood-flood' | sleep 25 ) >/dev/null 2>&1 &
+FLOOD=$!
+sleep 8
+t0=$(date +%s%N)
+v=$("$T" sandbox eval "$SIB" 'parent_value * 2' 2>&1)
+t1=$(date +%s%N)
+# Still flooding (blocked on the full stream, not finished): `yes` runs in the guest.
+running=$("$T" sandbox exec "$L2" -- sh -c 'grep -lx yes /proc/[0-9]*/comm 2>/dev/null | wc -l' 2>&1)
+sleep 4
+rss1=$(rss)
+echo "flood: tine up RSS ${rss0} kB before, ${rss1} kB after 12 s of a never-read flood (yes processes in the guest: $running); a sibling's eval took $(( (t1 - t0) / 1000000 )) ms"
+if [ "$v" = 42 ] && [ "${running:-0}" -ge 1 ] 2>/dev/null && [ $((rss1 - rss0)) -lt 65536 ]; then ok hostile-flood
+else fail hostile-flood "sibling answered '$v'; yes running: $running; RSS grew $((rss1 - rss0)) kB"; fi
+"$T" sandbox kill "$L2" "$SIB" >/dev/null 2>&1
+wait $FLOOD 2>/dev/null
 
 # Lifetimes: a child given an hour, then three seconds from now, is killed by the control
 # plane on time, its VM gone on the executor, and says why.
