@@ -94,3 +94,39 @@ fn bad_vcpu_counts_are_refused() {
     let err = Vm::create(0, ram, Box::new(std::io::sink())).err().unwrap();
     assert!(err.to_string().contains("vCPUs"), "{err}");
 }
+
+/// A VM that stopped lets go of what its vsock thread held (the host socket, and guest RAM
+/// once a driver activated the device): a VM run inside a long-lived process (the parent an
+/// executor boots) must not keep them after it is dropped.
+#[test]
+fn a_dropped_vm_closes_its_vsock_socket() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let uds = tmp.path().join("vsock.sock");
+    let mut code = Vec::new();
+    out8(&mut code, POWER_OFF.0, POWER_OFF.1);
+    let ram = GuestRam::new_memfd(64).unwrap();
+    ram.memory()
+        .write_slice(&code, GuestAddress(CODE_ADDR))
+        .unwrap();
+    let mut vm = Vm::create(1, ram, Box::new(Capture::default())).unwrap();
+    vm.add_vsock(3, &uds).unwrap();
+    vm.set_entry(EntryPoint::Linux64 { rip: CODE_ADDR })
+        .unwrap();
+    assert!(
+        std::os::unix::net::UnixStream::connect(&uds).is_ok(),
+        "listening while it exists"
+    );
+    // `run` consumes the VM: it is dropped when the guest has stopped.
+    assert_eq!(vm.run().unwrap(), GuestExit::PowerOff);
+    let t = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&uds).is_ok() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(5),
+            "the vsock thread still listens after its VM was dropped"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}

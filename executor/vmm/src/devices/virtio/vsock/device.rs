@@ -27,6 +27,8 @@ const EVENT_TRANSPORT_RESET: u32 = 0;
 /// Epoll token of queue `q`'s notification eventfd: `TOKEN_QUEUE_BASE + q`, far above the
 /// muxer's tokens (the listener, then one per connection counting up from 1).
 pub(super) const TOKEN_QUEUE_BASE: u64 = 1 << 63;
+/// Epoll token of the eventfd that tells the thread the device is gone.
+pub(super) const TOKEN_STOP: u64 = TOKEN_QUEUE_BASE - 1;
 
 /// Everything the vCPU threads (queue notifications without ioeventfds) and the device thread
 /// (host streams, and queue notifications through ioeventfds) share, under one lock.
@@ -39,6 +41,8 @@ pub(super) struct DeviceState {
     pub(super) muxer: Muxer,
     /// One eventfd per queue that KVM signals when the guest notifies it.
     pub(super) queue_events: QueueEvents,
+    /// The device was dropped: its thread lets go of guest RAM and the sockets and ends.
+    pub(super) stopped: bool,
 }
 
 impl DeviceState {
@@ -158,6 +162,8 @@ impl DeviceState {
 pub struct Vsock {
     state: Arc<Mutex<DeviceState>>,
     guest_cid: u64,
+    /// Wakes the thread when the device is dropped (see `Drop`).
+    stop: EventFd,
 }
 
 impl Vsock {
@@ -184,13 +190,37 @@ impl Vsock {
             paused: false,
             muxer,
             queue_events: QueueEvents::default(),
+            stopped: false,
         }));
+        let stop = EventFd::new(libc::EFD_NONBLOCK)
+            .map_err(|source| DeviceError::VsockThread { source })?;
+        epoll
+            .ctl(
+                vmm_sys_util::epoll::ControlOperation::Add,
+                std::os::fd::AsRawFd::as_raw_fd(&stop),
+                vmm_sys_util::epoll::EpollEvent::new(vmm_sys_util::epoll::EventSet::IN, TOKEN_STOP),
+            )
+            .map_err(|source| DeviceError::VsockThread { source })?;
         let worker = state.clone();
         std::thread::Builder::new()
             .name("vsock".into())
             .spawn(move || event_loop::run(worker, epoll))
             .map_err(|source| DeviceError::VsockThread { source })?;
-        Ok(Self { state, guest_cid })
+        Ok(Self {
+            state,
+            guest_cid,
+            stop,
+        })
+    }
+}
+
+impl Drop for Vsock {
+    /// The thread holds guest RAM and the host sockets: without this, a VM run inside a
+    /// long-lived process (a parent booted by the executor) would keep its RAM mapped after
+    /// it stopped.
+    fn drop(&mut self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).stopped = true;
+        let _ = self.stop.write(1);
     }
 }
 
@@ -301,10 +331,12 @@ mod tests {
             paused: false,
             muxer: Muxer::bind(3, uds).unwrap(),
             queue_events: QueueEvents::default(),
+            stopped: false,
         };
         let mut v = Vsock {
             state: Arc::new(Mutex::new(state)),
             guest_cid: 3,
+            stop: EventFd::new(EFD_NONBLOCK).unwrap(),
         };
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let queues = (0..3)

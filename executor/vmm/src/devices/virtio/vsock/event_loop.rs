@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{Epoll, EpollEvent};
 
-use super::device::{DeviceState, TOKEN_QUEUE_BASE};
+use super::device::{DeviceState, TOKEN_QUEUE_BASE, TOKEN_STOP};
 use super::dump;
 use super::muxer::TOKEN_LISTENER;
 use crate::devices::virtio::{queue_events, LostIrqs, INT_USED_RING};
@@ -24,9 +24,13 @@ pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
             return;
         };
         let mut g = state.lock().unwrap();
+        if g.stopped {
+            return;
+        }
         for ev in &events[..n] {
             match ev.data() {
                 TOKEN_LISTENER => g.muxer.accept(),
+                TOKEN_STOP => {}
                 t if t >= TOKEN_QUEUE_BASE => {
                     let q = (t - TOKEN_QUEUE_BASE) as usize;
                     // Already consumed (a pause drained it): nothing new to look at.
