@@ -280,7 +280,7 @@ impl Api {
             match self
                 .ctx
                 .db
-                .end_live_sandbox(&id, SandboxState::Killed, &reason)
+                .end_sandbox(&id, SandboxState::Killed, Some(&reason))
                 .await
             {
                 Ok(Some(_)) => {
@@ -305,15 +305,26 @@ impl Api {
     /// Record the sandboxes an executor reports ended on their own: FAILED with the reason,
     /// each audited (once) and counted.
     async fn apply_ended(&self, executor: &str, report: &ExecutorReport) -> Result<(), Status> {
-        if report.ended.len() > 4096 {
-            return Err(Status::invalid_argument(
-                "report.ended: more than 4096 entries",
-            ));
-        }
-        for (id, _, _) in &report.ended {
-            validate::name("report.ended.id", id)?;
-        }
-        let newly = self.ctx.db.end_reported(executor, &report.ended).await?;
+        // What an executor says is bounded here: at most 4096 entries, ids that are names,
+        // reasons cut to 1 KiB; a bad entry is dropped, not the whole heartbeat.
+        let ended: Vec<(String, String, bool)> = report
+            .ended
+            .iter()
+            .take(4096)
+            .filter(|(id, _, _)| validate::name("report.ended.id", id).is_ok())
+            .map(|(id, reason, oom)| {
+                let mut r = reason.clone();
+                if r.len() > 1024 {
+                    let mut cut = 1024;
+                    while !r.is_char_boundary(cut) {
+                        cut -= 1;
+                    }
+                    r.truncate(cut);
+                }
+                (id.clone(), r, *oom)
+            })
+            .collect();
+        let newly = self.ctx.db.end_reported(executor, &ended).await?;
         for (id, reason, oom) in newly {
             let cause = if oom { "out_of_memory" } else { "exited" };
             self.ctx
@@ -859,12 +870,21 @@ impl Api {
         if row.state().is_live() {
             let mut c = self.ctx.executors.client(&at.addr)?;
             c.kill(xpb::KillRequest { id: id.to_string() }).await?;
-            row = self
+            // Ended meanwhile (expired, failed): it keeps how it ended.
+            row = match self
                 .ctx
                 .db
                 .end_sandbox(id, SandboxState::Killed, None)
                 .await?
-                .ok_or_else(|| Status::internal("sandbox vanished"))?;
+            {
+                Some(r) => r,
+                None => self
+                    .ctx
+                    .db
+                    .sandbox(id)
+                    .await?
+                    .ok_or_else(|| Status::internal("sandbox vanished"))?,
+            };
         }
         Ok(pb::KillSandboxResponse {
             sandbox: Some(sandbox_msg(&row)),

@@ -358,8 +358,6 @@ impl Db {
         Ok(true)
     }
 
-    /// Reconcile the executor's live sandboxes with the records: ready sandboxes it no longer
-    /// runs become lost; returns the ids it runs that the control plane has no live record of.
     /// Mark the sandboxes an executor says ended on their own as failed, with why; returns
     /// the ones that were live until now (each is reported until it ages out on the executor).
     pub async fn end_reported(
@@ -368,23 +366,29 @@ impl Db {
         ended: &[(String, String, bool)],
     ) -> Result<Vec<(String, String, bool)>> {
         let mut newly = Vec::new();
+        let mut tx = self.pool.begin().await?;
         for (id, reason, oom) in ended {
+            // 'lost' too: a report can race the child's death (seen in neither list), and
+            // the reason is worth more than "its executor no longer runs it".
             let r = sqlx::query(
                 "UPDATE sandboxes SET state = 'failed', error = ? \
-                 WHERE id = ? AND executor_id = ? AND state IN ('starting', 'ready')",
+                 WHERE id = ? AND executor_id = ? AND state IN ('starting', 'ready', 'lost')",
             )
             .bind(reason)
             .bind(id)
             .bind(executor)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?;
             if r.rows_affected() == 1 {
                 newly.push((id.clone(), reason.clone(), *oom));
             }
         }
+        tx.commit().await?;
         Ok(newly)
     }
 
+    /// Reconcile the executor's live sandboxes with the records: ready sandboxes it no longer
+    /// runs become lost; returns the ids it runs that the control plane has no live record of.
     pub async fn reconcile_sandboxes(
         &self,
         executor: &str,
@@ -733,12 +737,23 @@ impl Db {
         .await?)
     }
 
-    /// End a sandbox only if it is still live; returns its row if this call ended it.
-    pub async fn end_live_sandbox(
+    pub async fn sandbox_at(&self, id: &str) -> Result<Option<SandboxAt>> {
+        Ok(sqlx::query_as(
+            "SELECT s.*, e.addr FROM sandboxes s JOIN executors e ON e.id = s.executor_id WHERE s.id = ?",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// End a sandbox that is still live (starting or ready); returns its row if this call
+    /// ended it. An ended one keeps how it ended: the first verdict (killed, expired, failed
+    /// with its reason) is never overwritten by a later one.
+    pub async fn end_sandbox(
         &self,
         id: &str,
         state: SandboxState,
-        error: &str,
+        error: Option<&str>,
     ) -> Result<Option<SandboxRow>> {
         Ok(sqlx::query_as(
             "UPDATE sandboxes SET state = ?, error = ? WHERE id = ? \
@@ -749,32 +764,6 @@ impl Db {
         .bind(id)
         .fetch_optional(&self.pool)
         .await?)
-    }
-
-    pub async fn sandbox_at(&self, id: &str) -> Result<Option<SandboxAt>> {
-        Ok(sqlx::query_as(
-            "SELECT s.*, e.addr FROM sandboxes s JOIN executors e ON e.id = s.executor_id WHERE s.id = ?",
-        )
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await?)
-    }
-
-    /// Mark a sandbox ended; returns its row.
-    pub async fn end_sandbox(
-        &self,
-        id: &str,
-        state: SandboxState,
-        error: Option<&str>,
-    ) -> Result<Option<SandboxRow>> {
-        Ok(
-            sqlx::query_as("UPDATE sandboxes SET state = ?, error = ? WHERE id = ? RETURNING *")
-                .bind(state.as_str())
-                .bind(error)
-                .bind(id)
-                .fetch_optional(&self.pool)
-                .await?,
-        )
     }
 
     pub async fn sandboxes(

@@ -1615,6 +1615,18 @@ async fn sandboxes_expire_on_time_even_across_a_restart() {
         fake.state.lock().unwrap().live.contains(&long.id),
         "only the due one"
     );
+    // A later kill does not overwrite how it ended.
+    let k = sb
+        .clone()
+        .kill_sandbox(pb::KillSandboxRequest {
+            id: short.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .sandbox
+        .unwrap();
+    assert!(k.error.starts_with("expired:"), "{k:?}");
     // An ended sandbox's timeout cannot be set.
     let e = set(&sb, &short.id, 10).await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");

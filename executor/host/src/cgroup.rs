@@ -68,6 +68,12 @@ impl ChildLimits {
     ) -> Result<ChildLimits, String> {
         let memory_max_mib = match memory_limit_mib {
             0 => guest_mib + VMM_OVERHEAD_MIB,
+            m if m > tine_proto::limits::MAX_MEMORY_LIMIT_MIB => {
+                return Err(format!(
+                    "memory_limit_mib {m} is over the maximum of {} MiB",
+                    tine_proto::limits::MAX_MEMORY_LIMIT_MIB
+                ))
+            }
             m if m < MEMORY_FLOOR_MIB => {
                 return Err(format!(
                     "memory_limit_mib {m} is below a child's floor of {MEMORY_FLOOR_MIB} MiB \
@@ -164,7 +170,15 @@ impl Cgroups {
             }
             CgroupMode::Auto => auto_root(data_dir)?,
         };
-        Cgroups::open_at(root).map(Some)
+        let auto = *mode == CgroupMode::Auto;
+        match Cgroups::open_at(root) {
+            // Auto takes what it can: a hierarchy it may not write (not root, a read-only
+            // cgroupfs in a container) means no cgroups, not no executor.
+            Err(CgroupError::Io { what, path, source }) if auto => Err(CgroupError::Unavailable(
+                format!("{what} {}: {source}", path.display()),
+            )),
+            r => r.map(Some),
+        }
     }
 
     /// Take `root` (created if missing): the executor into its leaf if it runs in `root`,
@@ -590,6 +604,8 @@ mod tests {
             e.contains("cpu_millis 5") && e.contains("floor of 10"),
             "{e}"
         );
+        let e = ChildLimits::for_child(512, 1 << 44, 0, 4).unwrap_err();
+        assert!(e.contains("over the maximum"), "{e}");
         let e = ChildLimits::for_child(512, 0, 4001, 4).unwrap_err();
         assert!(e.contains("4 CPUs"), "{e}");
         assert!(ChildLimits::for_child(512, 0, 4000, 4).is_ok());
