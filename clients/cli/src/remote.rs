@@ -346,9 +346,7 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                     .into_inner();
                 println!("{:<22} {:<10} {:<16} {:<12} {:>10}", "ID", "STATE", "SNAPSHOT", "EXECUTOR", "READY ms");
                 for s in r.sandboxes {
-                    let state = pb::SandboxState::try_from(s.state)
-                        .map(|st| st.as_str_name().trim_start_matches("SANDBOX_STATE_").to_lowercase())
-                        .unwrap_or_default();
+                    let state = sandbox_state(&s);
                     println!(
                         "{:<22} {:<10} {:<16} {:<12} {:>10.2}",
                         s.id,
@@ -753,15 +751,20 @@ pub fn executors(c: ExecutorsCommand) -> Result<i32> {
     })
 }
 
-/// `tine sandbox get`: one field per line, or one JSON object.
-fn print_sandbox(s: &pb::Sandbox, json: bool) {
-    let state = pb::SandboxState::try_from(s.state)
+/// A sandbox's state as the CLI prints it: "ready", "failed", ...
+fn sandbox_state(s: &pb::Sandbox) -> String {
+    pb::SandboxState::try_from(s.state)
         .map(|st| {
             st.as_str_name()
                 .trim_start_matches("SANDBOX_STATE_")
                 .to_lowercase()
         })
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// `tine sandbox get`: one field per line, or one JSON object.
+fn print_sandbox(s: &pb::Sandbox, json: bool) {
+    let state = sandbox_state(s);
     let res = s.resources.unwrap_or_default();
     let u = s.usage.as_ref();
     if json {

@@ -376,7 +376,8 @@ fn own_cgroup(proc_cgroup: &str) -> Option<String> {
         .map(|p| p.trim().to_string())
 }
 
-/// FNV-1a of the canonical path: the same name at every start of one executor.
+/// FNV-1a of the canonical path: the same name at every start of one executor (its
+/// cgroup subtree and its host nftables table).
 pub fn path_hash(p: &Path) -> u32 {
     let path = p.canonicalize().unwrap_or_else(|_| p.to_path_buf());
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;

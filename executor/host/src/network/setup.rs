@@ -146,15 +146,7 @@ pub(super) fn remove_host_table(name: &str) {
 /// The name of the host table of the executor whose data directory is `data_dir`: `tine_`
 /// and a hash of the path (FNV-1a), the same at every start.
 pub(super) fn host_table_name(data_dir: &Path) -> String {
-    let path = data_dir
-        .canonicalize()
-        .unwrap_or_else(|_| data_dir.to_path_buf());
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in path.as_os_str().as_encoded_bytes() {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("tine_{:08x}", h as u32)
+    format!("tine_{:08x}", crate::cgroup::path_hash(data_dir))
 }
 
 /// Run `f` on a thread that has entered namespace `ns` (commands it starts run there too).
