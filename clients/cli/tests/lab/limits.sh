@@ -21,7 +21,6 @@ L2=$(grep 'ready in' "$W/spawn-lim" | awk 'NR == 2 {print $1}')
 "$T" sandbox get "$L1" | tee "$W/get-lim"
 # Where the executor put it: under the subtree of `tine up`'s own cgroup, or tine-<hash>.
 cg=$(ls -d /sys/fs/cgroup/tine-*/vms/"$L1" "/sys/fs/cgroup$(sed -n 's/^0:://p' "/proc/$UP/cgroup" | sed 's#/executor$##')/vms/$L1" 2>/dev/null | head -1)
-[ -n "$cg" ] || cg=/nonexistent-cgroup-of-$L1
 if [ -n "$cg" ] && [ "$(cat "$cg/memory.max")" = $((128 << 20)) ] \
    && [ "$(cat "$cg/cpu.max")" = "25000 100000" ] && [ "$(cat "$cg/memory.swap.max" 2>/dev/null || echo 0)" = 0 ] \
    && grep -q '^memory.current:' "$W/get-lim" && grep -q '^memory limit: *128 MiB' "$W/get-lim"; then
@@ -61,7 +60,7 @@ done
 "$T" sandbox get "$L1"
 err=$(json_field error <"$W/get-oom")
 if [ "$(json_field state <"$W/get-oom")" = failed ] && case $err in "out of memory"*) true ;; *) false ;; esac \
-   && [ "$cg" != "/nonexistent-cgroup-of-$L1" ] && [ ! -d "$cg" ] \
+   && [ -n "$cg" ] && [ ! -d "$cg" ] \
    && [ "$("$T" sandbox eval "$L2" 'parent_value * 2' 2>&1)" = 42 ]; then
   ok limits-oom
 else
