@@ -37,6 +37,7 @@ pub fn host_config(owner: Owner, limits: Limits, readiness: Readiness) -> Result
         network: None,
         // Children of `tine fork` are confined as an executor's are, where the host can.
         cgroups: tine_host::CgroupMode::Auto,
+        confine: tine_host::Confinement::default(),
     })
 }
 
@@ -88,7 +89,44 @@ pub fn executor_host(
         },
         network,
         cgroups,
+        // Callers with `ConfineArgs` replace it.
+        confine: tine_host::Confinement::default(),
     })
+}
+
+/// How an executor confines its VMM workers (`tine up`, `tine executor`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct ConfineArgs {
+    /// What a VMM's system call outside its seccomp allow-list does: enforce (the VMM dies
+    /// with SIGSYS and its sandbox fails, saying which call), log (allowed, logged by the
+    /// kernel: dmesg type=1326) or off.
+    #[arg(long, default_value = "enforce")]
+    pub vmm_seccomp: tine_host::SeccompMode,
+    /// Each VMM runs as user and group BASE + its pid (root executors only), or `off` to
+    /// keep them as the executor's user.
+    #[arg(long, default_value_t = tine_host::confine::DEFAULT_UID_BASE.to_string())]
+    pub vmm_uid_base: String,
+}
+
+impl ConfineArgs {
+    pub fn confinement(&self) -> Result<tine_host::Confinement> {
+        let uid_base = match self.vmm_uid_base.as_str() {
+            "off" => None,
+            n => Some(n.parse::<u32>().map_err(|e| {
+                anyhow::anyhow!("--vmm-uid-base {n:?}: expected a user id or off ({e})")
+            })?),
+        };
+        if uid_base == Some(0) {
+            anyhow::bail!(
+                "--vmm-uid-base 0 would run VMMs as root; use off to keep the executor's user"
+            );
+        }
+        Ok(tine_host::Confinement {
+            seccomp: self.vmm_seccomp,
+            uid_base,
+            ..tine_host::Confinement::default()
+        })
+    }
 }
 
 /// An executor's child-network flags (`tine up`, `tine executor`).
@@ -224,6 +262,20 @@ pub fn cli_host(readiness: Readiness) -> Result<Host> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vmm_users_are_a_base_or_off_never_root() {
+        let args = |base: &str| ConfineArgs {
+            vmm_seccomp: tine_host::SeccompMode::Enforce,
+            vmm_uid_base: base.into(),
+        };
+        assert_eq!(args("off").confinement().unwrap().uid_base, None);
+        assert_eq!(args("70000").confinement().unwrap().uid_base, Some(70000));
+        let e = args("0").confinement().unwrap_err().to_string();
+        assert!(e.contains("as root"), "{e}");
+        let e = args("lots").confinement().unwrap_err().to_string();
+        assert!(e.contains("expected a user id or off"), "{e}");
+    }
 
     #[test]
     fn the_control_plane_is_kept_out_of_childrens_reach() {

@@ -99,6 +99,8 @@ pub struct UpArgs {
     cgroup: String,
     #[command(flatten)]
     net: local::NetArgs,
+    #[command(flatten)]
+    confine: local::ConfineArgs,
 }
 
 /// The children's cgroups: none where no VM can run (a PVM host), so nothing is touched.
@@ -163,7 +165,9 @@ pub fn up(a: UpArgs) -> Result<i32> {
             control_plane_ca: None,
             tls: None,
             // The embedded default keeps its store beside everything else.
-            host: local::executor_host(
+            host: tine_host::HostConfig {
+                confine: a.confine.confinement()?,
+                ..local::executor_host(
                 &id,
                 data.clone(),
                 a.max_sandboxes,
@@ -178,7 +182,8 @@ pub fn up(a: UpArgs) -> Result<i32> {
                 // One user's machine: children reach the internet unless told otherwise.
                 child_networks(&a.net, &pvm_refusal(a.allow_pvm), true, None)?,
                 child_cgroups(&a.cgroup, &pvm_refusal(a.allow_pvm)),
-            )?,
+            )?
+            },
             metrics_listen: Some(a.executor_metrics_listen),
             allow_plaintext_remote: false,
             vm_refusal: pvm_refusal(a.allow_pvm),
@@ -395,6 +400,8 @@ pub struct ExecutorArgs {
     cgroup: String,
     #[command(flatten)]
     net: local::NetArgs,
+    #[command(flatten)]
+    confine: local::ConfineArgs,
 }
 
 pub fn executor(a: ExecutorArgs) -> Result<i32> {
@@ -428,26 +435,29 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
             control_plane: a.control_plane.clone(),
             control_plane_ca: a.control_plane_ca.clone(),
             tls: TlsFiles::from_args(a.tls_cert.clone(), a.tls_key.clone())?,
-            host: local::executor_host(
-                &id,
-                data,
-                a.max_sandboxes,
-                a.pool,
-                a.store.clone().map(|url| local::StoreChoice {
-                    url,
-                    fetch: a.fetch,
-                    cache_max_bytes: a.layer_cache_max.0,
-                    gc_grace: std::time::Duration::from_secs(a.gc_grace_secs),
-                }),
-                // Several tenants: no internet unless the operator or a spawn allows it.
-                child_networks(
-                    &a.net,
-                    &pvm_refusal(a.allow_pvm),
-                    false,
-                    a.control_plane.as_deref(),
-                )?,
-                child_cgroups(&a.cgroup, &pvm_refusal(a.allow_pvm)),
-            )?,
+            host: tine_host::HostConfig {
+                confine: a.confine.confinement()?,
+                ..local::executor_host(
+                    &id,
+                    data,
+                    a.max_sandboxes,
+                    a.pool,
+                    a.store.clone().map(|url| local::StoreChoice {
+                        url,
+                        fetch: a.fetch,
+                        cache_max_bytes: a.layer_cache_max.0,
+                        gc_grace: std::time::Duration::from_secs(a.gc_grace_secs),
+                    }),
+                    // Several tenants: no internet unless the operator or a spawn allows it.
+                    child_networks(
+                        &a.net,
+                        &pvm_refusal(a.allow_pvm),
+                        false,
+                        a.control_plane.as_deref(),
+                    )?,
+                    child_cgroups(&a.cgroup, &pvm_refusal(a.allow_pvm)),
+                )?
+            },
             metrics_listen: Some(a.metrics_listen),
             allow_plaintext_remote: a.allow_plaintext_remote,
             vm_refusal: pvm_refusal(a.allow_pvm),

@@ -163,6 +163,7 @@ async fn executor(
             }),
             network: None,
             cgroups: tine_host::CgroupMode::Off,
+            confine: tine_host::Confinement::default(),
         },
         metrics_listen: None,
         allow_plaintext_remote: false,

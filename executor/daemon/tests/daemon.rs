@@ -49,6 +49,7 @@ async fn start(data: &Path, token: &str, max_vms: u32) -> RunningExecutor {
             store: None,
             network: None,
             cgroups: tine_host::CgroupMode::Off,
+            confine: tine_host::Confinement::default(),
         },
         metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
         allow_plaintext_remote: false,

@@ -104,6 +104,8 @@ pub struct HostConfig {
     pub network: Option<crate::network::NetConfig>,
     /// Children's cgroups.
     pub cgroups: crate::cgroup::CgroupMode,
+    /// Each VMM worker's user and system-call filter.
+    pub confine: crate::confine::Confinement,
 }
 
 impl HostConfig {

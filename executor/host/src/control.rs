@@ -42,6 +42,23 @@ pub enum Request {
     Rebase { dir: PathBuf },
 }
 
+impl Request {
+    /// The request with the host's paths as this VMM sees them (see [`crate::confine::view`]).
+    fn in_view(self) -> Result<Request, crate::confine::ConfineError> {
+        use crate::confine::view::translate;
+        Ok(match self {
+            Request::Branch { dir, kind } => Request::Branch {
+                dir: translate(&dir)?,
+                kind,
+            },
+            Request::Rebase { dir } => Request::Rebase {
+                dir: translate(&dir)?,
+            },
+            Request::PauseResume => Request::PauseResume,
+        })
+    }
+}
+
 #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Reply {
@@ -93,10 +110,11 @@ fn answer(conn: UnixStream, vm: &RunningVm) -> std::io::Result<()> {
     conn.set_read_timeout(Some(Duration::from_secs(10)))?;
     let mut line = String::new();
     BufReader::new((&conn).take(MAX_REQUEST as u64)).read_line(&mut line)?;
-    let reply = match serde_json::from_str::<Request>(&line) {
-        Err(e) => Reply::Failed {
-            reason: format!("bad control request: {e}"),
-        },
+    let request = serde_json::from_str::<Request>(&line)
+        .map_err(|e| format!("bad control request: {e}"))
+        .and_then(|r| r.in_view().map_err(|e| e.to_string()));
+    let reply = match request {
+        Err(reason) => Reply::Failed { reason },
         Ok(Request::Branch { dir, kind }) => {
             let branched = match kind {
                 BranchKind::Full => vm.branch(&dir, SnapshotKind::Full),

@@ -238,6 +238,15 @@ impl Host {
             std::fs::create_dir_all(&d)
                 .map_err(HostError::io(format!("creating {}", d.display())))?;
         }
+        if cfg.confine.uid_base.is_some() {
+            // VMMs under users of their own pass through to the branch directories lent to
+            // them (and read the snapshots their memory is a diff over), but cannot list them.
+            use std::os::unix::fs::PermissionsExt;
+            let d = cfg.snapshots_dir();
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o711)).map_err(
+                HostError::io(format!("opening {} to VMM users", d.display())),
+            )?;
+        }
         // Before any worker starts: the executor may move itself into its own leaf cgroup.
         let (cgroups, no_cgroups) = match Cgroups::open(&cfg.cgroups, &cfg.data_dir) {
             Ok(Some(c)) => (Some(c), String::new()),
@@ -693,6 +702,9 @@ impl Host {
             ".partial-branch-{}",
             SandboxId::random("b").as_str()
         ));
+        // Made here and lent to the VMM's user: a confined VMM can create nothing else.
+        lend_dir(&staging, record.process.pid)
+            .map_err(|e| refuse(format!("preparing {} for its VMM: {e}", staging.display())))?;
         let req = crate::control::Request::Branch {
             dir: staging.clone(),
             kind,
@@ -717,6 +729,8 @@ impl Host {
                 } => (paused_us, pages_written),
                 other => return Err(refuse(format!("unexpected answer {other:?}"))),
             };
+            take_back_dir(&staging)
+                .map_err(|e| refuse(format!("its VMM's branch in {}: {e}", staging.display())))?;
             let header = tine_vmm::snapshot::file::load_header(&staging).map_err(|source| {
                 HostError::BadSnapshot {
                     tag: tag.clone(),
@@ -1368,6 +1382,9 @@ impl Host {
                 dir: dir.clone(),
                 memory,
                 netns: lease.as_ref().map(|l| l.path()),
+                confine: self.cfg.confine.for_worker(pid),
+                #[cfg(feature = "testing")]
+                trip_seccomp: self.cfg.confine.trip_seccomp,
             })?;
             Ok((record, child, restored, network))
         })();
@@ -1735,4 +1752,36 @@ fn lock_dir(dir: &std::path::Path) -> Result<OwnedFd> {
         });
     }
     Ok(f.into())
+}
+
+/// Make `dir` (new, empty) writable by the user VMM worker `pid` runs as, and by nobody else.
+fn lend_dir(dir: &std::path::Path, pid: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    std::fs::DirBuilder::new().mode(0o700).create(dir)?;
+    let owner = std::fs::metadata(format!("/proc/{pid}"))?;
+    std::os::unix::fs::chown(dir, Some(owner.uid()), Some(owner.gid()))
+}
+
+/// Take a directory a VMM wrote back from its user before anything reads it: it must hold
+/// only plain files (no links out, nothing hard-linked in), which become the host's and
+/// read-only to others, so that no later VMM with the same user can change them.
+fn take_back_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+    // SAFETY: geteuid and getegid have no preconditions.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let m = entry.path().symlink_metadata()?;
+        if !m.file_type().is_file() || m.nlink() != 1 {
+            return Err(bad(format!(
+                "{} is not a plain file",
+                entry.file_name().to_string_lossy()
+            )));
+        }
+        std::os::unix::fs::lchown(entry.path(), Some(uid), Some(gid))?;
+        std::fs::set_permissions(entry.path(), std::fs::Permissions::from_mode(0o644))?;
+    }
+    std::os::unix::fs::lchown(dir, Some(uid), Some(gid))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
 }

@@ -5,6 +5,7 @@
 
 pub mod cgroup;
 pub mod config;
+pub mod confine;
 pub mod console;
 pub mod control;
 pub mod error;
@@ -24,6 +25,7 @@ pub mod worker;
 
 pub use cgroup::{CgroupMode, ChildLimits, Usage};
 pub use config::{HostConfig, Limits, Owner, Readiness};
+pub use confine::{Confinement, SeccompMode};
 pub use control::BranchKind;
 pub use error::{ErrorKind, HostError};
 pub use fetch::FetchMode;

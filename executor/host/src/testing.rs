@@ -274,5 +274,8 @@ pub fn test_host_config(data: &Path, max_vms: u32, pool_size: usize) -> crate::H
         store: None,
         network: None,
         cgroups: crate::CgroupMode::Off,
+        // Confined as in production: every host test runs its VMMs under their own users,
+        // in their own views, behind the allow-list.
+        confine: crate::Confinement::default(),
     }
 }

@@ -40,6 +40,13 @@ pub struct WorkerJob {
     /// interface, if the snapshot has one, has no link).
     #[serde(default)]
     pub netns: Option<PathBuf>,
+    /// Its user and system-call filter.
+    #[serde(default)]
+    pub confine: crate::confine::WorkerConfinement,
+    /// Tests only: once confined, make a system call outside the allow-list.
+    #[cfg(feature = "testing")]
+    #[serde(default)]
+    pub trip_seccomp: bool,
 }
 
 /// Where a child's guest RAM comes from.
@@ -261,6 +268,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
     // Own session: signals to the daemon's process group do not reach the VM.
     // SAFETY: setsid has no memory effects.
     unsafe { libc::setsid() };
+    crate::confine::before_restore(&job.confine).context("confining the VMM")?;
     let t0 = Instant::now();
     // The whole VMM lives in the child's namespace (its device threads too), so anything it
     // opens or sends stays on the child's side of the policy.
@@ -274,18 +282,39 @@ pub fn worker_main() -> anyhow::Result<i32> {
         }
         None => None,
     };
+    // A VMM that gives up root sees only its own files from here on.
+    let (snapshot, dir) = match (job.confine.user, job.snapshot.parent()) {
+        (Some(_), Some(snapshots)) => {
+            let linked = crate::confine::view::linked_files(&job.snapshot, snapshots);
+            crate::confine::view::enter(&job.dir, snapshots, &linked)
+                .context("confining the VMM")?;
+            (
+                crate::confine::view::translate(&job.snapshot)?,
+                PathBuf::from(crate::confine::view::VM_DIR),
+            )
+        }
+        _ => (job.snapshot.clone(), job.dir.clone()),
+    };
     let opts = RestoreOptions {
-        console: open_console(Some(&job.dir.join("console.log")))?,
-        vsock_uds: Some(job.dir.join("vsock.sock")),
+        console: open_console(Some(&dir.join("console.log")))?,
+        vsock_uds: Some(dir.join("vsock.sock")),
         tap,
     };
     let vm = match job.memory {
-        JobMemory::Image => Vm::restore(&job.snapshot, opts)?,
-        JobMemory::Lazy => restore_lazily(&job.snapshot, opts)?,
+        JobMemory::Image => Vm::restore(&snapshot, opts)?,
+        JobMemory::Lazy => restore_lazily(&snapshot, opts)?,
     };
     let restore = t0.elapsed();
-    let control = crate::control::bind(&job.dir).context("binding the control socket")?;
+    let control = crate::control::bind(&dir).context("binding the control socket")?;
     let t1 = Instant::now();
+    // Everything the VM needs is open: from here on no guest code runs unconfined.
+    tine_vmm::vm::install_signal_handlers()?;
+    crate::confine::lock_down(&job.confine).context("confining the VMM")?;
+    #[cfg(feature = "testing")]
+    if job.trip_seccomp {
+        // SAFETY: a call that is refused before it does anything.
+        unsafe { libc::syscall(libc::SYS_ptrace, 0, 0, 0, 0) };
+    }
     let running = vm.start()?;
     let done = Restored {
         restore,

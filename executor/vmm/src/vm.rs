@@ -432,11 +432,7 @@ impl Vm {
 
     /// Start every vCPU on its own thread.
     pub fn start(self) -> Result<RunningVm> {
-        install_kick_handler()?;
-        // Diagnostics only: a VM without the handler still runs (SIGUSR1 would then kill it).
-        if let Err(e) = crate::diagnostics::install_state_dump_signal() {
-            tracing::warn!("cannot install the SIGUSR1 state-dump handler: {e}");
-        }
+        install_signal_handlers()?;
         let msrs = Arc::new(snapshot::vcpu::msr_candidates(&self.kvm)?);
         let pio = Arc::new(self.pio);
         let mmio = Arc::new(self.mmio);
@@ -478,6 +474,17 @@ impl Vm {
     pub fn run(self) -> Result<GuestExit> {
         self.start()?.wait()
     }
+}
+
+/// Install the signal handlers running VMs use (once per process; [`Vm::start`] calls it): a
+/// VMM that will forbid itself `rt_sigaction` calls it first.
+pub fn install_signal_handlers() -> Result<()> {
+    install_kick_handler()?;
+    // Diagnostics only: a VM without the handler still runs (SIGUSR1 would then kill it).
+    if let Err(e) = crate::diagnostics::install_state_dump_signal() {
+        tracing::warn!("cannot install the SIGUSR1 state-dump handler: {e}");
+    }
+    Ok(())
 }
 
 /// Say once per process that KVM refused an ioeventfd (every later VM would say the same).

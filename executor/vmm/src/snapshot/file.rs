@@ -245,32 +245,40 @@ pub fn diff_info_written(tmp: &Path, parent_name: String, parent: &Origin) -> Re
     diff_info(tmp, &index, parent_name, parent)
 }
 
-/// Write a snapshot to `dir` (which must not exist) with its memory written by `memory` into
-/// the temporary directory it is given (returning the diff it wrote, if it wrote one):
-/// everything goes to a temporary sibling first and appears under `dir` only once fully on
-/// disk.
+/// Write a snapshot to `dir` with its memory written by `memory` into the directory it is
+/// given (returning the diff it wrote, if it wrote one). A `dir` that does not exist appears
+/// only once fully on disk: everything goes to a temporary sibling first. An existing empty
+/// `dir` is one a caller made for this process to write into (a confined VMM may create
+/// nothing beside it): it is written in place, its header last, and the caller (which
+/// installs it elsewhere afterwards) removes it on failure.
 pub fn write_with(
     dir: &Path,
     state: &MachineState,
     memory: impl FnOnce(&Path) -> Result<Option<DiffInfo>>,
 ) -> Result<SnapshotHeader> {
-    if dir.exists() {
+    let in_place = fs::read_dir(dir).is_ok_and(|mut d| d.next().is_none());
+    if dir.exists() && !in_place {
         return Err(SnapshotError::AlreadyExists {
             dir: dir.to_path_buf(),
         }
         .into());
     }
     let parent = parent_dir_of(dir);
-    fs::create_dir_all(parent).map_err(write_err(parent))?;
-    let name = dir
-        .file_name()
-        .ok_or_else(|| SnapshotError::NotADirName {
-            dir: dir.to_path_buf(),
-        })?
-        .to_string_lossy();
-    let tmp: PathBuf = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&tmp);
-    fs::create_dir(&tmp).map_err(write_err(&tmp))?;
+    let tmp: PathBuf = if in_place {
+        dir.to_path_buf()
+    } else {
+        fs::create_dir_all(parent).map_err(write_err(parent))?;
+        let name = dir
+            .file_name()
+            .ok_or_else(|| SnapshotError::NotADirName {
+                dir: dir.to_path_buf(),
+            })?
+            .to_string_lossy();
+        let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&tmp);
+        fs::create_dir(&tmp).map_err(write_err(&tmp))?;
+        tmp
+    };
     let result = (|| {
         let diff = memory(&tmp)?;
         let body = bincode::serialize(state).map_err(|source| SnapshotError::EncodeState {
@@ -303,11 +311,13 @@ pub fn write_with(
         write_synced(&tmp.join(STATE_FILE), &body)?;
         write_synced(&tmp.join(HEADER_FILE), &header_json)?;
         fsync_dir(&tmp)?;
-        fs::rename(&tmp, dir).map_err(write_err(dir))?;
-        fsync_dir(parent)?;
+        if !in_place {
+            fs::rename(&tmp, dir).map_err(write_err(dir))?;
+            fsync_dir(parent)?;
+        }
         Ok(header)
     })();
-    if result.is_err() {
+    if result.is_err() && !in_place {
         let _ = fs::remove_dir_all(&tmp);
     }
     result

@@ -17,7 +17,14 @@ pub struct HostIdentity {
 }
 
 impl HostIdentity {
+    /// This host's identity, read once per process: a confined VMM may no longer be able to
+    /// read /proc when it writes a snapshot, and the host does not change under it.
     pub fn current() -> Self {
+        static HERE: std::sync::OnceLock<HostIdentity> = std::sync::OnceLock::new();
+        HERE.get_or_init(Self::read).clone()
+    }
+
+    fn read() -> Self {
         let (vendor, signature) = {
             let l0 = std::arch::x86_64::__cpuid(0);
             let mut v = Vec::with_capacity(12);

@@ -1,0 +1,242 @@
+//! Confining a VMM worker before it runs guest code: it drops to a user of its own, keeps no
+//! capabilities and may make only the system calls a VMM needs (a seccomp allow-list).
+//!
+//! Order inside the worker (see [`crate::worker::worker_main`]):
+//! 1. [`before_restore`], while it is still one thread: the capability bounding set and core
+//!    dumps go (threads made later inherit both);
+//! 2. the restore opens everything the VM needs: /dev/kvm, the snapshot's memory, the tap,
+//!    the console and vmm.log, its vsock and control sockets;
+//! 3. [`lock_down`]: signal handlers, the user switch (which clears every capability on every
+//!    thread), then the filter on every thread at once (TSYNC);
+//! 4. the vCPU threads start, inheriting all of it.
+//!
+//! A worker's user is `uid_base + its pid`: unique among running VMMs without any state to
+//! keep, so one VMM cannot signal, trace or write the files of another.
+
+use serde::{Deserialize, Serialize};
+
+mod seccomp;
+pub mod view;
+
+/// What happens to a system call outside the allow-list.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SeccompMode {
+    /// SIGSYS: the VMM writes the call's number to its vmm.log and dies.
+    #[default]
+    Enforce,
+    /// Allowed, and logged by the kernel (dmesg: `type=1326 ... syscall=N`): for finding what
+    /// a new code path needs.
+    Log,
+    /// No filter.
+    Off,
+}
+
+impl std::str::FromStr for SeccompMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "enforce" => Ok(SeccompMode::Enforce),
+            "log" => Ok(SeccompMode::Log),
+            "off" => Ok(SeccompMode::Off),
+            other => Err(format!(
+                "seccomp mode {other:?}: expected enforce, log or off"
+            )),
+        }
+    }
+}
+
+/// The first of the users VMM workers run as (the range up to the kernel's pid_max above it,
+/// at most 4,194,304, is unused by systemd's allocations).
+pub const DEFAULT_UID_BASE: u32 = 0x7E00_0000;
+
+/// How an executor confines its VMM workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Confinement {
+    pub seccomp: SeccompMode,
+    /// Workers switch to user and group `uid_base + pid` (None: they keep the executor's
+    /// user; an executor that is not root cannot switch them and keeps them as its own).
+    pub uid_base: Option<u32>,
+    /// Tests only: each worker, once confined, makes a call outside its allow-list.
+    #[cfg(feature = "testing")]
+    pub trip_seccomp: bool,
+}
+
+impl Default for Confinement {
+    fn default() -> Self {
+        Confinement {
+            seccomp: SeccompMode::Enforce,
+            uid_base: Some(DEFAULT_UID_BASE),
+            #[cfg(feature = "testing")]
+            trip_seccomp: false,
+        }
+    }
+}
+
+impl Confinement {
+    /// What a worker with `pid` is told.
+    pub fn for_worker(&self, pid: u32) -> WorkerConfinement {
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        WorkerConfinement {
+            seccomp: self.seccomp,
+            user: self
+                .uid_base
+                .filter(|_| root)
+                .and_then(|b| b.checked_add(pid)),
+        }
+    }
+}
+
+/// One worker's confinement, sent with its job.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerConfinement {
+    pub seccomp: SeccompMode,
+    /// User and group to switch to.
+    pub user: Option<u32>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfineError {
+    #[error("{what}: {source}")]
+    Sys {
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("building the seccomp filter: {0}")]
+    Filter(#[from] seccompiler::Error),
+    #[error("building the seccomp filter: {0}")]
+    Backend(#[from] seccompiler::BackendError),
+    #[error("{} is outside the snapshots this VMM sees ({})", path.display(), snapshots.display())]
+    OutsideView {
+        path: std::path::PathBuf,
+        snapshots: std::path::PathBuf,
+    },
+    #[error("capabilities remain after switching to user {uid}: {caps}")]
+    CapsRemain { uid: u32, caps: String },
+}
+
+fn sys(what: &'static str, r: libc::c_int) -> Result<(), ConfineError> {
+    if r < 0 {
+        return Err(ConfineError::Sys {
+            what,
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+/// The highest capability number this kernel knows.
+fn last_cap() -> u32 {
+    std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(40)
+}
+
+/// While the worker is one thread: empty its capability bounding set (so nothing it could
+/// ever exec regains one) and turn off core dumps (a dump would hold guest memory).
+pub fn before_restore(c: &WorkerConfinement) -> Result<(), ConfineError> {
+    let no_core = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: setrlimit reads the struct we pass.
+    sys("limiting core dumps", unsafe {
+        libc::setrlimit(libc::RLIMIT_CORE, &no_core)
+    })?;
+    if c.user.is_some() {
+        for cap in 0..=last_cap() {
+            // SAFETY: prctl with integer arguments.
+            let r = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
+            // EINVAL: a capability this kernel does not have.
+            if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+                sys("emptying the capability bounding set", r)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Switch users, then install the filter on every thread. After this the process can open
+/// only what its new user may, and call only what the allow-list holds.
+pub fn lock_down(c: &WorkerConfinement) -> Result<(), ConfineError> {
+    seccomp::install_sigsys_reporter()?;
+    if let Some(uid) = c.user {
+        // SAFETY: plain system calls on integers; glibc applies the id changes to every
+        // thread of the process.
+        unsafe {
+            sys(
+                "dropping supplementary groups",
+                libc::setgroups(0, std::ptr::null()),
+            )?;
+            sys("switching group", libc::setresgid(uid, uid, uid))?;
+            sys("switching user", libc::setresuid(uid, uid, uid))?;
+            sys(
+                "clearing ambient capabilities",
+                libc::prctl(
+                    libc::PR_CAP_AMBIENT,
+                    libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+                    0,
+                    0,
+                    0,
+                ),
+            )?;
+            // A user switch makes the process undumpable, which puts /proc/self under root:
+            // the VMM reads its own pagemap to find the pages a branch must write. Its user is
+            // its own, so only the host (root) and itself can trace it.
+            sys(
+                "keeping /proc/self readable",
+                libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0),
+            )?;
+        }
+        let caps = capabilities();
+        if caps.iter().any(|(_, v)| *v != 0) {
+            return Err(ConfineError::CapsRemain {
+                uid,
+                caps: caps
+                    .iter()
+                    .map(|(k, v)| format!("{k} {v:#x}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
+    }
+    // glibc installs its own signal handlers when the process makes its first thread: make
+    // one now, while rt_sigaction is still allowed (a VM without devices has none yet).
+    std::thread::spawn(|| {})
+        .join()
+        .map_err(|_| ConfineError::Sys {
+            what: "starting a thread",
+            source: std::io::Error::other("it panicked"),
+        })?;
+    seccomp::install(c.seccomp)
+}
+
+/// The permitted, effective, inheritable and ambient sets of this thread, from
+/// /proc/thread-self/status.
+fn capabilities() -> Vec<(String, u64)> {
+    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap_or_default();
+    status
+        .lines()
+        .filter_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            matches!(k, "CapInh" | "CapPrm" | "CapEff" | "CapAmb")
+                .then(|| Some((k.to_string(), u64::from_str_radix(v.trim(), 16).ok()?)))?
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse_and_bad_ones_say_what_is_expected() {
+        assert_eq!("log".parse::<SeccompMode>(), Ok(SeccompMode::Log));
+        assert!("strict"
+            .parse::<SeccompMode>()
+            .unwrap_err()
+            .contains("enforce, log or off"));
+    }
+}

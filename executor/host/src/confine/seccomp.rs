@@ -1,0 +1,283 @@
+//! The VMM's system-call allow-list, and what a call outside it does.
+
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen as Len, SeccompCmpOp as Op, SeccompCondition,
+    SeccompFilter, SeccompRule, TargetArch,
+};
+
+use super::{sys, ConfineError, SeccompMode};
+
+/// Install the filter on every thread of the process (TSYNC).
+pub(super) fn install(mode: SeccompMode) -> Result<(), ConfineError> {
+    let action = match mode {
+        SeccompMode::Off => return Ok(()),
+        SeccompMode::Enforce => SeccompAction::Trap,
+        SeccompMode::Log => SeccompAction::Log,
+    };
+    // Installed first, so the allow-list need not allow `seccomp` itself.
+    let no_clone3: BpfProgram = SeccompFilter::new(
+        BTreeMap::from([(libc::SYS_clone3, vec![])]),
+        SeccompAction::Allow,
+        // clone3's flags sit behind a pointer no filter can read: ENOSYS makes glibc fall back
+        // to clone, whose flags the allow-list checks.
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        TargetArch::x86_64,
+    )?
+    .try_into()?;
+    let allow: BpfProgram = SeccompFilter::new(
+        allow_list()?,
+        action,
+        SeccompAction::Allow,
+        TargetArch::x86_64,
+    )?
+    .try_into()?;
+    seccompiler::apply_filter_all_threads(&no_clone3)?;
+    seccompiler::apply_filter_all_threads(&allow)?;
+    Ok(())
+}
+
+fn arg(index: u8, op: Op, value: u64) -> Result<SeccompCondition, ConfineError> {
+    Ok(SeccompCondition::new(index, Len::Dword, op, value)?)
+}
+
+fn one_of(index: u8, values: &[u64]) -> Result<Vec<SeccompRule>, ConfineError> {
+    values
+        .iter()
+        .map(|v| Ok(SeccompRule::new(vec![arg(index, Op::Eq, *v)?])?))
+        .collect()
+}
+
+/// `clone` for a thread (what glibc's pthread_create passes).
+const CLONE_THREAD_FLAGS: u64 = (libc::CLONE_VM
+    | libc::CLONE_FS
+    | libc::CLONE_FILES
+    | libc::CLONE_SIGHAND
+    | libc::CLONE_THREAD
+    | libc::CLONE_SYSVSEM
+    | libc::CLONE_SETTLS
+    | libc::CLONE_PARENT_SETTID
+    | libc::CLONE_CHILD_CLEARTID) as u64;
+/// `clone` for fork(3): a live branch forks the VMM to copy its memory as of one instant.
+const CLONE_FORK_FLAGS: u64 =
+    (libc::CLONE_CHILD_SETTID | libc::CLONE_CHILD_CLEARTID | libc::SIGCHLD) as u64;
+
+/// KVM's ioctl type, and the two KVM ioctls that would make more VMs or vCPUs.
+const KVMIO: u64 = 0xAE;
+const KVM_CREATE_VM: u64 = 0xAE01;
+const KVM_CREATE_VCPU: u64 = 0xAE41;
+
+/// Every system call a running VMM makes: its vCPU, device and control threads, a branch
+/// (full, diff, live with its forked copier) and a rebase. Found by running the host tests
+/// and the lab scenarios under [`SeccompMode::Log`] and reading the kernel's log.
+fn allow_list() -> Result<BTreeMap<i64, Vec<SeccompRule>>, ConfineError> {
+    use libc::*;
+    let any: &[i64] = &[
+        // I/O on what it holds: guest memory files, console, sockets, eventfds, the tap.
+        SYS_read,
+        SYS_write,
+        SYS_readv,
+        SYS_writev,
+        SYS_pread64,
+        SYS_pwrite64,
+        SYS_preadv,
+        SYS_pwritev,
+        SYS_lseek,
+        SYS_close,
+        SYS_fcntl,
+        SYS_ftruncate,
+        SYS_fallocate,
+        SYS_fsync,
+        SYS_fdatasync,
+        SYS_copy_file_range,
+        SYS_sendfile,
+        // Branch files, written under the directory the host made for this VMM; a rebase
+        // maps the branch's pages.
+        SYS_openat,
+        SYS_fstat,
+        SYS_newfstatat,
+        SYS_statx,
+        SYS_getdents64,
+        SYS_unlinkat,
+        SYS_readlink,
+        SYS_readlinkat,
+        SYS_getcwd,
+        // Memory.
+        SYS_mmap,
+        SYS_munmap,
+        SYS_mprotect,
+        SYS_madvise,
+        SYS_mremap,
+        SYS_brk,
+        // Threads, time, signals to itself (vCPU kicks).
+        SYS_futex,
+        SYS_sched_yield,
+        SYS_sched_getaffinity,
+        SYS_set_robust_list,
+        SYS_rseq,
+        SYS_clone3,
+        SYS_exit,
+        SYS_exit_group,
+        SYS_nanosleep,
+        SYS_clock_nanosleep,
+        SYS_clock_gettime,
+        SYS_gettimeofday,
+        SYS_getrandom,
+        SYS_getpid,
+        SYS_gettid,
+        SYS_getppid,
+        SYS_tgkill,
+        SYS_rt_sigprocmask,
+        SYS_rt_sigreturn,
+        SYS_sigaltstack,
+        SYS_restart_syscall,
+        // Event loops and sockets it already holds (vsock and control listeners).
+        SYS_epoll_create1,
+        SYS_epoll_ctl,
+        SYS_epoll_wait,
+        SYS_epoll_pwait,
+        SYS_eventfd2,
+        SYS_poll,
+        SYS_ppoll,
+        SYS_accept4,
+        SYS_recvfrom,
+        SYS_recvmsg,
+        SYS_sendto,
+        SYS_sendmsg,
+        SYS_shutdown,
+        SYS_getsockopt,
+        SYS_setsockopt,
+        // A live branch's copier: a pipe for its report, and reaping it.
+        SYS_pipe2,
+        SYS_wait4,
+    ];
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        any.iter().map(|nr| (*nr, Vec::new())).collect();
+    rules.insert(
+        SYS_clone,
+        one_of(0, &[CLONE_THREAD_FLAGS, CLONE_FORK_FLAGS])?,
+    );
+    // Thread names, and the copier's "die with the VMM".
+    rules.insert(
+        SYS_prctl,
+        one_of(0, &[PR_SET_NAME as u64, PR_SET_PDEATHSIG as u64])?,
+    );
+    // Only to end its own copier.
+    rules.insert(SYS_kill, one_of(1, &[SIGKILL as u64])?);
+    let mut ioctl = vec![SeccompRule::new(vec![
+        arg(1, Op::MaskedEq(0xff00), KVMIO << 8)?,
+        arg(1, Op::Ne, KVM_CREATE_VM)?,
+        arg(1, Op::Ne, KVM_CREATE_VCPU)?,
+    ])?];
+    ioctl.extend(one_of(
+        1,
+        &[
+            // The tap's offloads and header size, set when the guest's driver starts.
+            TUNSETOFFLOAD,
+            TUNSETVNETHDRSZ,
+            FIONBIO,
+            FIOCLEX,
+            TCGETS,
+        ],
+    )?);
+    rules.insert(SYS_ioctl, ioctl);
+    Ok(rules)
+}
+
+/// Where a trapped call's number sits in the SIGSYS siginfo (`si_syscall`).
+const SI_SYSCALL_OFFSET: usize = 24;
+
+extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo for SIGSYS; only async-signal-safe calls
+    // follow (write, getpid, gettid, tgkill).
+    unsafe {
+        let nr = std::ptr::read_unaligned((info as *const u8).add(SI_SYSCALL_OFFSET) as *const i32);
+        let mut buf = [0u8; 96];
+        let head = b"seccomp: system call ";
+        buf[..head.len()].copy_from_slice(head);
+        let mut n = head.len();
+        let mut digits = [0u8; 12];
+        let mut d = 0;
+        let mut v = nr.unsigned_abs();
+        loop {
+            digits[d] = b'0' + (v % 10) as u8;
+            d += 1;
+            v /= 10;
+            if v == 0 {
+                break;
+            }
+        }
+        while d > 0 {
+            d -= 1;
+            buf[n] = digits[d];
+            n += 1;
+        }
+        let tail = b" is outside this VMM's allow-list\n";
+        buf[n..n + tail.len()].copy_from_slice(tail);
+        n += tail.len();
+        libc::write(2, buf.as_ptr() as *const libc::c_void, n);
+        // SA_RESETHAND made SIGSYS fatal again; it is blocked until this handler returns,
+        // then kills the process, so the host sees a VMM killed by SIGSYS.
+        libc::syscall(
+            libc::SYS_tgkill,
+            libc::getpid(),
+            libc::syscall(libc::SYS_gettid),
+            libc::SIGSYS,
+        );
+    }
+}
+
+pub(super) fn install_sigsys_reporter() -> Result<(), ConfineError> {
+    // SAFETY: a zeroed sigaction with our handler, SA_SIGINFO for the call's number and
+    // SA_RESETHAND so that the signal it raises again is fatal.
+    unsafe {
+        let mut act: libc::sigaction = std::mem::zeroed();
+        act.sa_sigaction = on_sigsys as *const () as libc::sighandler_t;
+        act.sa_flags = libc::SA_SIGINFO | libc::SA_RESETHAND;
+        libc::sigemptyset(&mut act.sa_mask);
+        sys(
+            "installing the SIGSYS reporter",
+            libc::sigaction(libc::SIGSYS, &act, std::ptr::null_mut()),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_allow_list_compiles_and_refuses_what_a_vmm_never_needs() {
+        let rules = allow_list().unwrap();
+        for never in [
+            libc::SYS_execve,
+            libc::SYS_execveat,
+            libc::SYS_ptrace,
+            libc::SYS_socket,
+            libc::SYS_connect,
+            libc::SYS_bind,
+            libc::SYS_mount,
+            libc::SYS_unshare,
+            libc::SYS_setns,
+            libc::SYS_setuid,
+            libc::SYS_bpf,
+            libc::SYS_userfaultfd,
+            libc::SYS_mkdirat,
+            libc::SYS_renameat2,
+            libc::SYS_rt_sigaction,
+        ] {
+            assert!(!rules.contains_key(&never), "syscall {never} is allowed");
+        }
+        let prog: BpfProgram = SeccompFilter::new(
+            rules,
+            SeccompAction::Trap,
+            SeccompAction::Allow,
+            TargetArch::x86_64,
+        )
+        .unwrap()
+        .try_into()
+        .unwrap();
+        assert!(prog.len() > 50, "{} instructions", prog.len());
+    }
+}
