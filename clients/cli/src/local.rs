@@ -121,6 +121,11 @@ impl ConfineArgs {
                 "--vmm-uid-base 0 would run VMMs as root; use off to keep the executor's user"
             );
         }
+        // Room above the base for every pid the kernel may hand out (pid_max <= 2^22).
+        let top = u32::MAX - (1 << 22);
+        if uid_base.is_some_and(|b| b > top) {
+            anyhow::bail!("--vmm-uid-base must be at most {top}, to leave room for every pid");
+        }
         Ok(tine_host::Confinement {
             seccomp: self.vmm_seccomp,
             uid_base,
@@ -273,6 +278,8 @@ mod tests {
         assert_eq!(args("70000").confinement().unwrap().uid_base, Some(70000));
         let e = args("0").confinement().unwrap_err().to_string();
         assert!(e.contains("as root"), "{e}");
+        let e = args("4294967000").confinement().unwrap_err().to_string();
+        assert!(e.contains("room for every pid"), "{e}");
         let e = args("lots").confinement().unwrap_err().to_string();
         assert!(e.contains("expected a user id or off"), "{e}");
     }

@@ -145,6 +145,11 @@ pub fn before_restore(c: &WorkerConfinement) -> Result<(), ConfineError> {
     sys("limiting core dumps", unsafe {
         libc::setrlimit(libc::RLIMIT_CORE, &no_core)
     })?;
+    // A core handler behind a pipe ignores RLIMIT_CORE: keep guest memory out of any dump.
+    std::fs::write("/proc/self/coredump_filter", "0").map_err(|source| ConfineError::Sys {
+        what: "keeping guest memory out of core dumps",
+        source,
+    })?;
     if c.user.is_some() {
         for cap in 0..=last_cap() {
             // SAFETY: prctl with integer arguments.
@@ -190,7 +195,7 @@ pub fn lock_down(c: &WorkerConfinement) -> Result<(), ConfineError> {
                 libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0),
             )?;
         }
-        let caps = capabilities();
+        let caps = capabilities()?;
         if caps.iter().any(|(_, v)| *v != 0) {
             return Err(ConfineError::CapsRemain {
                 uid,
@@ -213,18 +218,29 @@ pub fn lock_down(c: &WorkerConfinement) -> Result<(), ConfineError> {
     seccomp::install(c.seccomp)
 }
 
-/// The permitted, effective, inheritable and ambient sets of this thread, from
-/// /proc/thread-self/status.
-fn capabilities() -> Vec<(String, u64)> {
-    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap_or_default();
-    status
+/// Every capability set of this thread, from /proc/thread-self/status.
+fn capabilities() -> Result<Vec<(String, u64)>, ConfineError> {
+    let status = std::fs::read_to_string("/proc/thread-self/status").map_err(|source| {
+        ConfineError::Sys {
+            what: "reading its capabilities",
+            source,
+        }
+    })?;
+    let sets: Vec<(String, u64)> = status
         .lines()
         .filter_map(|l| {
             let (k, v) = l.split_once(':')?;
-            matches!(k, "CapInh" | "CapPrm" | "CapEff" | "CapAmb")
+            matches!(k, "CapInh" | "CapPrm" | "CapEff" | "CapBnd" | "CapAmb")
                 .then(|| Some((k.to_string(), u64::from_str_radix(v.trim(), 16).ok()?)))?
         })
-        .collect()
+        .collect();
+    if sets.len() != 5 {
+        return Err(ConfineError::Sys {
+            what: "reading its capabilities",
+            source: std::io::Error::other("a capability set is missing from its status"),
+        });
+    }
+    Ok(sets)
 }
 
 #[cfg(test)]

@@ -17,11 +17,9 @@ pub(super) fn install(mode: SeccompMode) -> Result<(), ConfineError> {
         SeccompMode::Log => SeccompAction::Log,
     };
     // Installed first, so the allow-list need not allow `seccomp` itself.
-    let no_clone3: BpfProgram = SeccompFilter::new(
-        BTreeMap::from([(libc::SYS_clone3, vec![])]),
+    let refused: BpfProgram = SeccompFilter::new(
+        REFUSED.iter().map(|nr| (*nr, Vec::new())).collect(),
         SeccompAction::Allow,
-        // clone3's flags sit behind a pointer no filter can read: ENOSYS makes glibc fall back
-        // to clone, whose flags the allow-list checks.
         SeccompAction::Errno(libc::ENOSYS as u32),
         TargetArch::x86_64,
     )?
@@ -33,10 +31,18 @@ pub(super) fn install(mode: SeccompMode) -> Result<(), ConfineError> {
         TargetArch::x86_64,
     )?
     .try_into()?;
-    seccompiler::apply_filter_all_threads(&no_clone3)?;
+    seccompiler::apply_filter_all_threads(&refused)?;
     seccompiler::apply_filter_all_threads(&allow)?;
     Ok(())
 }
+
+/// Calls answered ENOSYS rather than trapped (the allow-list lets them through to this
+/// filter, whose errno wins over its allow):
+/// - clone3, whose flags sit behind a pointer no filter can read: glibc falls back to clone,
+///   whose flags the allow-list checks;
+/// - socket and connect, which a guest's vsock connection to the host tries (the host has no
+///   listeners for it): the guest gets a reset, as before confinement, not a dead sandbox.
+const REFUSED: [i64; 3] = [libc::SYS_clone3, libc::SYS_socket, libc::SYS_connect];
 
 fn arg(index: u8, op: Op, value: u64) -> Result<SeccompCondition, ConfineError> {
     Ok(SeccompCondition::new(index, Len::Dword, op, value)?)
@@ -117,6 +123,8 @@ fn allow_list() -> Result<BTreeMap<i64, Vec<SeccompRule>>, ConfineError> {
         SYS_set_robust_list,
         SYS_rseq,
         SYS_clone3,
+        SYS_socket,
+        SYS_connect,
         SYS_exit,
         SYS_exit_group,
         SYS_nanosleep,
@@ -162,6 +170,12 @@ fn allow_list() -> Result<BTreeMap<i64, Vec<SeccompRule>>, ConfineError> {
     rules.insert(
         SYS_prctl,
         one_of(0, &[PR_SET_NAME as u64, PR_SET_PDEATHSIG as u64])?,
+    );
+    // Rust's SIGSEGV/SIGBUS handler restores the default action to let a real fault kill the
+    // process (a crash must not read as a seccomp violation).
+    rules.insert(
+        SYS_rt_sigaction,
+        one_of(0, &[SIGSEGV as u64, SIGBUS as u64])?,
     );
     // Only to end its own copier.
     rules.insert(SYS_kill, one_of(1, &[SIGKILL as u64])?);
@@ -254,8 +268,6 @@ mod tests {
             libc::SYS_execve,
             libc::SYS_execveat,
             libc::SYS_ptrace,
-            libc::SYS_socket,
-            libc::SYS_connect,
             libc::SYS_bind,
             libc::SYS_mount,
             libc::SYS_unshare,
@@ -265,10 +277,19 @@ mod tests {
             libc::SYS_userfaultfd,
             libc::SYS_mkdirat,
             libc::SYS_renameat2,
-            libc::SYS_rt_sigaction,
         ] {
             assert!(!rules.contains_key(&never), "syscall {never} is allowed");
         }
+        for refused in REFUSED {
+            assert!(
+                rules.contains_key(&refused),
+                "{refused} reaches the ENOSYS filter"
+            );
+        }
+        assert!(
+            !rules[&libc::SYS_rt_sigaction].is_empty(),
+            "only SIGSEGV and SIGBUS"
+        );
         let prog: BpfProgram = SeccompFilter::new(
             rules,
             SeccompAction::Trap,
