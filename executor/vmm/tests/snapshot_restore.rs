@@ -181,11 +181,14 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
 }
 
 #[test]
-fn snapshot_into_an_existing_directory_is_refused() {
+fn snapshot_into_a_directory_holding_anything_is_refused() {
     if !kvm_available() {
         return;
     }
+    // An empty directory is one made for the VMM to write into (see `write_with`); one that
+    // holds anything is someone else's.
     let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("keep"), b"mine").unwrap();
     let (running, _) = boot_guest(&spin_guest(), CODE);
     let err = running.snapshot(tmp.path()).unwrap_err().to_string();
     assert!(err.contains("already exists"), "{err}");
