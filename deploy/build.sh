@@ -4,12 +4,18 @@
 # running `tine`, so the two files copied together build images on a machine with no checkout
 # and no Rust toolchain.
 #
-# Usage: deploy/build.sh [--agent-only] [OUTDIR]
-#   --agent-only   build only the static tine-agent (what the tests use)
+# Usage: deploy/build.sh [--agent-only | --hostile-agent] [OUTDIR]
+#   --agent-only     build only the static tine-agent (what the tests use)
+#   --hostile-agent  build only tine-agent-hostile: the agent with the `hostile` feature, which
+#                    breaches the protocol on request (the lab's hostile-guest scenario; never
+#                    shipped)
 set -euo pipefail
 
-agent_only=0
-if [ "${1:-}" = --agent-only ]; then agent_only=1; shift; fi
+agent_only=0 features=() name=tine-agent
+case "${1:-}" in
+  --agent-only) agent_only=1; shift ;;
+  --hostile-agent) agent_only=1 features=(--features hostile) name=tine-agent-hostile; shift ;;
+esac
 root=$(cd "$(dirname "$0")/.." && pwd)
 # OUTDIR is relative to the caller's directory; the default lives in the checkout.
 out=$(realpath -m "${1:-$root/target/dist}")
@@ -26,7 +32,8 @@ fi
 # The workspace's release profile keeps debuginfo; a guest image wants the small binary.
 RUSTFLAGS="-C target-feature=+crt-static" \
   CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=true \
-  "$cargo" build --release -p tine-agent --bin tine-agent --target x86_64-unknown-linux-gnu
+  "$cargo" build --release -p tine-agent --bin tine-agent --target x86_64-unknown-linux-gnu \
+  "${features[@]}"
 
 mkdir -p "$out"
 # Copy, then rename: a binary that is running (or being read by a concurrent test) is replaced,
@@ -39,4 +46,4 @@ place() {
 }
 echo "deploy/build.sh: built"
 [ $agent_only = 1 ] || place "$target_dir/release/tine" tine
-place "$target_dir/x86_64-unknown-linux-gnu/release/tine-agent" tine-agent
+place "$target_dir/x86_64-unknown-linux-gnu/release/tine-agent" "$name"

@@ -13,6 +13,9 @@ echo "== fmt"; cargo fmt --all -- --check
 echo "== clippy"; cargo clippy --workspace --all-targets -- -D warnings
 echo "== static guest agent"; bash deploy/build.sh --agent-only target/dist
 export TINE_AGENT_BIN="$PWD/target/dist/tine-agent"
+# The agent that breaches the protocol on request, for the lab's hostile-guest scenario.
+bash deploy/build.sh --hostile-agent target/dist
+export TINE_HOSTILE_AGENT_BIN="$PWD/target/dist/tine-agent-hostile"
 echo "== unit and integration tests"; cargo test --workspace
 echo "== API end to end: tine up + grpcurl + tine CLI + the Python client"
 cargo test -p tine-cli --test api -- --ignored

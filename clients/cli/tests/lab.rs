@@ -203,6 +203,21 @@ fn build_image(recipe: &str) {
     tine_on_host(&["image", "build", recipe, "--agent", agent]);
 }
 
+/// The busybox image with the agent that breaches the protocol on request (hostile.sh).
+fn build_hostile_image() {
+    let agent = tine_agent::build::static_hostile_agent_for_tests();
+    let agent = agent.to_str().expect("agent path is UTF-8");
+    tine_on_host(&[
+        "image",
+        "build",
+        "busybox",
+        "--agent",
+        agent,
+        "--name",
+        "busybox-hostile",
+    ]);
+}
+
 /// Run a scenario script and check every `CHECK` line it prints.
 fn scenario(script: &str, image: &str, expected: &[&str]) -> String {
     scenario_args(script, image, &[], expected)
@@ -274,6 +289,39 @@ fn agent_exec_streams_files_and_timeouts_in_a_busybox_guest() {
 }
 
 #[test]
+#[ignore = "boots Linux: needs VMX/SVM or the nested lab (slow)"]
+fn forked_children_get_a_new_vm_generation_id() {
+    // Debian's generic kernel: the cloud kernel has no CONFIG_VMGENID driver.
+    let agent = static_agent().to_str().expect("agent path is UTF-8");
+    tine_on_host(&[
+        "image",
+        "build",
+        "busybox",
+        "--agent",
+        agent,
+        "--kernel",
+        "generic",
+        "--name",
+        "busybox-generic",
+    ]);
+    let out = scenario_args_on(
+        1,
+        "vmgenid.sh",
+        "busybox-generic",
+        &[],
+        &[
+            "snapshot",
+            "fork-3",
+            "vmgenid-driver-bound",
+            "kernel-reseeded-on-fork",
+        ],
+    );
+    for l in out.lines().filter(|l| !l.starts_with("CHECK")) {
+        println!("{l}");
+    }
+}
+
+#[test]
 #[ignore = "boots Linux: needs VMX/SVM or the nested lab; builds a Debian root filesystem (slow)"]
 fn warm_numpy_eval_in_the_python_image() {
     build_image("python-numpy");
@@ -335,6 +383,7 @@ fn snapshot_a_warm_parent_and_fork_children() {
 #[ignore = "boots Linux: needs VMX/SVM or the nested lab; builds a Debian root filesystem (slow)"]
 fn control_plane_end_to_end_with_the_python_client() {
     build_image("python-numpy");
+    build_hostile_image();
     let venv = std::env::var("TINE_PY_VENV").unwrap_or_else(|_| {
         format!(
             "{}/.cache/tine/pyclient-venv",
@@ -372,6 +421,14 @@ fn control_plane_end_to_end_with_the_python_client() {
             "limits-oom",
             "limits-oom-audited",
             "hostile-flood",
+            "hostile-garbage",
+            "hostile-oversized",
+            "hostile-cap",
+            "hostile-sibling",
+            "hostile-stall",
+            "hostile-never-reads",
+            "hostile-memory",
+            "hostile-cancel",
             "lifetime-expired",
             "python-example",
             "python-tests",

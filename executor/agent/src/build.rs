@@ -26,24 +26,41 @@ pub const BINARY_NAME: &str = "tine-agent";
 /// which only dev-dependencies enable: `tine` itself never runs a build.
 #[cfg(feature = "test-build")]
 pub fn static_agent_for_tests() -> &'static std::path::Path {
-    use std::path::{Path, PathBuf};
-    static AGENT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    static AGENT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    AGENT.get_or_init(|| built_for_tests("TINE_AGENT_BIN", "--agent-only", BINARY_NAME))
+}
+
+/// The agent with the `hostile` feature (`deploy/build.sh --hostile-agent`), for the lab's
+/// hostile-guest scenario: `$TINE_HOSTILE_AGENT_BIN`, else built here once per test process.
+#[cfg(feature = "test-build")]
+pub fn static_hostile_agent_for_tests() -> &'static std::path::Path {
+    static AGENT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
     AGENT.get_or_init(|| {
-        if let Some(p) = std::env::var_os("TINE_AGENT_BIN") {
-            return PathBuf::from(p);
-        }
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let out = std::env::var_os("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| root.join("target"))
-            .join("dist");
-        let status = std::process::Command::new("bash")
-            .arg(root.join("deploy/build.sh"))
-            .arg("--agent-only")
-            .arg(&out)
-            .status()
-            .expect("running deploy/build.sh");
-        assert!(status.success(), "deploy/build.sh --agent-only: {status}");
-        out.join(BINARY_NAME)
+        built_for_tests(
+            "TINE_HOSTILE_AGENT_BIN",
+            "--hostile-agent",
+            "tine-agent-hostile",
+        )
     })
+}
+
+#[cfg(feature = "test-build")]
+fn built_for_tests(env: &str, flag: &str, name: &str) -> std::path::PathBuf {
+    use std::path::{Path, PathBuf};
+    if let Some(p) = std::env::var_os(env) {
+        return PathBuf::from(p);
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"))
+        .join("dist");
+    let status = std::process::Command::new("bash")
+        .arg(root.join("deploy/build.sh"))
+        .arg(flag)
+        .arg(&out)
+        .status()
+        .expect("running deploy/build.sh");
+    assert!(status.success(), "deploy/build.sh {flag}: {status}");
+    out.join(name)
 }

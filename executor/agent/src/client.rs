@@ -5,12 +5,17 @@
 //! by [`crate::frame`], response types are checked against the call, and
 //! sizes/names are validated before being handed to the caller.
 
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
+use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::frame::{read_message, write_message, FrameError, CHUNK};
+use prost::Message;
+
+use crate::frame::{encode_frame, read_frame_len, FrameError, CHUNK};
 use crate::pb::{self, request, response::Kind};
 
 /// The guest agent's vsock port.
@@ -18,6 +23,14 @@ pub const AGENT_PORT: u32 = crate::server::listen::VSOCK_PORT;
 
 /// Upper bound on ListDir entries accepted from a guest.
 const MAX_DIR_ENTRIES: usize = 1_000_000;
+
+/// How long the agent may stall in the middle of a frame it is sending, and how long a write
+/// to it may make no progress (a guest that stopped reading), before the call fails. The
+/// agent writes each frame whole and reads as it goes, so only a hostile or wedged guest
+/// comes near this; the gaps *between* frames are bounded by the call's own timeout (an exec
+/// with a timeout gets this much longer to report its exit) or by its caller cancelling it
+/// ([`Cancel`]).
+pub const STALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -44,6 +57,14 @@ pub enum ClientError {
     WarmupFailed { command: String, message: String },
     #[error("agent not ready after {waited:?}: {detail}")]
     NotReady { waited: Duration, detail: String },
+    #[error("the agent stalled for {0:?} in the middle of a {1}-byte frame")]
+    StalledFrame(Duration, usize),
+    #[error("the agent read nothing of this call's data for {0:?}")]
+    StoppedReading(Duration),
+    #[error("no answer from the agent within {0:?}")]
+    NoAnswer(Duration),
+    #[error("the call was cancelled")]
+    Cancelled,
 }
 
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
@@ -69,8 +90,9 @@ impl Connector {
         }
     }
 
-    /// Opens a fresh stream; `timeout` bounds the handshake (and is left as
-    /// the stream's read timeout).
+    /// Opens a fresh stream; `timeout` bounds the handshake (at most [`STALL_TIMEOUT`]: the
+    /// guest kernel, not the agent, answers a connection request) and is left as the stream's
+    /// read timeout.
     pub fn connect(&self, timeout: Option<Duration>) -> Result<UnixStream> {
         let (path, port) = match self {
             Self::Unix(p) => (p, None),
@@ -81,15 +103,21 @@ impl Connector {
             target: target.clone(),
             source,
         })?;
-        stream
-            .set_read_timeout(timeout)
-            .map_err(|source| ClientError::Local {
-                what: "setting socket timeout",
-                source,
-            })?;
+        let set_timeout = |t: Option<Duration>| {
+            stream
+                .set_read_timeout(t)
+                .map_err(|source| ClientError::Local {
+                    what: "setting socket timeout",
+                    source,
+                })
+        };
         if let Some(port) = port {
+            set_timeout(Some(
+                timeout.map_or(STALL_TIMEOUT, |t| t.min(STALL_TIMEOUT)),
+            ))?;
             handshake(&stream, port).map_err(|msg| ClientError::Handshake { target, port, msg })?;
         }
+        set_timeout(timeout)?;
         Ok(stream)
     }
 }
@@ -222,10 +250,205 @@ impl CloneIdentity {
     }
 }
 
+/// Ends a client's calls from another thread: every stream they have open is shut down, so a
+/// call blocked on a silent guest returns [`ClientError::Cancelled`] at once, and later calls
+/// fail the same way. The executor cancels a call when whoever asked for it goes away.
+#[derive(Debug, Clone, Default)]
+pub struct Cancel(Arc<Mutex<Streams>>);
+
+#[derive(Debug, Default)]
+struct Streams {
+    cancelled: bool,
+    next: u64,
+    open: HashMap<u64, UnixStream>,
+}
+
+impl Cancel {
+    pub fn cancel(&self) {
+        let mut st = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        st.cancelled = true;
+        for s in st.open.values() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).cancelled
+    }
+
+    /// Cancels when the returned guard is dropped.
+    pub fn on_drop(&self) -> CancelOnDrop {
+        CancelOnDrop(self.clone())
+    }
+
+    fn register(&self, s: &UnixStream) -> Result<u64> {
+        let clone = s.try_clone().map_err(|source| ClientError::Local {
+            what: "keeping a handle to cancel the call",
+            source,
+        })?;
+        let mut st = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if st.cancelled {
+            return Err(ClientError::Cancelled);
+        }
+        st.next += 1;
+        let id = st.next;
+        st.open.insert(id, clone);
+        Ok(id)
+    }
+
+    fn unregister(&self, id: u64) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .open
+            .remove(&id);
+    }
+}
+
+/// Cancels its [`Cancel`] when dropped (see [`Cancel::on_drop`]).
+#[derive(Debug)]
+pub struct CancelOnDrop(Cancel);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
+/// One call's stream to the agent, known to its client's [`Cancel`] while it is open.
+struct Call {
+    stream: UnixStream,
+    cancel: Option<(Cancel, u64)>,
+    stall: Duration,
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        if let Some((c, id)) = &self.cancel {
+            c.unregister(*id);
+        }
+    }
+}
+
+impl Call {
+    fn cancelled(&self) -> bool {
+        self.cancel.as_ref().is_some_and(|(c, _)| c.is_cancelled())
+    }
+
+    /// Bounds the wait for the next response (`None`: wait until it comes or the call is
+    /// cancelled).
+    fn wait_at_most(&self, t: Option<Duration>) -> Result<()> {
+        self.stream
+            .set_read_timeout(t.map(|t| t.max(Duration::from_millis(1))))
+            .map_err(|source| ClientError::Local {
+                what: "setting socket timeout",
+                source,
+            })
+    }
+
+    fn set_write_timeout(&self, t: Duration) -> Result<()> {
+        self.stream
+            .set_write_timeout(Some(t.max(Duration::from_millis(1))))
+            .map_err(|source| ClientError::Local {
+                what: "setting socket timeout",
+                source,
+            })
+    }
+
+    /// Writes one request frame. The whole frame must be taken within the stall timeout: a
+    /// guest that reads a trickle is as stuck as one that reads nothing.
+    fn send(&mut self, req: request::Kind) -> Result<()> {
+        let frame = encode_frame(&pb::Request { kind: Some(req) })?;
+        let deadline = Instant::now() + self.stall;
+        let mut off = 0;
+        while off < frame.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ClientError::StoppedReading(self.stall));
+            }
+            self.set_write_timeout(left)?;
+            match self.stream.write(&frame[off..]) {
+                Ok(0) => return Err(FrameError::Io(io::ErrorKind::WriteZero.into()).into()),
+                Ok(n) => off += n,
+                Err(_) if self.cancelled() => return Err(ClientError::Cancelled),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted || timed_out(&e) => {}
+                Err(e) => return Err(FrameError::Io(e).into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the next response; an agent `Error` becomes `ClientError::Agent`. The wait for
+    /// a frame to begin is the stream's read timeout; once it began, the whole frame must
+    /// arrive within the stall timeout (its buffer grows only as bytes do).
+    fn recv(&mut self) -> Result<Kind> {
+        let len = match read_frame_len(&mut self.stream) {
+            Ok(len) => len,
+            Err(_) if self.cancelled() => return Err(ClientError::Cancelled),
+            Err(FrameError::Closed) => {
+                return Err(ClientError::Protocol(
+                    "agent closed the connection before answering".into(),
+                ))
+            }
+            Err(FrameError::Io(e)) if timed_out(&e) => {
+                return Err(match self.stream.read_timeout() {
+                    Ok(Some(t)) => ClientError::NoAnswer(t),
+                    _ => FrameError::Io(e).into(),
+                })
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let wait = self.stream.read_timeout().ok().flatten();
+        let deadline = Instant::now() + self.stall;
+        let mut body = Vec::with_capacity(len.min(CHUNK));
+        while body.len() < len {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ClientError::StalledFrame(self.stall, len));
+            }
+            self.wait_at_most(Some(left))?;
+            // One read per turn, so the deadline is checked however the bytes trickle in.
+            let start = body.len();
+            body.resize(start + (len - start).min(CHUNK), 0);
+            let got = self.stream.read(&mut body[start..]);
+            body.truncate(start + *got.as_ref().unwrap_or(&0));
+            match got {
+                Ok(0) => return Err(FrameError::Io(io::ErrorKind::UnexpectedEof.into()).into()),
+                Ok(_) => {}
+                Err(_) if self.cancelled() => return Err(ClientError::Cancelled),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted || timed_out(&e) => {}
+                Err(e) => return Err(FrameError::Io(e).into()),
+            }
+        }
+        self.wait_at_most(wait)?;
+        let resp = pb::Response::decode(body.as_slice())
+            .map_err(|e| ClientError::Transport(FrameError::Decode(e)))?;
+        match resp.kind {
+            Some(Kind::Error(e)) => {
+                let code = AgentErrorCode::try_from(e.code).unwrap_or(AgentErrorCode::Unspecified);
+                Err(ClientError::Agent(e.message, code))
+            }
+            Some(k) => Ok(k),
+            None => Err(ClientError::Protocol(
+                "response of unknown type (agent newer than this client?)".into(),
+            )),
+        }
+    }
+}
+
+fn timed_out(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
 #[derive(Debug, Clone)]
 pub struct AgentClient {
     connector: Connector,
     io_timeout: Option<Duration>,
+    stall: Duration,
+    cancel: Option<Cancel>,
 }
 
 impl AgentClient {
@@ -233,13 +456,27 @@ impl AgentClient {
         Self {
             connector,
             io_timeout: None,
+            stall: STALL_TIMEOUT,
+            cancel: None,
         }
     }
 
-    /// Bounds every read from the agent (default: none, since exec and eval
-    /// may legitimately run long; use their own timeouts instead).
+    /// Bounds every wait for the agent's answer (default: none, since exec and eval
+    /// may legitimately run long; use their own timeouts, or [`Self::with_cancel`]).
     pub fn with_io_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.io_timeout = timeout;
+        self
+    }
+
+    /// Replaces [`STALL_TIMEOUT`] (tests).
+    pub fn with_stall_timeout(mut self, stall: Duration) -> Self {
+        self.stall = stall;
+        self
+    }
+
+    /// Lets `cancel` end this client's calls from another thread.
+    pub fn with_cancel(mut self, cancel: Cancel) -> Self {
+        self.cancel = Some(cancel);
         self
     }
 
@@ -247,10 +484,22 @@ impl AgentClient {
         &self.connector
     }
 
-    fn open(&self, req: request::Kind, timeout: Option<Duration>) -> Result<UnixStream> {
-        let mut s = self.connector.connect(timeout.or(self.io_timeout))?;
-        write_message(&mut s, &pb::Request { kind: Some(req) })?;
-        Ok(s)
+    fn open(&self, req: request::Kind, timeout: Option<Duration>) -> Result<Call> {
+        if self.cancel.as_ref().is_some_and(Cancel::is_cancelled) {
+            return Err(ClientError::Cancelled);
+        }
+        let stream = self.connector.connect(timeout.or(self.io_timeout))?;
+        let cancel = match &self.cancel {
+            Some(c) => Some((c.clone(), c.register(&stream)?)),
+            None => None,
+        };
+        let mut call = Call {
+            stream,
+            cancel,
+            stall: self.stall,
+        };
+        call.send(req)?;
+        Ok(call)
     }
 
     pub fn ping(&self) -> Result<PingInfo> {
@@ -259,7 +508,7 @@ impl AgentClient {
 
     fn ping_within(&self, timeout: Duration) -> Result<PingInfo> {
         let mut s = self.open(request::Kind::Ping(pb::PingRequest {}), Some(timeout))?;
-        let p = match recv(&mut s)? {
+        let p = match s.recv()? {
             Kind::Ping(p) => p,
             other => return Err(unexpected("ping", &other)),
         };
@@ -359,8 +608,23 @@ impl AgentClient {
             timeout_ms: opts.timeout.map_or(0, |t| t.as_millis().max(1) as u64),
         };
         let mut s = self.open(request::Kind::Exec(req), None)?;
+        // The agent kills the command at its timeout and then only has to report the exit,
+        // which it gets the stall timeout for.
+        let deadline = opts.timeout.map(|t| Instant::now() + t + self.stall);
         loop {
-            match recv(&mut s)? {
+            if let Some(d) = deadline {
+                let left = d.saturating_duration_since(Instant::now());
+                s.wait_at_most(Some(self.io_timeout.map_or(left, |t| t.min(left))))?;
+            }
+            match s.recv()? {
+                // The agent sends output in chunks of at most CHUNK; holding it to that bounds
+                // what a caller's queue of chunks can hold.
+                Kind::Stdout(c) | Kind::Stderr(c) if c.data.len() > CHUNK => {
+                    return Err(ClientError::Protocol(format!(
+                        "an output chunk of {} bytes (at most {CHUNK})",
+                        c.data.len()
+                    )))
+                }
                 Kind::Stdout(c) => on_stdout(&c.data),
                 Kind::Stderr(c) => on_stderr(&c.data),
                 Kind::Exit(e) => {
@@ -421,24 +685,23 @@ impl AgentClient {
                 data: buf[..n].to_vec(),
                 last,
             };
-            if let Err(e) = write_message(
-                &mut s,
-                &pb::Request {
-                    kind: Some(request::Kind::FileChunk(chunk)),
-                },
-            ) {
-                // The agent probably refused and hung up; prefer its reason.
-                return match recv(&mut s) {
-                    Err(agent @ ClientError::Agent(..)) => Err(agent),
-                    _ => Err(e.into()),
-                };
+            if let Err(e) = s.send(request::Kind::FileChunk(chunk)) {
+                // The agent probably refused and hung up; prefer its reason, if it gives one
+                // promptly (a guest that stopped reading may never answer).
+                if matches!(e, ClientError::Transport(_)) {
+                    s.wait_at_most(Some(s.stall))?;
+                    if let Err(agent @ ClientError::Agent(..)) = s.recv() {
+                        return Err(agent);
+                    }
+                }
+                return Err(e);
             }
             sent += n as u64;
             if last {
                 break;
             }
         }
-        match recv(&mut s)? {
+        match s.recv()? {
             Kind::WriteFile(w) if w.size == sent => Ok(w.size),
             Kind::WriteFile(w) => Err(ClientError::Protocol(format!(
                 "agent reports {} bytes written, {sent} were sent",
@@ -456,7 +719,7 @@ impl AgentClient {
         let mut s = self.open(request::Kind::ReadFile(req), None)?;
         let mut got = 0u64;
         loop {
-            match recv(&mut s)? {
+            match s.recv()? {
                 Kind::FileChunk(c) => {
                     got += c.data.len() as u64;
                     out.write_all(&c.data)
@@ -493,7 +756,7 @@ impl AgentClient {
         let mut s = self.open(request::Kind::ListDir(req), None)?;
         let mut entries = Vec::new();
         loop {
-            let batch = match recv(&mut s)? {
+            let batch = match s.recv()? {
                 Kind::ListDir(b) => b,
                 other => return Err(unexpected("list_dir", &other)),
             };
@@ -540,7 +803,7 @@ impl AgentClient {
             timeout_ms: timeout.map_or(0, |t| t.as_millis().max(1) as u64),
         };
         let mut s = self.open(request::Kind::Eval(req), None)?;
-        match recv(&mut s)? {
+        match s.recv()? {
             Kind::Eval(e) => Ok(EvalOutcome {
                 value: e.value,
                 stdout: e.stdout,
@@ -565,7 +828,7 @@ impl AgentClient {
             request::Kind::SetTime(pb::SetTimeRequest { unix_nanos: nanos }),
             None,
         )?;
-        match recv(&mut s)? {
+        match s.recv()? {
             Kind::SetTime(_) => Ok(()),
             other => Err(unexpected("set_time", &other)),
         }
@@ -590,7 +853,7 @@ impl AgentClient {
             }),
             None,
         )?;
-        match recv(&mut s)? {
+        match s.recv()? {
             Kind::Reseed(r) => Ok(ReseedOutcome {
                 credited: r.credited,
                 python_reseeded: r.python_reseeded,
@@ -609,33 +872,10 @@ impl AgentClient {
             request::Kind::PrepareSnapshot(pb::PrepareSnapshotRequest {}),
             None,
         )?;
-        match recv(&mut s)? {
+        match s.recv()? {
             Kind::PrepareSnapshot(r) => Ok((r.free_kib_before, r.free_kib_after)),
             other => Err(unexpected("prepare_snapshot", &other)),
         }
-    }
-}
-
-/// Reads the next response; an agent `Error` becomes `ClientError::Agent`.
-fn recv(s: &mut UnixStream) -> Result<Kind> {
-    let resp: pb::Response = match read_message(s) {
-        Ok(r) => r,
-        Err(FrameError::Closed) => {
-            return Err(ClientError::Protocol(
-                "agent closed the connection before answering".into(),
-            ))
-        }
-        Err(e) => return Err(e.into()),
-    };
-    match resp.kind {
-        Some(Kind::Error(e)) => {
-            let code = AgentErrorCode::try_from(e.code).unwrap_or(AgentErrorCode::Unspecified);
-            Err(ClientError::Agent(e.message, code))
-        }
-        Some(k) => Ok(k),
-        None => Err(ClientError::Protocol(
-            "response of unknown type (agent newer than this client?)".into(),
-        )),
     }
 }
 

@@ -26,6 +26,12 @@ pub enum FrameError {
 /// Reads one frame's raw bytes. A clean EOF before the length prefix is
 /// `Closed`; an EOF inside a frame is an I/O error (truncated frame).
 pub fn read_frame_bytes(r: &mut impl Read) -> Result<Vec<u8>, FrameError> {
+    let len = read_frame_len(r)?;
+    read_frame_body(r, len)
+}
+
+/// Reads a frame's length prefix and checks it against [`MAX_FRAME`].
+pub fn read_frame_len(r: &mut impl Read) -> Result<usize, FrameError> {
     let mut len = [0u8; 4];
     let mut got = 0;
     while got < 4 {
@@ -44,8 +50,17 @@ pub fn read_frame_bytes(r: &mut impl Read) -> Result<Vec<u8>, FrameError> {
             max: MAX_FRAME,
         });
     }
-    let mut buf = vec![0u8; len];
-    r.read_exact(&mut buf)?;
+    Ok(len)
+}
+
+/// Reads the `len` bytes of a frame's body. The buffer grows as bytes arrive, so a peer that
+/// announces a large frame and then stalls holds only what it actually sent.
+pub fn read_frame_body(r: &mut impl Read, len: usize) -> Result<Vec<u8>, FrameError> {
+    let mut buf = Vec::with_capacity(len.min(CHUNK));
+    r.take(len as u64).read_to_end(&mut buf)?;
+    if buf.len() < len {
+        return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+    }
     Ok(buf)
 }
 
@@ -55,6 +70,13 @@ pub fn read_message<M: Message + Default>(r: &mut impl Read) -> Result<M, FrameE
 }
 
 pub fn write_message(w: &mut impl Write, msg: &impl Message) -> Result<(), FrameError> {
+    w.write_all(&encode_frame(msg)?)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// One frame: the length prefix, then the message.
+pub fn encode_frame(msg: &impl Message) -> Result<Vec<u8>, FrameError> {
     let len = msg.encoded_len();
     if len > MAX_FRAME {
         return Err(FrameError::TooLarge {
@@ -65,9 +87,7 @@ pub fn write_message(w: &mut impl Write, msg: &impl Message) -> Result<(), Frame
     let mut buf = Vec::with_capacity(4 + len);
     buf.extend_from_slice(&(len as u32).to_be_bytes());
     msg.encode(&mut buf).expect("Vec has capacity");
-    w.write_all(&buf)?;
-    w.flush()?;
-    Ok(())
+    Ok(buf)
 }
 
 #[cfg(test)]
@@ -94,6 +114,17 @@ mod tests {
         let truncated = [0u8, 0, 0, 9, 1, 2];
         let err = read_frame_bytes(&mut &truncated[..]).unwrap_err();
         assert!(matches!(err, FrameError::Io(_)), "{err}");
+
+        // A frame that announces the maximum but carries 3 bytes is truncated.
+        let mut short = (MAX_FRAME as u32).to_be_bytes().to_vec();
+        short.extend_from_slice(b"abc");
+        let mut r = short.as_slice();
+        let len = read_frame_len(&mut r).unwrap();
+        assert_eq!(len, MAX_FRAME);
+        assert!(matches!(
+            read_frame_body(&mut r, len).unwrap_err(),
+            FrameError::Io(_)
+        ));
         assert!(matches!(
             read_frame_bytes(&mut &[][..]).unwrap_err(),
             FrameError::Closed

@@ -10,7 +10,6 @@ use std::time::Duration;
 use futures::Stream;
 use tine_agent::client::{AgentErrorCode, ClientError, ExecOptions};
 use tine_host::network::Policy;
-use tine_host::ready::agent;
 use tine_host::{
     BranchKind, ErrorKind, Host, HostError, LayerInfo, ParentSpec, Resources, SpawnOptions,
 };
@@ -25,6 +24,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::agent_calls::{relayed, AgentCalls};
 use crate::metrics::ExecutorMetrics;
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -40,6 +40,8 @@ pub struct State {
     /// Children that ended on their own, newest last, with when: reported with every
     /// heartbeat until they age out, so the control plane learns why even past a missed one.
     ended: std::sync::Mutex<std::collections::VecDeque<(std::time::Instant, pb::EndedSandbox)>>,
+    /// Calls to children's guest agents in flight.
+    agent_calls: AgentCalls,
 }
 
 /// How long an ended child is reported, and at most how many are.
@@ -102,6 +104,10 @@ fn agent_status(e: ClientError) -> Status {
                 AgentErrorCode::Unspecified => Status::failed_precondition(m),
             }
         }
+        ClientError::Cancelled => Status::cancelled("guest agent: the call was cancelled"),
+        e @ (ClientError::NoAnswer(_)
+        | ClientError::StalledFrame(..)
+        | ClientError::StoppedReading(_)) => Status::deadline_exceeded(format!("guest agent: {e}")),
         other => Status::unavailable(format!("guest agent: {other}")),
     }
 }
@@ -114,6 +120,7 @@ impl State {
             vm_refusal,
             metrics: ExecutorMetrics::new(),
             ended: Default::default(),
+            agent_calls: AgentCalls::default(),
         })
     }
 
@@ -273,22 +280,30 @@ impl ExecutorService {
 
 /// Feeds a blocking `Read` (the agent upload) from the gRPC stream; an error in the
 /// stream becomes a read error, so a broken upload is never committed.
+/// The upload's data for the agent client, from the gRPC stream. An empty chunk marks the
+/// end: a channel that closes without it (the caller went away) is an error, never a
+/// shorter file.
 struct ChannelReader {
-    rx: std::sync::mpsc::Receiver<Result<Vec<u8>, String>>,
+    rx: mpsc::Receiver<Result<Vec<u8>, String>>,
     buf: Vec<u8>,
     pos: usize,
+    done: bool,
 }
 
 impl Read for ChannelReader {
     fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
         while self.pos == self.buf.len() {
-            match self.rx.recv() {
-                Ok(Ok(b)) => {
+            if self.done {
+                return Ok(0);
+            }
+            match self.rx.blocking_recv() {
+                Some(Ok(b)) if b.is_empty() => self.done = true,
+                Some(Ok(b)) => {
                     self.buf = b;
                     self.pos = 0;
                 }
-                Ok(Err(e)) => return Err(std::io::Error::other(e)),
-                Err(_) => return Ok(0), // sender done: end of data
+                Some(Err(e)) => return Err(std::io::Error::other(e)),
+                None => return Err(std::io::Error::other("the upload stopped before its end")),
             }
         }
         let n = out.len().min(self.buf.len() - self.pos);
@@ -562,36 +577,39 @@ impl Executor for ExecutorService {
             stdin: r.stdin,
             timeout: (r.timeout_ms != 0).then(|| Duration::from_millis(r.timeout_ms as u64)),
         };
-        let (tx, rx) = mpsc::channel(64);
-        tokio::task::spawn_blocking(move || {
-            let client = agent(&dir.join("vsock.sock"));
-            let out = |ev: pb::exec_event::Event| {
-                let _ = tx.blocking_send(Ok(pb::ExecEvent { event: Some(ev) }));
-            };
-            let res = client.exec(
-                &r.argv,
-                &opts,
-                |d| out(pb::exec_event::Event::Stdout(d.to_vec())),
-                |d| out(pb::exec_event::Event::Stderr(d.to_vec())),
-            );
-            match res {
-                Ok(st) => {
-                    let how = match (st.code, st.signal) {
-                        (Some(c), _) => Some(pb::exit_status::How::Code(c)),
-                        (None, Some(s)) => Some(pb::exit_status::How::Signal(s)),
-                        (None, None) => None,
-                    };
-                    out(pb::exec_event::Event::Exit(pb::ExitStatus {
-                        how,
-                        timed_out: st.timed_out,
-                    }));
+        // At most 16 chunks of 256 KiB wait for a slow caller; then the guest is not read.
+        let (tx, rx) = mpsc::channel(16);
+        let started = self
+            .state
+            .agent_calls
+            .start(&r.sandbox_id, &dir, move |client| {
+                let out = |ev: pb::exec_event::Event| {
+                    let _ = tx.blocking_send(Ok(pb::ExecEvent { event: Some(ev) }));
+                };
+                let res = client.exec(
+                    &r.argv,
+                    &opts,
+                    |d| out(pb::exec_event::Event::Stdout(d.to_vec())),
+                    |d| out(pb::exec_event::Event::Stderr(d.to_vec())),
+                );
+                match res {
+                    Ok(st) => {
+                        let how = match (st.code, st.signal) {
+                            (Some(c), _) => Some(pb::exit_status::How::Code(c)),
+                            (None, Some(s)) => Some(pb::exit_status::How::Signal(s)),
+                            (None, None) => None,
+                        };
+                        out(pb::exec_event::Event::Exit(pb::ExitStatus {
+                            how,
+                            timed_out: st.timed_out,
+                        }));
+                    }
+                    Err(e) => {
+                        let _ = tx.blocking_send(Err(agent_status(e)));
+                    }
                 }
-                Err(e) => {
-                    let _ = tx.blocking_send(Err(agent_status(e)));
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+            })?;
+        Ok(Response::new(relayed(rx, started)))
     }
 
     async fn eval(
@@ -601,12 +619,20 @@ impl Executor for ExecutorService {
         let r = req.into_inner();
         let dir = self.state.sandbox_dir(&r.sandbox_id)?;
         let timeout = (r.timeout_ms != 0).then(|| Duration::from_millis(r.timeout_ms as u64));
-        let out = tokio::task::spawn_blocking(move || {
-            agent(&dir.join("vsock.sock")).eval_with_timeout(&r.code, timeout)
-        })
-        .await
-        .map_err(internal)?
-        .map_err(agent_status)?;
+        let code = r.code;
+        let started = self
+            .state
+            .agent_calls
+            .start(&r.sandbox_id, &dir, move |c| {
+                c.eval_with_timeout(&code, timeout)
+            })?;
+        // Dropped with this future if the caller goes away: that cancels the call.
+        let _cancel = started.cancel;
+        let out = started
+            .result
+            .await
+            .map_err(internal)?
+            .map_err(agent_status)?;
         Ok(Response::new(pb::EvalResponse {
             value: out.value,
             stdout: out.stdout,
@@ -662,26 +688,30 @@ impl Executor for ExecutorService {
         let r = req.into_inner();
         let dir = self.state.sandbox_dir(&r.sandbox_id)?;
         let (tx, rx) = mpsc::channel(4);
-        tokio::task::spawn_blocking(move || {
-            let mut w = ChunkWriter {
-                tx: tx.clone(),
-                buf: Vec::new(),
-            };
-            match agent(&dir.join("vsock.sock")).read_file(&r.path, &mut w) {
-                Ok(info) => {
-                    let data = std::mem::take(&mut w.buf);
-                    let _ = w.send(pb::FileChunk {
-                        data,
-                        mode: info.mode,
-                        size: info.size,
-                    });
+        let path = r.path;
+        let started = self
+            .state
+            .agent_calls
+            .start(&r.sandbox_id, &dir, move |client| {
+                let mut w = ChunkWriter {
+                    tx: tx.clone(),
+                    buf: Vec::new(),
+                };
+                match client.read_file(&path, &mut w) {
+                    Ok(info) => {
+                        let data = std::mem::take(&mut w.buf);
+                        let _ = w.send(pb::FileChunk {
+                            data,
+                            mode: info.mode,
+                            size: info.size,
+                        });
+                    }
+                    Err(e) => {
+                        let _ = tx.blocking_send(Err(agent_status(e)));
+                    }
                 }
-                Err(e) => {
-                    let _ = tx.blocking_send(Err(agent_status(e)));
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+            })?;
+        Ok(Response::new(relayed(rx, started)))
     }
 
     async fn write_file(
@@ -700,36 +730,47 @@ impl Executor for ExecutorService {
             }
         };
         let dir = self.state.sandbox_dir(&header.sandbox_id)?;
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Vec<u8>, String>>(4);
-        let upload = tokio::task::spawn_blocking(move || {
-            let reader = ChannelReader {
-                rx,
-                buf: Vec::new(),
-                pos: 0,
-            };
-            agent(&dir.join("vsock.sock")).write_file(&header.path, header.mode, reader)
-        });
+        let (tx, rx) = mpsc::channel::<Result<Vec<u8>, String>>(4);
+        let (path, mode) = (header.path, header.mode);
+        let started = self
+            .state
+            .agent_calls
+            .start(&header.sandbox_id, &dir, move |client| {
+                let reader = ChannelReader {
+                    rx,
+                    buf: Vec::new(),
+                    pos: 0,
+                    done: false,
+                };
+                client.write_file(&path, mode, reader)
+            })?;
+        // Dropped with this future if the caller goes away: that cancels the call.
+        let _cancel = started.cancel;
         loop {
             let item = match incoming.message().await {
                 Ok(Some(pb::WriteFileRequest {
                     part: Some(pb::write_file_request::Part::Data(d)),
+                })) if d.is_empty() => continue,
+                Ok(Some(pb::WriteFileRequest {
+                    part: Some(pb::write_file_request::Part::Data(d)),
                 })) => Ok(d),
-                Ok(None) => break,
+                // The end marker.
+                Ok(None) => Ok(Vec::new()),
                 Ok(Some(_)) => Err("only data may follow the WriteFile header".to_string()),
                 Err(e) => Err(format!("upload stream broke: {}", e.message())),
             };
-            let failed = item.is_err();
-            let tx2 = tx.clone();
-            // Blocking send (bounded channel) off the async threads.
-            let sent = tokio::task::spawn_blocking(move || tx2.send(item).is_ok())
-                .await
-                .unwrap_or(false);
-            if failed || !sent {
+            let last = !matches!(&item, Ok(d) if !d.is_empty());
+            // Bounded: a guest that stops reading holds at most four chunks here.
+            if tx.send(item).await.is_err() || last {
                 break;
             }
         }
         drop(tx);
-        let size = upload.await.map_err(internal)?.map_err(agent_status)?;
+        let size = started
+            .result
+            .await
+            .map_err(internal)?
+            .map_err(agent_status)?;
         Ok(Response::new(pb::WriteFileResponse { size }))
     }
 }

@@ -45,6 +45,8 @@ pub struct BuildOptions {
     pub compression: Option<Compression>,
     /// Build even if an image with the same inputs exists (replacing it).
     pub rebuild: bool,
+    /// The guest kernel's flavour (part of the image's id through the kernel package).
+    pub kernel: Flavor,
 }
 
 impl BuildOptions {
@@ -58,6 +60,7 @@ impl BuildOptions {
             busybox: None,
             compression: None,
             rebuild: false,
+            kernel: Flavor::Cloud,
         }
     }
 }
@@ -107,8 +110,14 @@ pub fn build_image(opts: &BuildOptions) -> Result<BuiltImage> {
     // Before any download: a missing or dynamic agent should fail at once.
     let agent_data = crate::agent::read_agent(&opts.agent)?;
 
-    let kernel = fetch_kernel(Flavor::Cloud, &opts.cache).context("fetching the guest kernel")?;
-    let vmlinux = kernel.vmlinux().context("extracting vmlinux")?;
+    let kernel = fetch_kernel(opts.kernel, &opts.cache).context("fetching the guest kernel")?;
+    // The cloud kernel boots as its ELF vmlinux (PVH entry). Debian's generic kernel packs its
+    // payload with xz, which the extractor does not read: it boots as the bzImage (the VMM's
+    // 64-bit boot protocol).
+    let (kernel_file, kernel_name) = match opts.kernel {
+        Flavor::Cloud => (kernel.vmlinux().context("extracting vmlinux")?, "vmlinux"),
+        Flavor::Generic => (kernel.vmlinuz.clone(), "bzImage"),
+    };
     let module_names = guest::module_names(&recipe);
     let names: Vec<&str> = module_names.iter().map(String::as_str).collect();
     let modules = KernelModules::with_dependencies(ModuleIndex::load(&kernel.modules_dir)?, &names)
@@ -203,11 +212,11 @@ pub fn build_image(opts: &BuildOptions) -> Result<BuiltImage> {
         compression.compress_file(&cpio_path, &initrd_path)?;
         fs::remove_file(&cpio_path)?;
     }
-    let kernel_dst = work.path().join("vmlinux");
+    let kernel_dst = work.path().join(kernel_name);
     // A hard link keeps the image self-contained without a second copy of the kernel.
-    if fs::hard_link(&vmlinux, &kernel_dst).is_err() {
-        fs::copy(&vmlinux, &kernel_dst)
-            .with_context(|| format!("copying {}", vmlinux.display()))?;
+    if fs::hard_link(&kernel_file, &kernel_dst).is_err() {
+        fs::copy(&kernel_file, &kernel_dst)
+            .with_context(|| format!("copying {}", kernel_file.display()))?;
     }
     let kernel_info = file_info(&kernel_dst)?;
     let initrd_info = file_info(&initrd_path)?;

@@ -89,6 +89,10 @@ pub enum ImageCommand {
         /// Rebuild even if an image with the same inputs is cached.
         #[arg(long)]
         rebuild: bool,
+        /// Guest kernel flavour: cloud (small, the default) or generic (Debian's full kernel,
+        /// e.g. for its CONFIG_VMGENID driver, which the cloud kernel lacks).
+        #[arg(long, value_enum, default_value_t = Flavor::Cloud)]
+        kernel: Flavor,
     },
     /// List the images in the cache.
     List {
@@ -173,6 +177,7 @@ pub fn run(cmd: ImageCommand) -> Result<()> {
             busybox,
             compression,
             rebuild,
+            kernel,
         } => {
             // The running binary is looked up here, at the edge; the builder gets a path.
             let agent = crate::agent::choose(agent, std::env::current_exe())?;
@@ -186,6 +191,7 @@ pub fn run(cmd: ImageCommand) -> Result<()> {
             opts.busybox = busybox;
             opts.compression = compression;
             opts.rebuild = rebuild;
+            opts.kernel = kernel;
             let built = build_image(&opts)?;
             let m = &built.manifest;
             eprintln!(

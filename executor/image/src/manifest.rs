@@ -21,7 +21,8 @@ pub struct ImageManifest {
     pub recipe: String,
     /// Hash of what the guest boots: kernel and initrd digests and the command line.
     pub content_hash: String,
-    /// The ELF vmlinux (PVH entry); `path` is relative to the image directory.
+    /// The kernel: the ELF vmlinux (PVH entry), or a bzImage for kernels whose payload cannot be
+    /// extracted (`--kernel generic`); `path` is relative to the image directory.
     pub kernel: FileInfo,
     pub kernel_package: String,
     pub kernel_version: String,

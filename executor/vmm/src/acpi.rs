@@ -28,6 +28,8 @@ pub struct VirtioMmioSlot {
 pub struct AcpiConfig {
     pub vcpus: u8,
     pub virtio: Vec<VirtioMmioSlot>,
+    /// Announce the VM generation ID and its Generic Event Device (devices::vmgenid).
+    pub vmgenid: bool,
 }
 
 fn dsdt(cfg: &AcpiConfig) -> Vec<u8> {
@@ -56,6 +58,10 @@ fn dsdt(cfg: &AcpiConfig) -> Vec<u8> {
         let crs = aml::ResourceTemplate::new(vec![&window, &irq]);
         let hid: aml::AmlStr = "LNRO0005";
         device(&mut body, &name, &hid, &i, &crs);
+    }
+
+    if cfg.vmgenid {
+        crate::devices::vmgenid::aml(&mut body);
     }
 
     let mut table = Sdt::new(*b"DSDT", 36, 6, OEM_ID, OEM_TABLE_ID, OEM_REVISION);
@@ -132,11 +138,11 @@ pub fn write_tables(mem: &GuestMemoryMmap, cfg: &AcpiConfig) -> Result<u64> {
     let mut place = |table: &'static str, bytes: &[u8]| -> Result<u64> {
         let addr = next;
         let end = addr + bytes.len() as u64;
-        if end > ACPI_END {
+        if end > ACPI_TABLES_END {
             return Err(BootError::AcpiTooBig {
                 table,
                 end,
-                limit: ACPI_END,
+                limit: ACPI_TABLES_END,
             }
             .into());
         }
@@ -203,6 +209,7 @@ mod tests {
                 size: 0x1000,
                 irq: 5,
             }],
+            vmgenid: true,
         };
         let rsdp_addr = write_tables(&mem, &cfg).unwrap();
         let rsdp = read(&mem, rsdp_addr, 36);
@@ -230,6 +237,9 @@ mod tests {
         let find = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
         assert!(find(&dsdt, b"_S5_"));
         assert!(find(&dsdt, b"LNRO0005"));
+        // The generation ID's device with its address, and the event device that notifies it.
+        assert!(find(&dsdt, b"VMGENCTR") && find(&dsdt, b"ADDR") && find(&dsdt, b"ACPI0013"));
+        assert!(find(&dsdt, b"_EVT") && find(&dsdt, &(VMGENID_ADDR as u32).to_le_bytes()));
 
         let madt = table_at(&mem, entries[1]);
         assert_eq!(&madt[..4], b"APIC");

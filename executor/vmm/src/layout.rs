@@ -29,6 +29,10 @@ pub const LOW_RAM_END: u64 = 0x9fc00;
 /// ACPI tables live in the BIOS area, where Linux also scans for the RSDP.
 pub const ACPI_START: u64 = 0xe0000;
 pub const ACPI_END: u64 = 0x100000;
+/// The VM generation ID's 16 bytes, on the last page of the (e820-reserved) ACPI area; the
+/// tables end below it.
+pub const VMGENID_ADDR: u64 = ACPI_END - 0x1000;
+pub const ACPI_TABLES_END: u64 = VMGENID_ADDR;
 /// First byte above the legacy area.
 pub const HIMEM_START: u64 = 0x100000;
 /// bzImage protected-mode code goes here (its default `code32_start`).
@@ -50,6 +54,9 @@ pub const KVM_IDENTITY_MAP_ADDR: u64 = 0xfffb_c000;
 /// I/O ports.
 pub const COM1_PORT: u16 = 0x3f8;
 pub const COM1_IRQ: u32 = 4;
+/// The ACPI Generic Event Device's interrupt (the IOAPIC's last pin, clear of the virtio
+/// devices counting up from VIRTIO_FIRST_IRQ): raised after a restore for the VM generation ID.
+pub const GED_IRQ: u32 = 23;
 /// i8042 command port: Linux writes 0xfe here to reset the machine (`reboot=k`).
 pub const I8042_CMD_PORT: u16 = 0x64;
 /// Our ACPI power-management block (hardware-reduced ACPI sleep and reset registers).

@@ -24,6 +24,7 @@ use crate::devices::virtio::mmio::{VirtioMmio, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::net::{Mac, Net, Tap};
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqLine, VirtioDevice};
+use crate::devices::vmgenid::VmGenId;
 use crate::devices::GuestExit;
 use crate::error::{
     ConfigError, Error, MemoryError, RestoreError, Result, SnapshotError, VcpuError,
@@ -103,6 +104,9 @@ pub struct Vm {
     notify_paths: Vec<NotifyPath>,
     serial: Arc<Mutex<SerialConsole>>,
     options: VmOptions,
+    /// Set once the guest's tables announce a generation ID (a boot) or its snapshot says they
+    /// do (a restore).
+    vmgenid: Option<VmGenId>,
 }
 
 /// The vCPU count as KVM and the MADT take it, or why not.
@@ -195,6 +199,7 @@ impl Vm {
             notify_paths: Vec::new(),
             serial,
             options,
+            vmgenid: None,
         })
     }
 
@@ -306,6 +311,12 @@ impl Vm {
         for (t, s) in vm.virtio.iter().zip(&state.virtio) {
             t.lock().unwrap().restore(s)?;
         }
+        // A new VM instance: a new generation ID, announced once the irqchip is back.
+        if state.vmgenid {
+            let g = VmGenId::new(&vm.vm, vm.ram.memory())?;
+            g.notify()?;
+            vm.vmgenid = Some(g);
+        }
         Ok(vm)
     }
 
@@ -406,11 +417,30 @@ impl Vm {
         self.add_virtio(Box::new(Net::new(mac, tap)?))
     }
 
+    /// Give the guest a VM generation ID (devices::vmgenid), renewed at every restore. A Linux
+    /// boot does this and announces it in the ACPI tables; hand-made guests may opt in.
+    pub fn enable_generation_id(&mut self) -> Result<()> {
+        if self.vmgenid.is_none() {
+            self.vmgenid = Some(VmGenId::new(&self.vm, self.ram.memory())?);
+        }
+        Ok(())
+    }
+
+    /// The guest's current generation ID, if it has one.
+    pub fn generation_id(&self) -> Result<Option<[u8; 16]>> {
+        match self.vmgenid {
+            Some(_) => Ok(Some(crate::devices::vmgenid::read(self.ram.memory())?)),
+            None => Ok(None),
+        }
+    }
+
     /// Load a Linux kernel and point the boot vCPU at its entry.
     pub fn load_linux(&mut self, boot: &LinuxBoot) -> Result<EntryPoint> {
+        self.enable_generation_id()?;
         let acpi_cfg = AcpiConfig {
             vcpus: self.vcpus.len() as u8,
             virtio: self.virtio_slots.clone(),
+            vmgenid: true,
         };
         let rsdp = acpi::write_tables(self.ram.memory(), &acpi_cfg)?;
         let info = boot::load(
@@ -467,6 +497,7 @@ impl Vm {
             serial: self.serial,
             virtio: self.virtio,
             started: Instant::now(),
+            vmgenid: self.vmgenid,
         })
     }
 
@@ -538,6 +569,8 @@ pub struct RunningVm {
     serial: Arc<Mutex<SerialConsole>>,
     virtio: Vec<Arc<Mutex<VirtioMmio>>>,
     started: Instant,
+    /// Holds the generation ID's interrupt line open.
+    vmgenid: Option<VmGenId>,
 }
 
 impl RunningVm {
@@ -875,6 +908,7 @@ impl RunningVm {
                 .map(|t| t.lock().unwrap().save())
                 .collect(),
             mem_size: self.ram.size(),
+            vmgenid: self.vmgenid.is_some(),
         })
     }
 

@@ -196,3 +196,64 @@ fn snapshot_into_a_directory_holding_anything_is_refused() {
     running.resume();
     running.stop();
 }
+
+#[test]
+fn each_restore_gets_a_new_generation_id() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let with = tmp.path().join("with");
+    let without = tmp.path().join("without");
+    let mut parent_id = None;
+    for (dir, enable) in [(&with, true), (&without, false)] {
+        let ram = GuestRam::new_memfd(64).unwrap();
+        ram.memory()
+            .write_slice(&spin_guest(), GuestAddress(CODE))
+            .unwrap();
+        let out = Capture::default();
+        let mut vm = Vm::create(1, ram, Box::new(out.clone())).unwrap();
+        if enable {
+            vm.enable_generation_id().unwrap();
+            parent_id = vm.generation_id().unwrap();
+        }
+        vm.set_entry(EntryPoint::Linux64 { rip: CODE }).unwrap();
+        let running = vm.start().unwrap();
+        wait_for(&out, "1");
+        let header = running.snapshot(dir).unwrap();
+        assert_eq!(header.vmgenid, enable);
+        running.stop();
+    }
+    let parent_id = parent_id.expect("the parent has a generation ID");
+    assert_ne!(parent_id, [0; 16]);
+
+    let restore = |dir: &std::path::Path| {
+        Vm::restore(
+            dir,
+            RestoreOptions {
+                console: Box::new(Capture::default()),
+                vsock_uds: None,
+                tap: None,
+            },
+        )
+        .unwrap()
+    };
+    let mut seen = vec![parent_id];
+    for _ in 0..3 {
+        let id = restore(&with)
+            .generation_id()
+            .unwrap()
+            .expect("restored with one");
+        assert!(!seen.contains(&id), "{id:02x?} repeats one of {seen:02x?}");
+        seen.push(id);
+    }
+    // A snapshot whose guest was never told of one is restored without, its memory untouched.
+    let old = restore(&without);
+    assert_eq!(old.generation_id().unwrap(), None);
+    let mut raw = [0u8; 16];
+    old.ram()
+        .memory()
+        .read_slice(&mut raw, GuestAddress(tine_vmm::layout::VMGENID_ADDR))
+        .unwrap();
+    assert_eq!(raw, [0; 16]);
+}

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Control plane end to end: `tine up` (control plane + local executor), a snapshot made through
 # the API, sandboxes spawned through the CLI and the Python client, evals in each, child
-# networks (net.sh), cgroup limits (limits.sh), branches, metrics.
+# networks (net.sh), cgroup limits (limits.sh), a hostile guest agent (hostile.sh), branches,
+# metrics.
 # Usage: up.sh TINE IMAGE WORKDIR PYTHON_VENV
 set -u
 T=$1 IMG=$2 W=$3 VENV=$4
@@ -43,6 +44,7 @@ done
 
 . "$(dirname "$0")/net.sh"
 . "$(dirname "$0")/limits.sh"
+. "$(dirname "$0")/hostile.sh"
 
 # The Python client: the example (3 sandboxes, eval in each) and the live test suite with spawning.
 if "$VENV/bin/python" "$PY/examples/fork_and_eval.py" py -n 3 >"$W/py-example" 2>&1; then ok python-example

@@ -3,6 +3,8 @@
 
 pub mod exec;
 pub mod files;
+#[cfg(feature = "hostile")]
+pub mod hostile;
 pub mod init;
 pub mod listen;
 pub mod modules;
@@ -124,6 +126,14 @@ impl Agent {
         };
         match req.kind {
             Some(request::Kind::Ping(_)) => reply(conn, Kind::Ping(self.ping())),
+            #[cfg(feature = "hostile")]
+            Some(request::Kind::Exec(r)) if r.argv.first().map(String::as_str) == Some(hostile::ARGV0) => {
+                hostile::exec(&r.argv, conn)
+            }
+            #[cfg(feature = "hostile")]
+            Some(request::Kind::WriteFile(r)) if r.path == hostile::NEVER_READ_PATH => {
+                hostile::never_read(conn)
+            }
             Some(request::Kind::Exec(r)) => exec::run(r, conn),
             Some(request::Kind::WriteFile(r)) => files::write(r, conn),
             Some(request::Kind::ReadFile(r)) => files::read(r, conn),

@@ -5,6 +5,7 @@ pub mod mmio;
 pub mod power;
 pub mod serial;
 pub mod virtio;
+pub mod vmgenid;
 
 /// Why the guest stopped on its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

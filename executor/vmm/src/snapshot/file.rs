@@ -36,6 +36,11 @@ pub struct SnapshotHeader {
     /// network. Absent in snapshots from before network devices.
     #[serde(default)]
     pub network: bool,
+    /// The guest's tables announce a VM generation ID at `layout::VMGENID_ADDR` (and its event
+    /// device at `layout::GED_IRQ`): each restore writes a new one and raises the interrupt.
+    /// Absent in snapshots of guests booted before it, which are restored without.
+    #[serde(default)]
+    pub vmgenid: bool,
 }
 
 /// What a diff snapshot applies over, and what it holds.
@@ -302,6 +307,7 @@ pub fn write_with(
                 .virtio
                 .iter()
                 .any(|v| matches!(v.kind, crate::snapshot::devices::VirtioKind::Net { .. })),
+            vmgenid: state.vmgenid,
         };
         let header_json =
             serde_json::to_vec_pretty(&header).map_err(|source| SnapshotError::EncodeHeader {
@@ -417,11 +423,12 @@ pub fn load_state(dir: &Path) -> Result<LoadedState> {
         }
         .into());
     }
-    let state: MachineState =
+    let mut state: MachineState =
         bincode::deserialize(&body).map_err(|source| RestoreError::Decode {
             path: state_path,
             source,
         })?;
+    state.vmgenid = header.vmgenid;
     if state.mem_size != header.mem_size || state.vcpus.len() as u32 != header.vcpus {
         return Err(RestoreError::HeaderStateMismatch {
             dir: dir.to_path_buf(),
@@ -586,6 +593,7 @@ mod tests {
             serial: Default::default(),
             virtio: Vec::new(),
             mem_size: MEM,
+            vmgenid: true,
         };
         let memory = tempfile::tempfile().unwrap();
         memory.set_len(MEM).unwrap();

@@ -82,4 +82,9 @@ pub struct MachineState {
     pub serial: devices::SerialSnapshot,
     pub virtio: Vec<devices::VirtioMmioSnapshot>,
     pub mem_size: u64,
+    /// The guest's tables announce a VM generation ID (devices::vmgenid): a restore gives it a
+    /// new one. Kept in the header (`SnapshotHeader::vmgenid`), so that the state's encoding
+    /// stays the one older snapshots have.
+    #[serde(skip)]
+    pub vmgenid: bool,
 }

@@ -1,0 +1,36 @@
+#!/bin/sh
+# The VM generation ID: a busybox image on Debian's generic kernel, whose CONFIG_VMGENID driver
+# binds to the VMM's VMGENCTR device. Each forked child gets a new generation ID and the
+# Generic Event Device's interrupt, so its kernel reseeds its RNG on its own.
+# Usage: vmgenid.sh TINE IMAGE WORKDIR
+set -u
+T=$1 IMG=$2 W=$3
+mkdir -p "$W"
+export TINE_DATA_DIR=$W/data
+ok() { echo "CHECK $1 ok"; }
+fail() { echo "CHECK $1 FAIL $2"; }
+sock() { echo "$TINE_DATA_DIR/vms/$1/vsock.sock"; }
+reseeded="crng reseeded due to virtual machine fork"
+
+if "$T" snapshot --image "$IMG" --tag gen 2>"$W/snap.err"; then ok snapshot
+else fail snapshot "$(tail -5 "$W/snap.err")"; exit 1; fi
+
+"$T" fork --tag gen -n 3 --ready-timeout-secs 300 >"$W/fork" 2>&1
+cat "$W/fork"
+ids=$(grep 'ready in' "$W/fork" | awk '{print $1}')
+n=$(echo "$ids" | grep -c .)
+[ "$n" = 3 ] && ok fork-3 || fail fork-3 "$n of 3 ready"
+
+good=0 bound=0
+for id in $ids; do
+  "$T" exec --socket "$(sock "$id")" -- dmesg >"$W/dmesg-$id" 2>&1
+  grep -i -e vmgenid -e "$reseeded" -e ACPI0013 "$W/dmesg-$id" | sed "s/^/$id: /"
+  [ "$(grep -c "$reseeded" "$W/dmesg-$id")" = 1 ] && good=$((good + 1))
+  # The driver bound to the device the DSDT announces.
+  "$T" exec --socket "$(sock "$id")" -- ls /sys/bus/acpi/drivers/vmgenid/ >"$W/drv-$id" 2>&1
+  grep -q VMGENCTR "$W/drv-$id" && bound=$((bound + 1))
+done
+[ "$bound" = 3 ] && ok vmgenid-driver-bound || fail vmgenid-driver-bound "$bound of 3: $(cat "$W/drv-$(echo "$ids" | head -1)")"
+[ "$good" = 3 ] && ok kernel-reseeded-on-fork || fail kernel-reseeded-on-fork "$good of 3 children logged \"$reseeded\" once"
+
+"$T" kill --all >/dev/null 2>&1 || true
