@@ -18,8 +18,8 @@ use tracing::Instrument;
 
 use crate::calls::{Ctx, Rpc};
 use crate::db::{
-    DbError, ExecutorReport, ExecutorRow, NewSnapshot, NewState, SandboxRow, SandboxState,
-    SnapshotLayers, SnapshotRow, SnapshotStatus,
+    DbError, ExecutorReport, ExecutorRow, NewSnapshot, NewState, SandboxAt, SandboxRow,
+    SandboxState, SnapshotLayers, SnapshotRow, SnapshotStatus,
 };
 use crate::executors::ExecClient;
 use crate::now_ms;
@@ -248,7 +248,9 @@ impl Api {
 
     /// Kill the live sandboxes whose timeout ran out: each through its executor (one that is
     /// gone there already counts as killed), then recorded KILLED with why, audited and
-    /// counted. One whose executor does not answer is tried again on the next pass.
+    /// counted. Executors are worked on side by side, so one that does not answer holds up
+    /// only its own sandboxes, and only until its first such failure in this pass: the rest of
+    /// its sandboxes are tried again on the next.
     pub async fn expire_due(&self) {
         let due = match self.ctx.db.expired(now_ms()).await {
             Ok(d) => d,
@@ -257,6 +259,16 @@ impl Api {
                 return;
             }
         };
+        let mut by_executor: std::collections::BTreeMap<String, Vec<SandboxAt>> =
+            Default::default();
+        for at in due {
+            by_executor.entry(at.addr.clone()).or_default().push(at);
+        }
+        futures::future::join_all(by_executor.into_values().map(|due| self.expire_on(due))).await;
+    }
+
+    /// [`Self::expire_due`] for the due sandboxes of one executor.
+    async fn expire_on(&self, due: Vec<SandboxAt>) {
         for at in due {
             let id = at.sandbox.id.clone();
             let killed = match self.ctx.executors.client(&at.addr) {
@@ -265,40 +277,52 @@ impl Api {
                     match tokio::time::timeout(Duration::from_secs(5), kill).await {
                         Ok(Ok(_)) => Ok(()),
                         Ok(Err(e)) if e.code() == Code::NotFound => Ok(()),
-                        Ok(Err(e)) => Err(e.message().to_string()),
-                        Err(_) => Err("no answer in 5 s".to_string()),
+                        Ok(Err(e)) if e.code() == Code::Unavailable => {
+                            Err((e.message().into(), true))
+                        }
+                        Ok(Err(e)) => Err((e.message().to_string(), false)),
+                        Err(_) => Err(("no answer in 5 s".to_string(), true)),
                     }
                 }
-                Err(e) => Err(e.message().to_string()),
+                Err(e) => Err((e.message().to_string(), true)),
             };
-            if let Err(why) = killed {
-                tracing::warn!(sandbox = %id, executor = %at.sandbox.executor_id, "killing an expired sandbox: {why}; trying again");
-                continue;
-            }
-            let lived_s = (now_ms() - at.sandbox.created_ms).max(0) / 1000;
-            let reason = format!("expired: its timeout ran out after {lived_s} s");
-            match self
-                .ctx
-                .db
-                .end_sandbox(&id, SandboxState::Killed, Some(&reason))
-                .await
-            {
-                Ok(Some(_)) => {
-                    tracing::info!(sandbox = %id, lived_s, "sandbox expired");
-                    self.ctx
-                        .metrics
-                        .sandboxes_ended
-                        .with_label_values(&["expired"])
-                        .inc();
-                    self.ctx.audit_event(
-                        "SandboxExpired",
-                        "control-plane",
-                        json!({"id": id, "executor": at.sandbox.executor_id, "lived_s": lived_s}),
-                    );
+            match killed {
+                Ok(()) => self.record_expiry(&at).await,
+                Err((why, executor_down)) => {
+                    tracing::warn!(sandbox = %id, executor = %at.sandbox.executor_id, "killing an expired sandbox: {why}; trying again");
+                    if executor_down {
+                        return;
+                    }
                 }
-                Ok(None) => {} // ended meanwhile (killed, failed): nothing to add
-                Err(e) => tracing::warn!(sandbox = %id, "recording an expiry: {e}"),
             }
+        }
+    }
+
+    async fn record_expiry(&self, at: &SandboxAt) {
+        let id = &at.sandbox.id;
+        let lived_s = (now_ms() - at.sandbox.created_ms).max(0) / 1000;
+        let reason = format!("expired: its timeout ran out after {lived_s} s");
+        match self
+            .ctx
+            .db
+            .end_sandbox(id, SandboxState::Killed, Some(&reason))
+            .await
+        {
+            Ok(Some(_)) => {
+                tracing::info!(sandbox = %id, lived_s, "sandbox expired");
+                self.ctx
+                    .metrics
+                    .sandboxes_ended
+                    .with_label_values(&["expired"])
+                    .inc();
+                self.ctx.audit_event(
+                    "SandboxExpired",
+                    "control-plane",
+                    json!({"id": id, "executor": at.sandbox.executor_id, "lived_s": lived_s}),
+                );
+            }
+            Ok(None) => {} // ended meanwhile (killed, failed): nothing to add
+            Err(e) => tracing::warn!(sandbox = %id, "recording an expiry: {e}"),
         }
     }
 

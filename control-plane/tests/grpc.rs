@@ -44,6 +44,8 @@ struct FakeState {
     branch_failure: Option<String>,
     /// What each Spawn call passed on as its children's resources.
     resources: Vec<Option<pb::Resources>>,
+    /// Kill never answers (an executor that hangs).
+    kill_hangs: bool,
 }
 
 #[derive(Clone, Default)]
@@ -194,6 +196,9 @@ impl Executor for FakeExecutor {
         &self,
         req: Request<xpb::KillRequest>,
     ) -> Result<Response<xpb::KillResponse>, Status> {
+        if self.state.lock().unwrap().kill_hangs {
+            std::future::pending::<()>().await;
+        }
         let existed = self.state.lock().unwrap().live.remove(&req.into_inner().id);
         Ok(Response::new(xpb::KillResponse { existed }))
     }
@@ -1660,5 +1665,77 @@ async fn sandboxes_expire_on_time_even_across_a_restart() {
         metrics.contains("tine_sandboxes_ended_total{cause=\"expired\"} 1"),
         "the restarted process counted its own: {metrics}"
     );
+    cp.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_executor_that_hangs_does_not_hold_up_other_expiries() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (hung, hung_addr) = start_executor(&t.executor).await;
+    let (fine, fine_addr) = start_executor(&t.executor).await;
+    register(cp.addr, &t, "ex-hung", hung_addr, 8, &["a"], &[]).await;
+    register(cp.addr, &t, "ex-fine", fine_addr, 8, &["b"], &[]).await;
+    add_snapshot(&cp, "a", None, "ex-hung").await;
+    add_snapshot(&cp, "b", None, "ex-fine").await;
+    let (_, sb, _) = clients(cp.addr, Some(&t.user)).await;
+    let spawn = |tag: &str, count: u32| {
+        let mut sb = sb.clone();
+        let tag = tag.to_string();
+        async move {
+            let mut s = sb
+                .spawn(pb::SpawnRequest {
+                    tag,
+                    count,
+                    sandbox_timeout_s: 1,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            let mut ids = Vec::new();
+            while let Some(ev) = s.next().await {
+                if let Some(pb::spawn_event::Result::Ready(x)) = ev.unwrap().result {
+                    ids.push(x.id);
+                }
+            }
+            ids
+        }
+    };
+    // Three due on an executor whose kills never answer (5 s each, were they tried in turn),
+    // one on a healthy executor, all due in the same instant.
+    hung.state.lock().unwrap().kill_hangs = true;
+    let stuck = spawn("a", 3).await;
+    let due = spawn("b", 1).await;
+    assert_eq!((stuck.len(), due.len()), (3, 1));
+    let t0 = std::time::Instant::now();
+    loop {
+        let s = sb
+            .clone()
+            .get_sandbox(pb::GetSandboxRequest { id: due[0].clone() })
+            .await
+            .unwrap()
+            .into_inner();
+        if s.state == pb::SandboxState::Killed as i32 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(4),
+            "the healthy executor's sandbox waited behind the hung one's"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(!fine.state.lock().unwrap().live.contains(&due[0]));
+    // The hung executor's sandboxes are still live, to be tried again.
+    for id in &stuck {
+        let s = sb
+            .clone()
+            .get_sandbox(pb::GetSandboxRequest { id: id.clone() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_ne!(s.state, pb::SandboxState::Killed as i32, "{id}");
+    }
     cp.shutdown().await.unwrap();
 }

@@ -26,6 +26,21 @@ const MAX_HANDSHAKE: usize = 32;
 /// First port number handed to host-initiated connections.
 const FIRST_LOCAL_PORT: u32 = 1 << 30;
 
+/// Where this VMM's host-initiated connections start numbering: a random point of the upper
+/// 2^30 ports. A restored guest can still hold a socket of its parent's last connection (the
+/// agent closed it just before the snapshot; the guest drops it after its close timeout,
+/// seconds later), and every VMM counting from the same first port would hand a child's early
+/// connection that very port pair, which the guest then refuses with a reset.
+fn first_local_port() -> u32 {
+    let mut r = [0u8; 4];
+    // SAFETY: getrandom writes at most `r.len()` bytes into `r`.
+    let n = unsafe { libc::getrandom(r.as_mut_ptr().cast(), r.len(), 0) };
+    if n != r.len() as isize {
+        return FIRST_LOCAL_PORT;
+    }
+    FIRST_LOCAL_PORT | (u32::from_ne_bytes(r) & (FIRST_LOCAL_PORT - 1))
+}
+
 pub(super) struct Muxer {
     guest_cid: u64,
     uds_path: PathBuf,
@@ -60,7 +75,7 @@ impl Muxer {
             by_ports: HashMap::new(),
             ctrl: VecDeque::new(),
             next_token: TOKEN_LISTENER + 1,
-            next_local_port: FIRST_LOCAL_PORT,
+            next_local_port: first_local_port(),
         })
     }
 
