@@ -37,6 +37,9 @@ pub enum Request {
     Branch { dir: PathBuf, kind: BranchKind },
     /// Pause and resume at once: the floor under a branch's pause window.
     PauseResume,
+    /// A booted parent, warmed: pause for good and write its complete snapshot into `dir`
+    /// (made and lent by the host). The VM stays paused; the host then ends the VMM.
+    Snapshot { dir: PathBuf },
     /// Take the diff branch in `dir` (complete, in place) as what the VM is a diff over from
     /// now on, so its next branch holds only what changed since.
     Rebase { dir: PathBuf },
@@ -52,6 +55,9 @@ impl Request {
                 kind,
             },
             Request::Rebase { dir } => Request::Rebase {
+                dir: translate(&dir)?,
+            },
+            Request::Snapshot { dir } => Request::Snapshot {
                 dir: translate(&dir)?,
             },
             Request::PauseResume => Request::PauseResume,
@@ -81,6 +87,10 @@ pub enum Reply {
     },
     Paused {
         paused_us: u64,
+    },
+    Snapshotted {
+        /// Pause and write, in microseconds.
+        took_us: u64,
     },
     Failed {
         reason: String,
@@ -150,6 +160,17 @@ fn answer(conn: UnixStream, vm: &RunningVm) -> std::io::Result<()> {
                 reason: e.to_string(),
             },
         },
+        Ok(Request::Snapshot { dir }) => {
+            let t0 = std::time::Instant::now();
+            match vm.snapshot(&dir) {
+                Ok(_) => Reply::Snapshotted {
+                    took_us: t0.elapsed().as_micros() as u64,
+                },
+                Err(e) => Reply::Failed {
+                    reason: e.to_string(),
+                },
+            }
+        }
         Ok(Request::PauseResume) => {
             let t0 = std::time::Instant::now();
             let paused = vm.pause();

@@ -73,6 +73,10 @@ pub enum HostError {
     NotReady { timeout: Duration, last: String },
     #[error("{step} failed on the new child: {reason}")]
     Fixup { step: &'static str, reason: String },
+    #[error("the parent's VMM failed to boot it: {log}")]
+    ParentBootFailed { log: String },
+    #[error("writing the parent's snapshot: {reason}")]
+    ParentSnapshot { reason: String },
     #[error("the parent never became ready (console: {console}): {reason}")]
     ParentNotReady { console: PathBuf, reason: String },
     #[error("warm-up code {code:?} raised:\n{error}")]
@@ -139,6 +143,7 @@ impl HostError {
             | VmmExited { .. }
             | Fixup { .. }
             | ParentNotReady { .. }
+            | ParentBootFailed { .. }
             | WarmupFailed { .. }
             | WarmupCall { .. }
             | Branch { .. }
@@ -146,7 +151,12 @@ impl HostError {
             | NetworkRefused(_)
             | NoCgroups(_) => ErrorKind::Precondition,
             Network { .. } => ErrorKind::Internal,
-            Worker { .. } | Io { .. } | Vmm(_) | Store { .. } | Cgroup(_) => ErrorKind::Internal,
+            Worker { .. }
+            | Io { .. }
+            | Vmm(_)
+            | Store { .. }
+            | Cgroup(_)
+            | ParentSnapshot { .. } => ErrorKind::Internal,
             Fetch { .. } => ErrorKind::Unavailable,
             Cancelled(_) => ErrorKind::Cancelled,
         }
@@ -172,6 +182,8 @@ impl HostError {
             NotReady { .. } => "not_ready",
             Fixup { .. } => "fixup",
             ParentNotReady { .. } => "parent_not_ready",
+            ParentBootFailed { .. } => "parent_boot_failed",
+            ParentSnapshot { .. } => "parent_snapshot",
             WarmupFailed { .. } | WarmupCall { .. } => "warmup",
             Locked { .. } => "locked",
             Store { .. } => "store",

@@ -19,11 +19,11 @@ use crate::fetch::{FetchMode, Fetcher, Source};
 use crate::layers::{Fetched, Layers};
 use crate::lazy::{ChildPages, FileImage, Pages};
 use crate::network::{Network, Policy};
-use crate::parent::{boot_and_snapshot, MadeSnapshot, ParentNet, ParentSpec};
+use crate::parent::{MadeSnapshot, ParentSpec};
 use crate::process::{Liveness, ProcessIdentity};
 use crate::ready::{make_ready, vmm_log, SpawnPhases};
 use crate::records::{self, now_ms, VmRecord};
-use crate::worker::{JobMemory, WorkerJob, WorkerPool, WORKER_SUBCOMMAND};
+use crate::worker::{JobMemory, JobVm, WorkerJob, WorkerPool, WORKER_SUBCOMMAND};
 
 /// Children set up at once by one spawn call: each is a thread that mostly waits (for its
 /// worker, then its agent); past a few hundred they only cost memory and scheduler time.
@@ -509,14 +509,12 @@ impl Host {
                 child: child.to_string(),
             });
         }
-        let work = self
+        let id = SandboxId::random(&format!("parent-{}", spec.tag));
+        let work = self.cfg.vms_dir().join(id.as_str());
+        let staging = self
             .cfg
-            .vms_dir()
-            .join(SandboxId::random(&format!("parent-{}", spec.tag)).as_str());
-        let staging = self.cfg.snapshots_dir().join(format!(
-            ".partial-{}",
-            work.file_name().unwrap().to_string_lossy()
-        ));
+            .snapshots_dir()
+            .join(format!(".partial-{}", id.as_str()));
         std::fs::create_dir_all(&work)
             .map_err(HostError::io(format!("creating {}", work.display())))?;
         let timeout = spec
@@ -524,35 +522,20 @@ impl Host {
             .unwrap_or(self.cfg.limits.parent_ready_timeout);
         // The parent gets a network like a child's (the default policy): its warm-up can
         // install packages, and its snapshot has the interface its children will use.
-        let mut lease = None;
-        let net = match &self.network {
-            Some(n) => {
-                let l = n.take(&n.config().default_policy);
-                let opened = l.and_then(|l| {
-                    let tap = crate::network::open_tap_in(&l.path());
-                    lease = Some(l);
-                    tap
-                });
-                match opened {
-                    Ok(tap) => Some(ParentNet {
-                        tap,
-                        cmdline: n.config().guest_cmdline(),
-                    }),
-                    Err(e) => {
-                        let _ = std::fs::remove_dir_all(&work);
-                        if let Some(l) = lease {
-                            n.release(l);
-                        }
-                        return Err(e);
-                    }
+        let lease = match &self.network {
+            Some(n) => match n.take(&n.config().default_policy) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&work);
+                    return Err(e);
                 }
-            }
+            },
             None => None,
         };
         if let Some(n) = &self.network {
             n.refill_in_background();
         }
-        let made = boot_and_snapshot(spec, &self.cfg.image_cache, &work, &staging, timeout, net);
+        let made = self.boot_parent(spec, &id, &work, &staging, timeout, lease.as_ref());
         let _ = std::fs::remove_dir_all(&work);
         if let (Some(n), Some(l)) = (&self.network, lease) {
             n.release(l);
@@ -581,6 +564,58 @@ impl Host {
         made.dir = dir;
         self.enforce_cache_bound();
         Ok(made)
+    }
+
+    /// Boot `spec`'s parent in a VMM worker (confined like a child's) in `work`, warm it and
+    /// have it write its snapshot into `staging`. The worker is ended on every path.
+    fn boot_parent(
+        &self,
+        spec: &ParentSpec,
+        id: &SandboxId,
+        work: &std::path::Path,
+        staging: &std::path::Path,
+        timeout: Duration,
+        lease: Option<&crate::network::Lease>,
+    ) -> Result<MadeSnapshot> {
+        let started = Instant::now();
+        let net_cmdline = self.network.as_ref().map(|n| n.config().guest_cmdline());
+        let job = crate::parent::boot_job(
+            spec,
+            &self.cfg.image_cache,
+            &self.cfg.snapshots_dir(),
+            lease.and(net_cmdline.as_deref()),
+        )?;
+        let worker = self.pool.take()?;
+        let pid = worker.pid();
+        // A daemon that dies while the parent boots: the next one kills it (never ready).
+        VmRecord {
+            id: id.clone(),
+            tag: None,
+            owner: self.cfg.owner.clone(),
+            process: ProcessIdentity::of(pid)
+                .map_err(HostError::io(format!("identifying VMM worker {pid}")))?,
+            created_unix_ms: now_ms(),
+            ready: false,
+            pages_from_host: false,
+            dir: work.to_path_buf(),
+            net: lease.map(|l| l.name()),
+        }
+        .write()?;
+        let (mut vmm, report) = worker.run(&WorkerJob {
+            vm: JobVm::Boot(job),
+            dir: work.to_path_buf(),
+            netns: lease.map(|l| l.path()),
+            confine: self.cfg.confine.for_worker(pid),
+            #[cfg(feature = "testing")]
+            trip_seccomp: self.cfg.confine.trip_seccomp,
+        })?;
+        tracing::info!(tag = %spec.tag, pid, "booting a parent");
+        let made = crate::parent::warm_and_snapshot(
+            spec, work, staging, timeout, &mut vmm, &report, started,
+        );
+        let _ = vmm.kill();
+        let _ = vmm.wait();
+        made
     }
 
     /// Move a complete snapshot from `staging` to `dir`. Replacing moves the old one aside
@@ -704,7 +739,7 @@ impl Host {
             SandboxId::random("b").as_str()
         ));
         // Made here and lent to the VMM's user: a confined VMM can create nothing else.
-        lend_dir(&staging, record.process.pid)
+        crate::confine::lend::lend_dir(&staging, record.process.pid)
             .map_err(|e| refuse(format!("preparing {} for its VMM: {e}", staging.display())))?;
         let req = crate::control::Request::Branch {
             dir: staging.clone(),
@@ -730,7 +765,7 @@ impl Host {
                 } => (paused_us, pages_written),
                 other => return Err(refuse(format!("unexpected answer {other:?}"))),
             };
-            take_back_dir(&staging)
+            crate::confine::lend::take_back_dir(&staging)
                 .map_err(|e| refuse(format!("its VMM's branch in {}: {e}", staging.display())))?;
             let header = tine_vmm::snapshot::file::load_header(&staging).map_err(|source| {
                 HostError::BadSnapshot {
@@ -1379,9 +1414,11 @@ impl Host {
                     .map_err(|e| HostError::Cgroup(e.to_string()))?;
             }
             let (child, restored) = worker.run(&WorkerJob {
-                snapshot: snapshot.to_path_buf(),
+                vm: JobVm::Restore {
+                    snapshot: snapshot.to_path_buf(),
+                    memory,
+                },
                 dir: dir.clone(),
-                memory,
                 netns: lease.as_ref().map(|l| l.path()),
                 confine: self.cfg.confine.for_worker(pid),
                 #[cfg(feature = "testing")]
@@ -1753,105 +1790,4 @@ fn lock_dir(dir: &std::path::Path) -> Result<OwnedFd> {
         });
     }
     Ok(f.into())
-}
-
-/// Make `dir` (new, empty) writable by the user VMM worker `pid` runs as, and by nobody else.
-fn lend_dir(dir: &std::path::Path, pid: u32) -> std::io::Result<()> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-    std::fs::DirBuilder::new().mode(0o700).create(dir)?;
-    let owner = std::fs::metadata(format!("/proc/{pid}"))?;
-    std::os::unix::fs::chown(dir, Some(owner.uid()), Some(owner.gid()))
-}
-
-/// Take a directory a VMM wrote back from its user before anything reads it. The directory
-/// is the host's again first (the VMM can no longer add, swap or remove entries); then each
-/// entry, opened without following links, must be a plain file with one link (no symlink
-/// out, nothing hard-linked in) and becomes the host's, read-only to others, through its
-/// descriptor, so that no later VMM with the same user can change it.
-fn take_back_dir(dir: &std::path::Path) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
-    let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
-    // SAFETY: geteuid and getegid have no preconditions.
-    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
-    std::os::unix::fs::lchown(dir, Some(uid), Some(gid))?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-    for entry in std::fs::read_dir(dir)? {
-        let entry = entry?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(entry.path())
-            .map_err(|e| bad(format!("{name} is not a plain file ({e})")))?;
-        let m = f.metadata()?;
-        if !m.file_type().is_file() || m.nlink() != 1 {
-            return Err(bad(format!("{name} is not a plain file")));
-        }
-        // SAFETY: fchown and fchmod on a descriptor we own.
-        let r = unsafe {
-            if libc::fchown(f.as_raw_fd(), uid, gid) == 0 {
-                libc::fchmod(f.as_raw_fd(), 0o644)
-            } else {
-                -1
-            }
-        };
-        if r != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
-
-    /// What a hostile VMM could leave in the directory it was lent: a link out, a file
-    /// hard-linked in, a FIFO; each refuses the branch. Plain files come back the host's.
-    #[test]
-    fn a_lent_directory_comes_back_only_as_plain_files() {
-        let tmp = tempfile::tempdir().unwrap();
-        let secret = tmp.path().join("secret");
-        std::fs::write(&secret, b"host only").unwrap();
-        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let lent = |name: &str| {
-            let d = tmp.path().join(name);
-            std::fs::create_dir(&d).unwrap();
-            std::fs::write(d.join("state.bin"), b"ok").unwrap();
-            std::fs::set_permissions(d.join("state.bin"), std::fs::Permissions::from_mode(0o600))
-                .unwrap();
-            d
-        };
-        let d = lent("symlink");
-        std::os::unix::fs::symlink(&secret, d.join("pages.bin")).unwrap();
-        let e = take_back_dir(&d).unwrap_err();
-        assert!(
-            e.to_string().contains("pages.bin is not a plain file"),
-            "{e}"
-        );
-        let d = lent("hardlink");
-        std::fs::hard_link(&secret, d.join("pages.bin")).unwrap();
-        let e = take_back_dir(&d).unwrap_err();
-        assert!(
-            e.to_string().contains("pages.bin is not a plain file"),
-            "{e}"
-        );
-        let d = lent("fifo");
-        let fifo = std::ffi::CString::new(d.join("pages.bin").to_str().unwrap()).unwrap();
-        // SAFETY: mkfifo with a NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
-        assert!(take_back_dir(&d).is_err());
-        assert_eq!(
-            std::fs::metadata(&secret).unwrap().mode() & 0o777,
-            0o600,
-            "nothing outside was touched"
-        );
-        let d = lent("plain");
-        take_back_dir(&d).unwrap();
-        let m = std::fs::metadata(d.join("state.bin")).unwrap();
-        assert_eq!(m.mode() & 0o777, 0o644);
-        assert_eq!(std::fs::metadata(&d).unwrap().mode() & 0o777, 0o755);
-    }
 }

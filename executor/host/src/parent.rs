@@ -1,16 +1,20 @@
-//! Making a warm parent snapshot: boot an image, wait until its agent is ready (warm-up
-//! done), run optional warm-up code, pause and write the snapshot.
+//! Making a warm parent snapshot: a VMM worker, confined like a child's, boots an image; the
+//! host waits until its agent is ready, runs the warm-up code, and has the VMM pause and
+//! write the snapshot. The user's warm-up code never runs beside an unconfined VMM.
 
 use std::path::{Path, PathBuf};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use tine_proto::names::Tag;
 use tine_vmm::snapshot::file::SnapshotHeader;
-use tine_vmm::{GuestRam, LinuxBoot, Vm, DEFAULT_CMDLINE};
+use tine_vmm::DEFAULT_CMDLINE;
 
-use crate::console::open_console;
+use crate::confine::lend::{lend_dir, take_back_dir};
+use crate::control::{request, Reply, Request};
 use crate::error::{HostError, Result};
-use crate::ready::agent;
+use crate::ready::{agent, vmm_log, wait_restored};
+use crate::worker::BootJob;
 
 /// What to snapshot.
 #[derive(Clone, Debug)]
@@ -41,98 +45,144 @@ pub struct MadeSnapshot {
     pub layer: Option<crate::layers::LayerInfo>,
 }
 
-/// The parent's network interface: the tap behind it and the kernel command line words that
-/// configure the guest's side.
-pub(crate) struct ParentNet {
-    pub tap: tine_vmm::devices::virtio::net::Tap,
-    pub cmdline: String,
-}
-
-/// Boot `spec.image` in `work` (a fresh directory) and snapshot it into `dir`.
-pub(crate) fn boot_and_snapshot(
+/// The worker job that boots `spec`'s image: its kernel, initrd and command line (with
+/// `net_cmdline`, the words that configure its interface, when it has one).
+pub(crate) fn boot_job(
     spec: &ParentSpec,
     image_cache: &Path,
-    work: &Path,
-    dir: &Path,
-    ready_timeout: Duration,
-    net: Option<ParentNet>,
-) -> Result<MadeSnapshot> {
+    snapshots: &Path,
+    net_cmdline: Option<&str>,
+) -> Result<BootJob> {
     let image =
         tine_image::load_image_in(image_cache, &spec.image).map_err(|e| HostError::Image {
             image: spec.image.clone(),
             reason: format!("{e:#}"),
         })?;
-    let sock = work.join("vsock.sock");
-    let console = work.join("console.log");
-    let t0 = Instant::now();
-    let mem = spec.mem_mib.unwrap_or(image.memory_mib as u64);
-    let mut vm = Vm::create(
-        spec.vcpus,
-        GuestRam::new_memfd(mem)?,
-        open_console(Some(&console)).map_err(|e| HostError::Io {
-            context: format!("creating {}", console.display()),
-            source: std::io::Error::other(e),
-        })?,
-    )?;
-    vm.add_vsock(3, &sock)?;
+    // Absolute and free of links: a confined VMM sees each at exactly this path.
+    let resolved = |p: PathBuf| {
+        std::fs::canonicalize(&p).map_err(|e| HostError::Image {
+            image: spec.image.clone(),
+            reason: format!("{}: {e}", p.display()),
+        })
+    };
     let mut cmdline = DEFAULT_CMDLINE.to_string();
-    if let Some(net) = net {
-        // After vsock: the device order is part of every snapshot of this parent.
-        vm.add_net(crate::network::GUEST_MAC, Some(net.tap))?;
-        cmdline.push(' ');
-        cmdline.push_str(&net.cmdline);
+    for words in [net_cmdline.unwrap_or(""), image.cmdline_append.as_str()] {
+        if !words.is_empty() {
+            cmdline.push(' ');
+            cmdline.push_str(words);
+        }
     }
-    if !image.cmdline_append.is_empty() {
-        cmdline.push(' ');
-        cmdline.push_str(&image.cmdline_append);
-    }
-    vm.load_linux(&LinuxBoot {
-        kernel: image.kernel_path(),
-        initrd: Some(image.initrd_path()),
+    Ok(BootJob {
+        kernel: resolved(image.kernel_path())?,
+        initrd: Some(resolved(image.initrd_path())?),
         cmdline,
-    })?;
-    let running = vm.start()?;
-    let client = agent(&sock);
-    let result = (|| -> Result<MadeSnapshot> {
-        client
-            .wait_ready(ready_timeout)
-            .map_err(|e| HostError::ParentNotReady {
-                console: console.clone(),
-                reason: e.to_string(),
-            })?;
-        let ready_after = t0.elapsed();
-        for code in &spec.evals {
-            let r = client.eval(code).map_err(|e| HostError::WarmupCall {
-                code: code.clone(),
-                reason: e.to_string(),
-            })?;
-            if let Some(error) = r.error {
-                return Err(HostError::WarmupFailed {
-                    code: code.clone(),
-                    error,
-                });
+        vcpus: spec.vcpus,
+        mem_mib: spec.mem_mib.unwrap_or(image.memory_mib as u64),
+        snapshots: resolved(snapshots.to_path_buf())?,
+    })
+}
+
+/// How long a parent's VMM may take to write its snapshot (its whole memory, once).
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Drive a parent that worker `vmm` boots in `work`: wait until its agent is ready, run the
+/// warm-up code, then have the VMM write its snapshot into `staging` (lent to the VMM's user
+/// for that) and end it. `started` is when the boot was asked for.
+pub(crate) fn warm_and_snapshot(
+    spec: &ParentSpec,
+    work: &Path,
+    staging: &Path,
+    ready_timeout: Duration,
+    vmm: &mut Child,
+    report: &std::fs::File,
+    started: Instant,
+) -> Result<MadeSnapshot> {
+    let console = work.join("console.log");
+    let exited = |vmm: &mut Child| -> Option<HostError> {
+        matches!(vmm.try_wait(), Ok(Some(_)) | Err(_))
+            .then(|| HostError::VmmExited { log: vmm_log(work) })
+    };
+    wait_restored(report, ready_timeout)?
+        .ok_or_else(|| HostError::ParentBootFailed { log: vmm_log(work) })?;
+    let client = agent(&work.join("vsock.sock"));
+    loop {
+        let left = ready_timeout.saturating_sub(started.elapsed());
+        // In slices, so a VMM that died is reported as such rather than as a timeout.
+        match client.wait_ready(left.min(Duration::from_secs(5))) {
+            Ok(_) => break,
+            Err(e) => {
+                if let Some(dead) = exited(vmm) {
+                    return Err(dead);
+                }
+                if started.elapsed() >= ready_timeout {
+                    return Err(HostError::ParentNotReady {
+                        console,
+                        reason: e.to_string(),
+                    });
+                }
             }
         }
-        // Clean caches out of the image (a kernel with init_on_free=1 zeroes what it frees):
-        // smaller to store, to fetch and to keep resident. An older agent lacks the call.
-        match client.prepare_snapshot() {
-            Ok((before, after)) => tracing::info!(
-                free_mib_before = before / 1024,
-                free_mib_after = after / 1024,
-                "guest caches dropped before the snapshot"
-            ),
-            Err(e) => tracing::warn!("not preparing the guest for its snapshot: {e}"),
+    }
+    let ready_after = started.elapsed();
+    for code in &spec.evals {
+        let r = client.eval(code).map_err(|e| HostError::WarmupCall {
+            code: code.clone(),
+            reason: e.to_string(),
+        })?;
+        if let Some(error) = r.error {
+            return Err(HostError::WarmupFailed {
+                code: code.clone(),
+                error,
+            });
         }
-        let t1 = Instant::now();
-        let header = running.snapshot(dir)?;
-        Ok(MadeSnapshot {
-            dir: dir.to_path_buf(),
-            header,
-            ready_after,
-            written_in: t1.elapsed(),
-            layer: None,
-        })
-    })();
-    running.stop();
-    result
+    }
+    // Clean caches out of the image (a kernel with init_on_free=1 zeroes what it frees):
+    // smaller to store, to fetch and to keep resident. An older agent lacks the call.
+    match client.prepare_snapshot() {
+        Ok((before, after)) => tracing::info!(
+            free_mib_before = before / 1024,
+            free_mib_after = after / 1024,
+            "guest caches dropped before the snapshot"
+        ),
+        Err(e) => tracing::warn!("not preparing the guest for its snapshot: {e}"),
+    }
+    let t1 = Instant::now();
+    let failed = |reason: String| HostError::ParentSnapshot { reason };
+    // Made here and lent to the VMM's user: a confined VMM can create nothing else.
+    lend_dir(staging, vmm.id())
+        .map_err(|e| failed(format!("preparing {} for its VMM: {e}", staging.display())))?;
+    let reply = request(
+        work,
+        &Request::Snapshot {
+            dir: staging.to_path_buf(),
+        },
+        SNAPSHOT_TIMEOUT,
+    )
+    .map_err(|e| match exited(vmm) {
+        Some(dead) => dead,
+        None => failed(e.to_string()),
+    })?;
+    match reply {
+        Reply::Snapshotted { .. } => {}
+        Reply::Failed { reason } => return Err(failed(reason)),
+        other => return Err(failed(format!("unexpected answer {other:?}"))),
+    }
+    // Ended before its files are taken back: nothing of it can write to them afterwards.
+    let _ = vmm.kill();
+    let _ = vmm.wait();
+    take_back_dir(staging)
+        .map_err(|e| failed(format!("its VMM's snapshot in {}: {e}", staging.display())))?;
+    let header = tine_vmm::snapshot::file::load_header(staging).map_err(|source| {
+        HostError::BadSnapshot {
+            tag: spec.tag.clone(),
+            source,
+        }
+    })?;
+    Ok(MadeSnapshot {
+        dir: staging.to_path_buf(),
+        header,
+        ready_after,
+        written_in: t1.elapsed(),
+        layer: None,
+    })
 }

@@ -166,7 +166,7 @@ fn hostname_of(id: &str) -> String {
 }
 
 /// Wait up to `timeout` for a worker's [`Restored`] report: None at EOF (it failed).
-fn wait_restored(f: &std::fs::File, timeout: Duration) -> Result<Option<Restored>> {
+pub(crate) fn wait_restored(f: &std::fs::File, timeout: Duration) -> Result<Option<Restored>> {
     use std::io::Read;
     use std::os::fd::AsRawFd;
     let deadline = Instant::now() + timeout;

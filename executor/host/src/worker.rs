@@ -4,9 +4,10 @@
 //! loading are off the spawn critical path. Each child is still its own process.
 //!
 //! Protocol: the host writes one JSON line (`WorkerJob`) to the worker's stdin; the worker
-//! restores the snapshot and, once the guest runs and its vsock socket exists, writes a
-//! [`Restored`] record (how long the KVM restore and the vCPU start took) to stdout, then
-//! runs the VM until it stops and exits with the VM's exit code. The worker's stdout is a
+//! restores the snapshot (or boots a parent from its kernel) and, once the guest runs and
+//! its vsock socket exists, writes a [`Restored`] record (how long the KVM restore and the
+//! vCPU start took) to stdout, then runs the VM until it stops and exits with the VM's exit
+//! code. The worker's stdout is a
 //! Unix socket, so a lazily restored child can first send the userfaultfd of its guest RAM
 //! (see [`crate::handoff`]).
 
@@ -31,13 +32,11 @@ pub const WORKER_SUBCOMMAND: &str = "__vmm-worker";
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct WorkerJob {
-    pub snapshot: PathBuf,
-    /// The child's directory: console.log, vmm.log, vsock.sock.
+    pub vm: JobVm,
+    /// The VM's directory: console.log, vmm.log, vsock.sock, control.sock.
     pub dir: PathBuf,
-    #[serde(default)]
-    pub memory: JobMemory,
     /// The network namespace to run in, whose tap backs the guest's interface (None: the
-    /// interface, if the snapshot has one, has no link).
+    /// interface, if the snapshot has one, has no link; a booted parent gets none).
     #[serde(default)]
     pub netns: Option<PathBuf>,
     /// Its user and system-call filter.
@@ -47,6 +46,57 @@ pub struct WorkerJob {
     #[cfg(feature = "testing")]
     #[serde(default)]
     pub trip_seccomp: bool,
+}
+
+/// The VM a worker runs.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobVm {
+    /// A child: restore the snapshot in `snapshot`.
+    Restore {
+        snapshot: PathBuf,
+        #[serde(default)]
+        memory: JobMemory,
+    },
+    /// A parent: boot a kernel, to be warmed and snapshotted by the host (its control socket
+    /// takes a [`crate::control::Request::Snapshot`] into a directory under `snapshots`).
+    Boot(BootJob),
+}
+
+/// A parent to boot. Paths are the host's, absolute.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BootJob {
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    pub cmdline: String,
+    pub vcpus: u8,
+    pub mem_mib: u64,
+    /// The directory its snapshot will be written under (what a confined VMM sees of the
+    /// host's snapshots).
+    pub snapshots: PathBuf,
+}
+
+impl JobVm {
+    /// The directory a confined VMM sees as its snapshots, and the files outside it that it
+    /// must read (a fetched image's memory, a parent's kernel and initrd).
+    fn view(&self) -> Option<(&Path, Vec<PathBuf>)> {
+        match self {
+            JobVm::Restore { snapshot, .. } => {
+                let snapshots = snapshot.parent()?;
+                Some((
+                    snapshots,
+                    crate::confine::view::linked_files(snapshot, snapshots),
+                ))
+            }
+            JobVm::Boot(b) => Some((
+                &b.snapshots,
+                std::iter::once(&b.kernel)
+                    .chain(&b.initrd)
+                    .cloned()
+                    .collect(),
+            )),
+        }
+    }
 }
 
 /// Where a child's guest RAM comes from.
@@ -283,26 +333,34 @@ pub fn worker_main() -> anyhow::Result<i32> {
         None => None,
     };
     // A VMM that gives up root sees only its own files from here on.
-    let (snapshot, dir) = match (job.confine.user, job.snapshot.parent()) {
-        (Some(_), Some(snapshots)) => {
-            let linked = crate::confine::view::linked_files(&job.snapshot, snapshots);
+    let confined_view = match (job.confine.user, job.vm.view()) {
+        (Some(_), Some((snapshots, linked))) => {
             crate::confine::view::enter(&job.dir, snapshots, &linked)
                 .context("confining the VMM")?;
-            (
-                crate::confine::view::translate(&job.snapshot)?,
-                PathBuf::from(crate::confine::view::VM_DIR),
-            )
+            true
         }
-        _ => (job.snapshot.clone(), job.dir.clone()),
+        _ => false,
     };
-    let opts = RestoreOptions {
-        console: open_console(Some(&dir.join("console.log")))?,
-        vsock_uds: Some(dir.join("vsock.sock")),
-        tap,
+    let dir = if confined_view {
+        PathBuf::from(crate::confine::view::VM_DIR)
+    } else {
+        job.dir.clone()
     };
-    let vm = match job.memory {
-        JobMemory::Image => Vm::restore(&snapshot, opts)?,
-        JobMemory::Lazy => restore_lazily(&snapshot, opts)?,
+    let console = open_console(Some(&dir.join("console.log")))?;
+    let vm = match &job.vm {
+        JobVm::Restore { snapshot, memory } => {
+            let snapshot = crate::confine::view::translate(snapshot)?;
+            let opts = RestoreOptions {
+                console,
+                vsock_uds: Some(dir.join("vsock.sock")),
+                tap,
+            };
+            match memory {
+                JobMemory::Image => Vm::restore(&snapshot, opts)?,
+                JobMemory::Lazy => restore_lazily(&snapshot, opts)?,
+            }
+        }
+        JobVm::Boot(b) => boot(b, &dir, console, tap)?,
     };
     let restore = t0.elapsed();
     let control = crate::control::bind(&dir).context("binding the control socket")?;
@@ -335,6 +393,27 @@ pub fn worker_main() -> anyhow::Result<i32> {
         .spawn(move || crate::control::serve(control, running))?;
     let exit = running.wait_exit()?;
     Ok(exit.exit_code())
+}
+
+/// A parent's VM, its kernel loaded (shown at its own path in a confined view).
+fn boot(
+    b: &BootJob,
+    dir: &Path,
+    console: Box<dyn Write + Send>,
+    tap: Option<tine_vmm::devices::virtio::net::Tap>,
+) -> anyhow::Result<Vm> {
+    let mut vm = Vm::create(b.vcpus, tine_vmm::GuestRam::new_memfd(b.mem_mib)?, console)?;
+    vm.add_vsock(3, &dir.join("vsock.sock"))?;
+    if let Some(tap) = tap {
+        // After vsock: the device order is part of every snapshot of this parent.
+        vm.add_net(crate::network::GUEST_MAC, Some(tap))?;
+    }
+    vm.load_linux(&tine_vmm::LinuxBoot {
+        kernel: b.kernel.clone(),
+        initrd: b.initrd.clone(),
+        cmdline: b.cmdline.clone(),
+    })?;
+    Ok(vm)
 }
 
 /// Restore onto anonymous RAM registered with a userfaultfd that goes to the host before

@@ -1321,6 +1321,80 @@ fn vmm_workers_are_confined() {
     assert!(host.live_ids().is_empty());
 }
 
+/// An image directory whose kernel is `kernel` (bytes) beside an empty initrd.
+fn image_with_kernel(dir: &Path, kernel: &[u8]) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("vmlinux"), kernel).unwrap();
+    std::fs::write(dir.join("initrd"), b"").unwrap();
+    let file = |path: &str, bytes: usize| tine_image::manifest::FileInfo {
+        path: path.into(),
+        sha256: String::new(),
+        bytes: bytes as u64,
+    };
+    let m = tine_image::ImageManifest {
+        format: tine_image::manifest::FORMAT,
+        id: "test".into(),
+        recipe: "test".into(),
+        content_hash: String::new(),
+        kernel: file("vmlinux", kernel.len()),
+        kernel_package: String::new(),
+        kernel_version: String::new(),
+        kernel_release: String::new(),
+        initrd: file("initrd", 0),
+        compression: tine_image::Compression::Zstd,
+        cmdline_append: String::new(),
+        memory_mib: 32,
+        warmup: String::new(),
+        agent: tine_image::manifest::AgentInfo {
+            guest_path: "/init".into(),
+            config_path: String::new(),
+            config: String::new(),
+            sha256: String::new(),
+            modules: Vec::new(),
+            module_files: Vec::new(),
+        },
+        rootfs: Default::default(),
+        inputs: serde_json::Value::Null,
+        built_unix: 0,
+        build_seconds: 0.0,
+        dir: dir.to_path_buf(),
+    };
+    std::fs::write(dir.join("image.json"), m.to_json()).unwrap();
+}
+
+/// A parent boots in a confined VMM worker, which reads its kernel inside its view: a kernel
+/// it cannot load fails the snapshot with the VMM's own reason, and leaves no worker, no
+/// record, no directory and no partial snapshot behind.
+fn a_parent_that_cannot_boot_fails_with_its_vmm_s_reason() {
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("image");
+    image_with_kernel(&image, &[0x5a; 8192]);
+    let host = Host::open_exclusive(config(tmp.path(), 4, 0)).unwrap();
+    let spec = tine_host::ParentSpec {
+        image: image.to_string_lossy().into_owned(),
+        tag: Tag::parse("broken").unwrap(),
+        vcpus: 1,
+        mem_mib: Some(32),
+        evals: Vec::new(),
+        ready_timeout: Some(Duration::from_secs(30)),
+        replace: false,
+    };
+    let t0 = Instant::now();
+    let err = host.create_snapshot(&spec).expect_err("a kernel of junk");
+    println!("     {err} (after {:?})", t0.elapsed());
+    assert!(matches!(err, HostError::ParentBootFailed { .. }), "{err:?}");
+    assert!(err.to_string().contains("kernel"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(30), "not a timeout");
+    let left: Vec<String> = ["vms", "snapshots"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(tmp.path().join(d)).into_iter().flatten())
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    assert!(host.list().is_empty());
+    assert_eq!(host.idle_workers(), 0, "the worker was taken and ended");
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some(BYSTANDER) {
@@ -1343,7 +1417,11 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 18] = [
+    let tests: [(&str, fn()); 19] = [
+        (
+            "a_parent_that_cannot_boot_fails_with_its_vmm_s_reason",
+            a_parent_that_cannot_boot_fails_with_its_vmm_s_reason,
+        ),
         ("spawn_list_kill_readopt", spawn_list_kill_readopt),
         (
             "limits_without_cgroups_are_refused",

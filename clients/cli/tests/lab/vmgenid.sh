@@ -12,8 +12,28 @@ fail() { echo "CHECK $1 FAIL $2"; }
 sock() { echo "$TINE_DATA_DIR/vms/$1/vsock.sock"; }
 reseeded="crng reseeded due to virtual machine fork"
 
-if "$T" snapshot --image "$IMG" --tag gen 2>"$W/snap.err"; then ok snapshot
+# The parent boots in a VMM worker confined as a child's is: while it boots, some worker
+# runs as a user of its own with no capabilities, no new privileges and a seccomp filter.
+"$T" snapshot --image "$IMG" --tag gen 2>"$W/snap.err" &
+snap=$!
+seen=""
+while [ -z "$seen" ] && kill -0 $snap 2>/dev/null; do
+  for st in /proc/[0-9]*/status; do
+    grep -q '^Name:.*tine' "$st" 2>/dev/null || continue
+    grep -q -- '__vmm-worker' "${st%status}cmdline" 2>/dev/null || continue
+    uid=$(awk '/^Uid:/ {print $2}' "$st" 2>/dev/null)
+    [ -n "$uid" ] && [ "$uid" != 0 ] || continue
+    seen="uid $uid $(grep -E '^(CapEff|CapBnd|NoNewPrivs|Seccomp):' "$st" | tr -s '\t\n' '  ')"
+  done
+  sleep 0.1
+done
+if wait $snap; then ok snapshot
 else fail snapshot "$(tail -5 "$W/snap.err")"; exit 1; fi
+echo "parent VMM while it booted: $seen"
+case "$seen" in
+  *"CapEff: 0000000000000000 CapBnd: 0000000000000000 NoNewPrivs: 1 Seccomp: 2"*) ok parent-vmm-confined ;;
+  *) fail parent-vmm-confined "no confined worker seen while the parent booted (${seen:-none})" ;;
+esac
 
 "$T" fork --tag gen -n 3 --ready-timeout-secs 300 >"$W/fork" 2>&1
 cat "$W/fork"

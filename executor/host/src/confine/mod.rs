@@ -15,6 +15,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub(crate) mod lend;
 mod seccomp;
 pub mod view;
 
