@@ -42,7 +42,8 @@ impl From<DbError> for Status {
             DbError::HasDescendants { .. } | DbError::StillWriting(_) | DbError::NotWriting(_) => {
                 Status::failed_precondition(e.to_string())
             }
-            DbError::Sql(_) | DbError::Migrate(_) => {
+            DbError::ExecutorClaimed { .. } => Status::permission_denied(e.to_string()),
+            DbError::Sql(_) | DbError::Migrate(_) | DbError::Create(_) => {
                 tracing::error!("{e}");
                 Status::internal(e.to_string())
             }
@@ -1297,6 +1298,16 @@ impl Sandboxes for Api {
     }
 }
 
+/// A credential named `executor:ID` (one token per executor) speaks for executor ID alone.
+fn check_executor_credential(principal: &str, id: &str) -> Result<(), Status> {
+    match principal.strip_prefix("executor:") {
+        Some(bound) if bound != id => Err(Status::permission_denied(format!(
+            "token {principal:?} belongs to executor {bound:?}, not {id:?}"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 #[tonic::async_trait]
 impl tine_proto::v1::executors_server::Executors for Api {
     async fn register_executor(
@@ -1310,15 +1321,20 @@ impl tine_proto::v1::executors_server::Executors for Api {
             &req,
             json!({"id": r.id, "addr": r.addr, "live_sandboxes": live}),
         )?;
+        let principal = call.principal.name.clone();
         let res = async {
             let r = req.into_inner();
             validate::name("id", &r.id)?;
+            check_executor_credential(&principal, &r.id)?;
             validate::executor_addr(&r.addr)?;
             let report = report_from(r.report);
             for id in &report.live_sandboxes {
                 validate::name("report.live_sandboxes", id)?;
             }
-            self.ctx.db.upsert_executor(&r.id, &r.addr, &report).await?;
+            self.ctx
+                .db
+                .upsert_executor(&r.id, &r.addr, &report, &principal)
+                .await?;
             self.apply_ended(&r.id, &report).await?;
             let unknown = self.ctx.db.reconcile_sandboxes(&r.id, &report.live_sandboxes, self.ctx.lost_grace_ms).await?;
             tracing::info!(executor = %r.id, addr = %r.addr, live = report.live_sandboxes.len(), "executor registered");
@@ -1337,10 +1353,12 @@ impl tine_proto::v1::executors_server::Executors for Api {
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let id = req.get_ref().id.clone();
         let call = self.ctx.begin(Rpc::Heartbeat, &req, json!({"id": id}))?;
+        let principal = call.principal.name.clone();
         let res = async {
             validate::name("id", &id)?;
+            check_executor_credential(&principal, &id)?;
             let report = report_from(req.into_inner().report);
-            let registered = self.ctx.db.heartbeat(&id, &report).await?;
+            let registered = self.ctx.db.heartbeat(&id, &report, &principal).await?;
             if registered {
                 self.apply_ended(&id, &report).await?;
                 self.ctx

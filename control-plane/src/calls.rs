@@ -70,6 +70,21 @@ impl Rpc {
         }
     }
 
+    /// Whether the call acts on something (creates, deletes, runs code, changes a setting):
+    /// such a call is audited before it acts, and refused if that record cannot be written.
+    pub fn acts(self) -> bool {
+        !matches!(
+            self,
+            Rpc::ListSnapshots
+                | Rpc::GetSnapshot
+                | Rpc::ListSandboxes
+                | Rpc::GetSandbox
+                | Rpc::ReadFile
+                | Rpc::ListExecutors
+                | Rpc::Heartbeat
+        )
+    }
+
     pub fn allows(self, role: Role) -> bool {
         match role {
             Role::Admin => true,
@@ -186,6 +201,26 @@ impl Ctx {
                 return Err(status);
             }
         };
+        if rpc.acts() {
+            // Before it acts: a call that cannot be audited is not made (fail closed).
+            let started = self.audit.record(&AuditRecord {
+                time: rfc3339(SystemTime::now()),
+                principal: Some(&principal.name),
+                rpc: rpc.name(),
+                args: args.clone(),
+                status: "STARTED",
+                message: None,
+                latency_ms: 0.0,
+                peer: peer.map(|p| p.to_string()),
+            });
+            if let Err(e) = started {
+                let status = Status::unavailable(format!(
+                    "the audit log cannot be written ({e}): calls that change anything are refused until it can"
+                ));
+                self.count(rpc, &status, start);
+                return Err(status);
+            }
+        }
         Ok(Call {
             rpc,
             principal,
@@ -215,7 +250,8 @@ impl Ctx {
 
     /// Audit something that happened outside a call (an executor reported it).
     pub fn audit_event(&self, what: &str, principal: &str, args: serde_json::Value) {
-        self.audit.record(&AuditRecord {
+        // A failure is logged by the audit log; the event happened either way.
+        let _ = self.audit.record(&AuditRecord {
             time: rfc3339(SystemTime::now()),
             principal: Some(principal),
             rpc: what,
@@ -227,6 +263,20 @@ impl Ctx {
         });
     }
 
+    /// Count a call's outcome and latency; returns the latency.
+    fn count(&self, rpc: Rpc, status: &Status, start: Instant) -> std::time::Duration {
+        let elapsed = start.elapsed();
+        self.metrics
+            .rpcs
+            .with_label_values(&[rpc.name(), code_name(status.code())])
+            .inc();
+        self.metrics
+            .rpc_seconds
+            .with_label_values(&[rpc.name()])
+            .observe(elapsed.as_secs_f64());
+        elapsed
+    }
+
     fn record(
         &self,
         rpc: Rpc,
@@ -236,17 +286,10 @@ impl Ctx {
         start: Instant,
         peer: Option<SocketAddr>,
     ) {
-        let elapsed = start.elapsed();
+        let elapsed = self.count(rpc, status, start);
         let code = code_name(status.code());
-        self.metrics
-            .rpcs
-            .with_label_values(&[rpc.name(), code])
-            .inc();
-        self.metrics
-            .rpc_seconds
-            .with_label_values(&[rpc.name()])
-            .observe(elapsed.as_secs_f64());
-        self.audit.record(&AuditRecord {
+        // A failure is logged by the audit log (a call that acts was audited as it started).
+        let _ = self.audit.record(&AuditRecord {
             time: rfc3339(SystemTime::now()),
             principal,
             rpc: rpc.name(),

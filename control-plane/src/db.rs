@@ -16,6 +16,8 @@ pub enum DbError {
     Sql(#[from] sqlx::Error),
     #[error("database migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("creating the database file: {0}")]
+    Create(#[from] std::io::Error),
     #[error("snapshot {0} does not exist")]
     NoSnapshot(String),
     #[error("snapshot {0} already exists")]
@@ -29,6 +31,8 @@ pub enum DbError {
     StillWriting(String),
     #[error("snapshot {0} is no longer being written (it failed or was deleted meanwhile)")]
     NotWriting(String),
+    #[error("executor {id} is registered with another credential ({by}): an executor id belongs to the token it first registered with")]
+    ExecutorClaimed { id: String, by: String },
 }
 
 pub type Result<T, E = DbError> = std::result::Result<T, E>;
@@ -285,6 +289,20 @@ pub struct Db {
 impl Db {
     /// Open (creating if needed) the database file and bring its schema up to date.
     pub async fn open(path: &Path) -> Result<Db> {
+        // Created private (SQLite gives its -wal and -shm files the database's mode): it holds
+        // who did what, and digests of every token's sandboxes.
+        if !path.exists() {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(path)
+                .or_else(|e| match e.kind() {
+                    std::io::ErrorKind::AlreadyExists => Ok(std::fs::File::open(path)?),
+                    _ => Err(e),
+                })?;
+        }
         let opts = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)
@@ -309,16 +327,33 @@ impl Db {
     // ---- executors ----
 
     /// Insert or refresh an executor; a draining executor stays draining across re-registration.
-    pub async fn upsert_executor(&self, id: &str, addr: &str, r: &ExecutorReport) -> Result<()> {
+    /// Register executor `id` at `addr` for `principal` (the credential's name), refused when
+    /// another credential holds the id.
+    pub async fn upsert_executor(
+        &self,
+        id: &str,
+        addr: &str,
+        r: &ExecutorReport,
+        principal: &str,
+    ) -> Result<()> {
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
+        let held: Option<String> =
+            sqlx::query_scalar("SELECT principal FROM executors WHERE id = ?")
+                .bind(id)
+                .fetch_optional(&mut *tx)
+                .await?;
+        if let Some(by) = held.filter(|p| !p.is_empty() && p != principal) {
+            return Err(DbError::ExecutorClaimed { id: id.into(), by });
+        }
         sqlx::query(
             "INSERT INTO executors (id, addr, max_sandboxes, running_sandboxes, mem_total_mib, \
-             mem_available_mib, registered_ms, last_heartbeat_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?) \
+             mem_available_mib, registered_ms, last_heartbeat_ms, principal) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) \
              ON CONFLICT(id) DO UPDATE SET addr = excluded.addr, max_sandboxes = excluded.max_sandboxes, \
              running_sandboxes = excluded.running_sandboxes, mem_total_mib = excluded.mem_total_mib, \
              mem_available_mib = excluded.mem_available_mib, registered_ms = excluded.registered_ms, \
-             last_heartbeat_ms = excluded.last_heartbeat_ms",
+             last_heartbeat_ms = excluded.last_heartbeat_ms, principal = excluded.principal",
         )
         .bind(id)
         .bind(addr)
@@ -328,6 +363,7 @@ impl Db {
         .bind(r.mem_available_mib as i64)
         .bind(now)
         .bind(now)
+        .bind(principal)
         .execute(&mut *tx)
         .await?;
         set_copies(&mut tx, id, &r.cached_tags).await?;
@@ -335,12 +371,13 @@ impl Db {
         Ok(())
     }
 
-    /// Record a heartbeat; false when the executor is unknown (it must register again).
-    pub async fn heartbeat(&self, id: &str, r: &ExecutorReport) -> Result<bool> {
+    /// Record a heartbeat from `principal`; false when executor `id` is unknown or registered
+    /// with another credential (it must register again, which says why).
+    pub async fn heartbeat(&self, id: &str, r: &ExecutorReport, principal: &str) -> Result<bool> {
         let mut tx = self.pool.begin().await?;
         let done = sqlx::query(
             "UPDATE executors SET max_sandboxes = ?, running_sandboxes = ?, mem_total_mib = ?, \
-             mem_available_mib = ?, last_heartbeat_ms = ? WHERE id = ?",
+             mem_available_mib = ?, last_heartbeat_ms = ? WHERE id = ? AND principal IN (?, '')",
         )
         .bind(r.max_sandboxes as i64)
         .bind(r.running_sandboxes as i64)
@@ -348,6 +385,7 @@ impl Db {
         .bind(r.mem_available_mib as i64)
         .bind(now_ms())
         .bind(id)
+        .bind(principal)
         .execute(&mut *tx)
         .await?;
         if done.rows_affected() == 0 {
@@ -831,14 +869,36 @@ mod tests {
         }
     }
 
+    /// The database and the files SQLite keeps beside it are its owner's alone.
+    #[tokio::test]
+    async fn the_database_is_created_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cp.db");
+        let db = Db::open(&path).await.unwrap();
+        db.insert_snapshot(&writing("t", i64::MAX)).await.unwrap();
+        for f in ["cp.db", "cp.db-wal", "cp.db-shm"] {
+            let mode = std::fs::metadata(dir.path().join(f))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o077, 0, "{f}: {:o}", mode & 0o777);
+        }
+    }
+
     #[tokio::test]
     async fn a_writing_snapshot_nobody_finishes_fails_at_its_deadline() {
         let dir = tempfile::tempdir().unwrap();
         let db = Db::open(&dir.path().join("cp.db")).await.unwrap();
         // The executor row a finished snapshot's copy refers to.
-        db.upsert_executor("ex", "http://127.0.0.1:1", &ExecutorReport::default())
-            .await
-            .unwrap();
+        db.upsert_executor(
+            "ex",
+            "http://127.0.0.1:1",
+            &ExecutorReport::default(),
+            "executors",
+        )
+        .await
+        .unwrap();
         db.insert_snapshot(&writing("late", now_ms() - 1))
             .await
             .unwrap();

@@ -122,8 +122,10 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
     let reflection_v1alpha =
         reflection(tonic_reflection::server::Builder::configure()).build_v1alpha()?;
 
-    let mut builder =
-        Server::builder().trace_fn(|req| tine_rpc::telemetry::request_span(req, "control-plane"));
+    let keepalive = tine_rpc::conn::Keepalive::default();
+    let mut builder = keepalive.server(
+        Server::builder().trace_fn(|req| tine_rpc::telemetry::request_span(req, "control-plane")),
+    );
     if let Some(tls) = &cfg.tls {
         builder = builder.tls_config(tls.server_config()?)?;
     }
@@ -152,7 +154,7 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
     let addr = listener.local_addr()?;
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(router.serve_with_incoming_shutdown(
-        tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+        keepalive.incoming(listener),
         async {
             let _ = rx.await;
         },

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
@@ -559,6 +559,7 @@ async fn placement_across_three_executors() {
                 cached_tags: vec!["py".into()],
                 ..Default::default()
             },
+            "executors",
         )
         .await
         .unwrap();
@@ -1737,5 +1738,173 @@ async fn an_executor_that_hangs_does_not_hold_up_other_expiries() {
             .into_inner();
         assert_ne!(s.state, pb::SandboxState::Killed as i32, "{id}");
     }
+    cp.shutdown().await.unwrap();
+}
+
+/// With its audit log unwritable (a full disk), the control plane answers reads but refuses
+/// every call that would act, saying why, and acts on none of them.
+#[tokio::test]
+async fn calls_that_act_are_refused_while_the_audit_log_cannot_be_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let mut cfg = config(dir.path(), &t);
+    cfg.audit_path = PathBuf::from("/dev/full");
+    let cp = server::start(cfg).await.unwrap();
+    // Registering is a call that acts, so the executor's row is made directly.
+    cp.ctx
+        .db
+        .upsert_executor(
+            "ex-a",
+            "http://127.0.0.1:1",
+            &tine_control_plane::db::ExecutorReport::default(),
+            "executors",
+        )
+        .await
+        .unwrap();
+    add_snapshot(&cp, "py", None, "ex-a").await;
+    let (mut snaps, mut sb, _) = clients(cp.addr, Some(&t.admin)).await;
+    let listed = snaps
+        .list_snapshots(pb::ListSnapshotsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.snapshots.len(), 1, "reads are answered");
+    let e = sb
+        .spawn(pb::SpawnRequest {
+            tag: "py".into(),
+            count: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("audit log cannot be written"), "{e:?}");
+    let e = snaps
+        .delete_snapshot(pb::DeleteSnapshotRequest {
+            tag: "py".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(
+        cp.ctx.db.snapshot("py").await.unwrap().is_some(),
+        "not deleted"
+    );
+    assert!(cp.ctx.db.sandboxes(None, true).await.unwrap().is_empty());
+    cp.shutdown().await.unwrap();
+}
+
+/// A token named `executor:ID` speaks for executor ID alone, and an id belongs to the
+/// credential it registered with: neither another executor's token nor the shared cluster
+/// token can take it over (register or heartbeat), while its own token always can.
+#[tokio::test]
+async fn an_executor_id_belongs_to_its_own_credential() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let (a, b) = (generate_token(), generate_token());
+    let mut cfg = config(dir.path(), &t);
+    cfg.auth = Auth::Tokens(
+        TokenSet::new(&[
+            TokenEntry {
+                name: "ops".into(),
+                role: Role::Admin,
+                token: t.admin.clone(),
+            },
+            TokenEntry {
+                name: "executors".into(),
+                role: Role::Executor,
+                token: t.executor.clone(),
+            },
+            TokenEntry {
+                name: "executor:ex-a".into(),
+                role: Role::Executor,
+                token: a.clone(),
+            },
+            TokenEntry {
+                name: "executor:ex-b".into(),
+                role: Role::Executor,
+                token: b.clone(),
+            },
+        ])
+        .unwrap(),
+    );
+    let cp = server::start(cfg).await.unwrap();
+    let report = || {
+        Some(pb::ExecutorReport {
+            capacity: Some(pb::Capacity {
+                max_sandboxes: 4,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+    };
+    let register = |token: String, id: &'static str, addr: &'static str| {
+        let cp = cp.addr;
+        async move {
+            let (_, _, mut ex) = clients(cp, Some(&token)).await;
+            ex.register_executor(pb::RegisterExecutorRequest {
+                id: id.into(),
+                addr: addr.into(),
+                report: report(),
+            })
+            .await
+        }
+    };
+    let heartbeat = |token: String, id: &'static str| {
+        let cp = cp.addr;
+        async move {
+            let (_, _, mut ex) = clients(cp, Some(&token)).await;
+            ex.heartbeat(pb::HeartbeatRequest {
+                id: id.into(),
+                report: report(),
+            })
+            .await
+        }
+    };
+    register(a.clone(), "ex-a", "http://127.0.0.1:7001")
+        .await
+        .unwrap();
+    let e = register(b.clone(), "ex-a", "http://127.0.0.1:7666")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(
+        e.message().contains("belongs to executor \"ex-b\""),
+        "{e:?}"
+    );
+    let e = register(t.executor.clone(), "ex-a", "http://127.0.0.1:7666")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("another credential"), "{e:?}");
+    let hb = heartbeat(t.executor.clone(), "ex-a")
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        !hb.registered,
+        "a heartbeat from another credential does not count"
+    );
+    let row = cp.ctx.db.executor("ex-a").await.unwrap().unwrap();
+    assert_eq!(
+        row.addr, "http://127.0.0.1:7001",
+        "the address was not taken over"
+    );
+    let hb = heartbeat(a.clone(), "ex-a").await.unwrap().into_inner();
+    assert!(hb.registered);
+    // Its own token re-registers (a restart), and the shared token registers unclaimed ids.
+    register(a, "ex-a", "http://127.0.0.1:7002").await.unwrap();
+    register(t.executor.clone(), "ex-c", "http://127.0.0.1:7003")
+        .await
+        .unwrap();
+    let denied: Vec<_> = audit_lines(dir.path())
+        .into_iter()
+        .filter(|l| {
+            l["rpc"] == "tine.v1.Executors/RegisterExecutor" && l["status"] == "PERMISSION_DENIED"
+        })
+        .collect();
+    assert_eq!(denied.len(), 2, "{denied:?}");
+    assert_eq!(denied[1]["principal"], "executors");
     cp.shutdown().await.unwrap();
 }

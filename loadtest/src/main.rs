@@ -108,7 +108,12 @@ async fn main() -> Result<()> {
                 let ex = null_executor::serve().await?;
                 cp.ctx
                     .db
-                    .upsert_executor(&format!("null-{i}"), &format!("http://{ex}"), &report)
+                    .upsert_executor(
+                        &format!("null-{i}"),
+                        &format!("http://{ex}"),
+                        &report,
+                        "loadtest",
+                    )
                     .await?;
                 if i == 0 {
                     cp.ctx
@@ -128,7 +133,10 @@ async fn main() -> Result<()> {
                 }
             }
             for i in 0..a.null_executors.max(1) {
-                cp.ctx.db.heartbeat(&format!("null-{i}"), &report).await?;
+                cp.ctx
+                    .db
+                    .heartbeat(&format!("null-{i}"), &report, "loadtest")
+                    .await?;
             }
             let report = report.clone();
             // Keep the null executors "up" (heartbeats within three periods) for the whole run.
@@ -138,7 +146,9 @@ async fn main() -> Result<()> {
                 loop {
                     tokio::time::sleep(Duration::from_secs(2)).await;
                     for i in 0..n {
-                        let _ = db.heartbeat(&format!("null-{i}"), &report).await;
+                        let _ = db
+                            .heartbeat(&format!("null-{i}"), &report, "loadtest")
+                            .await;
                     }
                 }
             });

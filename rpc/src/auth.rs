@@ -57,6 +57,44 @@ pub enum TokenError {
 
 pub const MIN_TOKEN_LEN: usize = 32;
 
+/// Refuse a file holding secrets that users other than its owner may read or write.
+fn check_private(path: &Path) -> Result<(), TokenError> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).map_err(|e| TokenError::File {
+        path: path.display().to_string(),
+        what: e.to_string(),
+    })?;
+    let mode = meta.permissions().mode();
+    if mode & 0o077 != 0 {
+        return Err(TokenError::File {
+            path: path.display().to_string(),
+            what: format!(
+                "mode {:o} lets other users read the token; chmod 600 it",
+                mode & 0o777
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// A single token kept in a file (an executor's `--token-file`, a client's `TINE_TOKEN_FILE`):
+/// its trimmed text, refusing a file that others can read.
+pub fn read_token_file(path: &Path) -> Result<String, TokenError> {
+    check_private(path)?;
+    let text = std::fs::read_to_string(path).map_err(|e| TokenError::File {
+        path: path.display().to_string(),
+        what: e.to_string(),
+    })?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(TokenError::File {
+            path: path.display().to_string(),
+            what: "holds no token".into(),
+        });
+    }
+    Ok(token.to_string())
+}
+
 /// Refuse tokens a person typed or copied from an example.
 pub fn check_strength(name: &str, token: &str) -> Result<(), TokenError> {
     let weak = |reason| {
@@ -170,14 +208,7 @@ impl TokenSet {
             path: path.display().to_string(),
             what,
         };
-        use std::os::unix::fs::PermissionsExt;
-        let meta = std::fs::metadata(path).map_err(|e| file_err(e.to_string()))?;
-        if meta.permissions().mode() & 0o077 != 0 {
-            return Err(file_err(format!(
-                "mode {:o} lets other users read the tokens; chmod 600 it",
-                meta.permissions().mode() & 0o777
-            )));
-        }
+        check_private(path)?;
         let text = std::fs::read_to_string(path).map_err(|e| file_err(e.to_string()))?;
         let parsed: TokensFile =
             serde_json::from_str(&text).map_err(|e| file_err(e.to_string()))?;
@@ -336,5 +367,25 @@ mod tests {
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
         let err = TokenSet::load(&p).unwrap_err().to_string();
         assert!(err.contains("chmod 600"), "{err}");
+    }
+
+    #[test]
+    fn a_token_file_others_can_read_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("executor.token");
+        std::fs::write(&p, "  s3cret-token-text\n").unwrap();
+        for mode in [0o644, 0o640, 0o604, 0o660] {
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+            let err = read_token_file(&p).unwrap_err().to_string();
+            assert!(err.contains("chmod 600"), "{mode:o}: {err}");
+        }
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_token_file(&p).unwrap(), "s3cret-token-text");
+        std::fs::write(&p, "\n").unwrap();
+        assert!(read_token_file(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("holds no token"));
     }
 }

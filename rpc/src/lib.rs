@@ -3,6 +3,7 @@
 //! names, and gRPC status codes by name. The executor links this, never the control plane.
 
 pub mod auth;
+pub mod conn;
 pub mod metrics;
 pub mod status;
 pub mod telemetry;

@@ -79,9 +79,56 @@ pub fn check_listen(
     Ok(())
 }
 
+/// A client sends its bearer token to `addr` only over TLS, or in clear to a loopback address,
+/// unless `allow_plaintext_remote` (a trusted network).
+pub fn check_token_transport(addr: &str, allow_plaintext_remote: bool) -> Result<()> {
+    let uri: tonic::codegen::http::Uri = addr
+        .parse()
+        .map_err(|e| anyhow::anyhow!("address {addr:?}: {e}"))?;
+    if uri.scheme_str() == Some("https") || allow_plaintext_remote {
+        return Ok(());
+    }
+    let host = uri.host().unwrap_or("");
+    let loopback = host == "localhost"
+        || host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if !loopback {
+        bail!(
+            "refusing to send the token in clear to {addr}: use https://, or set \
+             TINE_ALLOW_PLAINTEXT_REMOTE=1 on a trusted network"
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tokens_go_in_clear_only_to_loopback() {
+        for ok in [
+            "http://127.0.0.1:7070",
+            "http://localhost:7070",
+            "http://[::1]:7070",
+            "https://cp.example:7070",
+            "https://10.0.0.1:7070",
+        ] {
+            check_token_transport(ok, false).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        for bad in [
+            "http://10.0.0.1:7070",
+            "http://cp.example:7070",
+            "http://[fe80::1]:1",
+        ] {
+            let e = check_token_transport(bad, false).unwrap_err().to_string();
+            assert!(e.contains("TINE_ALLOW_PLAINTEXT_REMOTE=1"), "{bad}: {e}");
+            check_token_transport(bad, true).unwrap();
+        }
+    }
 
     #[test]
     fn remote_listeners_need_auth_and_tls() {

@@ -3,8 +3,8 @@
 //! [`assemble`] writes the flat image of a head once into the cache
 //! (`images/<head>.mem`, sparse: zero pages are holes) and returns its path on
 //! every later call without reading a single chunk, so spawn cost does not
-//! depend on chain depth. Layers are applied head first and a page bitmap
-//! records which pages are settled, so every page is written at most once and
+//! depend on chain depth. Layers are applied head first and the stretches of
+//! pages already settled are recorded, so every page is written at most once and
 //! a chunk whose pages are all overridden is never decompressed.
 //!
 //! [`PageReader`] answers "page P of head H" without a flat image, for the
@@ -32,10 +32,9 @@ pub fn assemble(cache: &LocalCache, head: &Digest) -> Result<PathBuf> {
     let chain = cache.chain(head)?;
     let top = &chain[0];
     let page_size = top.page_size();
-    let pages = top.page_count();
     crate::fsutil::write_atomic_with(&cache.tmp_dir(), &path, |file| {
         file.set_len(top.manifest.memory_size)?;
-        write_chain(cache, &chain, file, pages, page_size).map_err(std::io::Error::other)
+        write_chain(cache, &chain, file, page_size).map_err(std::io::Error::other)
     })?;
     tracing::debug!(%head, depth = chain.len() - 1, "image assembled");
     mark_used(cache, head, &path);
@@ -53,14 +52,8 @@ fn mark_used(cache: &LocalCache, head: &Digest, image: &std::path::Path) {
     }
 }
 
-fn write_chain(
-    cache: &LocalCache,
-    chain: &[Layer],
-    file: &File,
-    pages: u64,
-    page_size: u64,
-) -> Result<()> {
-    let mut settled = Bitmap::new(pages);
+fn write_chain(cache: &LocalCache, chain: &[Layer], file: &File, page_size: u64) -> Result<()> {
+    let mut settled = Settled::default();
     let ps = page_size as usize;
     for layer in chain {
         let m = &layer.manifest;
@@ -74,15 +67,12 @@ fn write_chain(
             let mut p = run.first_page;
             let end = run.first_page + run.page_count;
             while p < end {
-                // Contiguous unsettled stretch [p, q).
-                if settled.get(p) {
-                    p += 1;
+                if let Some(settled_to) = settled.covering(p) {
+                    p = settled_to.min(end);
                     continue;
                 }
-                let mut q = p + 1;
-                while q < end && !settled.get(q) {
-                    q += 1;
-                }
+                // Contiguous unsettled stretch [p, q).
+                let q = settled.next_start(p).map_or(end, |s| s.min(end));
                 if !loaded.contains_key(&run.chunk) {
                     if run.chunk >= ws_chunks {
                         loaded.retain(|c, _| *c < ws_chunks);
@@ -176,18 +166,77 @@ impl PageReader {
     }
 }
 
-struct Bitmap(Vec<u64>);
+/// Pages a layer nearer the head already gave (or zeroed): disjoint `[start, end)` stretches,
+/// so what it holds grows with the runs read, not with the memory size a manifest declares.
+#[derive(Debug, Default)]
+struct Settled(std::collections::BTreeMap<u64, u64>);
 
-impl Bitmap {
-    fn new(bits: u64) -> Self {
-        Bitmap(vec![0; bits.div_ceil(64) as usize])
+impl Settled {
+    /// The end of the stretch holding page `p`, if one does.
+    fn covering(&self, p: u64) -> Option<u64> {
+        self.0
+            .range(..=p)
+            .next_back()
+            .and_then(|(_, &end)| (p < end).then_some(end))
     }
-    fn get(&self, i: u64) -> bool {
-        self.0[(i / 64) as usize] & (1 << (i % 64)) != 0
+
+    /// Where the first stretch after page `p` starts.
+    fn next_start(&self, p: u64) -> Option<u64> {
+        self.0.range(p.saturating_add(1)..).next().map(|(&s, _)| s)
     }
+
     fn set_range(&mut self, from: u64, to: u64) {
-        for i in from..to {
-            self.0[(i / 64) as usize] |= 1 << (i % 64);
+        if from >= to {
+            return;
         }
+        let (mut start, mut end) = (from, to);
+        if let Some((&s, &e)) = self.0.range(..=from).next_back() {
+            if e >= from {
+                start = s;
+                end = end.max(e);
+            }
+        }
+        let absorbed: Vec<u64> = self.0.range(start..=end).map(|(&s, _)| s).collect();
+        for s in absorbed {
+            if let Some(e) = self.0.remove(&s) {
+                end = end.max(e);
+            }
+        }
+        self.0.insert(start, end);
+    }
+}
+
+#[cfg(test)]
+mod settled_tests {
+    use super::Settled;
+
+    #[test]
+    fn stretches_merge_and_answer_lookups() {
+        let mut s = Settled::default();
+        s.set_range(10, 20);
+        s.set_range(30, 40);
+        assert_eq!(
+            (
+                s.covering(9),
+                s.covering(10),
+                s.covering(19),
+                s.covering(20)
+            ),
+            (None, Some(20), Some(20), None)
+        );
+        assert_eq!(
+            (s.next_start(0), s.next_start(10), s.next_start(25)),
+            (Some(10), Some(30), Some(30))
+        );
+        s.set_range(20, 30); // touching both: one stretch
+        assert_eq!(s.0.len(), 1);
+        assert_eq!(s.covering(25), Some(40));
+        s.set_range(5, 50); // covering it
+        assert_eq!(s.0.iter().collect::<Vec<_>>(), [(&5, &50)]);
+        // A declared span of 2^40 pages costs one entry.
+        s.set_range(1 << 20, 1 << 40);
+        assert_eq!(s.0.len(), 2);
+        assert_eq!(s.covering((1 << 40) - 1), Some(1 << 40));
+        assert_eq!(s.next_start(60), Some(1 << 20));
     }
 }

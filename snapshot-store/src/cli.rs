@@ -134,6 +134,9 @@ pub struct UnpackArgs {
     /// Public key file (FILE.pub from `tine keygen`): refuse unless signed by it.
     #[arg(long)]
     pub verify: Option<PathBuf>,
+    /// Let an unverified pack move tags this cache already has to other snapshots.
+    #[arg(long)]
+    pub replace_tags: bool,
     #[command(flatten)]
     pub store: StoreArgs,
 }
@@ -288,7 +291,10 @@ pub async fn run(cmd: StoreCommand) -> anyhow::Result<()> {
         StoreCommand::Unpack(a) => {
             let cache = a.store.cache()?;
             let verify_key = a.verify.as_deref().map(load_verifying_key).transpose()?;
-            let opts = ImportOptions { verify_key };
+            let opts = ImportOptions {
+                verify_key,
+                replace_tags: a.replace_tags,
+            };
             let file = a.file.clone();
             let s = tokio::task::spawn_blocking(move || import_pack_file(&cache, &file, &opts))
                 .await?

@@ -60,6 +60,8 @@ pub enum StoreError {
     },
     #[error("remote store configuration: {0}")]
     RemoteConfig(String),
+    #[error("remote object {key} is {size} bytes, more than the {max} it may be: refused unread")]
+    TooLarge { key: String, size: u64, max: u64 },
     #[error("layer {0} not found in the remote store")]
     RemoteLayerMissing(Digest),
     #[error("garbage collection: {0}")]

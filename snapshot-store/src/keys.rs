@@ -33,11 +33,7 @@ pub fn write_keypair(path: &Path, key: &SigningKey) -> Result<PathBuf> {
             .map_err(StoreError::io("write key file", p))?;
         f.sync_all().map_err(StoreError::io("fsync key file", p))
     };
-    write(
-        path,
-        format!("{SECRET_TAG} {}\n", hex::encode(key.to_bytes())),
-        0o600,
-    )?;
+    // The public half first: a pair that cannot be completed leaves no secret key behind.
     write(
         &pub_path,
         format!(
@@ -46,6 +42,14 @@ pub fn write_keypair(path: &Path, key: &SigningKey) -> Result<PathBuf> {
         ),
         0o644,
     )?;
+    if let Err(e) = write(
+        path,
+        format!("{SECRET_TAG} {}\n", hex::encode(key.to_bytes())),
+        0o600,
+    ) {
+        let _ = std::fs::remove_file(&pub_path);
+        return Err(e);
+    }
     Ok(pub_path)
 }
 
@@ -88,5 +92,25 @@ mod tests {
             .to_string()
             .contains("not a"));
         assert!(write_keypair(&path, &key).is_err(), "must not overwrite");
+    }
+
+    /// Either half already there: the other is not written, and nothing is left half-made.
+    #[test]
+    fn a_keypair_that_cannot_be_completed_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = generate_signing_key().unwrap();
+        let path = dir.path().join("a");
+        std::fs::write(dir.path().join("a.pub"), "someone else's\n").unwrap();
+        assert!(write_keypair(&path, &key).is_err());
+        assert!(!path.exists(), "no orphan secret key");
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("a.pub")).unwrap(),
+            "someone else's\n"
+        );
+        let path = dir.path().join("b");
+        std::fs::write(&path, "an older secret\n").unwrap();
+        assert!(write_keypair(&path, &key).is_err());
+        assert!(!dir.path().join("b.pub").exists(), "no orphan public key");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "an older secret\n");
     }
 }

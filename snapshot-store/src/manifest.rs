@@ -15,8 +15,9 @@ pub const MAX_MANIFEST_BYTES: usize = 64 << 20;
 pub const MAX_CHUNK_RAW_BYTES: u64 = 64 << 20;
 /// Upper bound on the VMM state blob.
 pub const MAX_STATE_RAW_BYTES: u64 = 1 << 30;
-/// Upper bound on guest memory (64 TiB), keeps page arithmetic far from overflow.
-pub const MAX_MEMORY_BYTES: u64 = 1 << 46;
+/// Upper bound on guest memory (16 TiB, the most a sandbox may be given), keeps page
+/// arithmetic far from overflow.
+pub const MAX_MEMORY_BYTES: u64 = 1 << 44;
 
 /// Where a page's contents come from, as seen by one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

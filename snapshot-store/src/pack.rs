@@ -232,6 +232,9 @@ fn signed_message(index: &[u8]) -> Vec<u8> {
 pub struct ImportOptions {
     /// When set, the pack must carry a valid signature by this key.
     pub verify_key: Option<VerifyingKey>,
+    /// Let a pack whose signature was not verified move a tag the cache already has to
+    /// another snapshot (otherwise refused: an unverified pack may add, never re-point).
+    pub replace_tags: bool,
 }
 
 /// Imports a pack into the cache (all or nothing; see module docs).
@@ -244,6 +247,21 @@ pub fn import_pack(
     let _lock = cache.lock_shared()?;
     let staging = Staging::new(cache)?;
     let staged = read_pack(cache, &staging.dir, input, opts)?;
+    if opts.verify_key.is_none() && !opts.replace_tags {
+        for (tag, head) in &staged.tags {
+            match cache.get_tag(tag) {
+                Ok(now) if now != *head => {
+                    return Err(refuse(format!(
+                        "tag {tag:?} names {} here and {} in this unverified pack: give the signer's key (--verify) or --replace-tags to move it",
+                        now.hex(),
+                        head.hex()
+                    )))
+                }
+                Ok(_) | Err(StoreError::UnknownTag(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
     commit(cache, &staged)?;
     Ok(staged.summary)
 }

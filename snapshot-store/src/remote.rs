@@ -300,6 +300,7 @@ impl RemoteStore {
         let path = ObjPath::from(key);
         match self.run("head", || self.store.head(&path)).await {
             Ok(_) => Ok(true),
+            Err(f) if self.no_bucket(&f) => Err(self.missing_bucket()),
             Err(Failure {
                 error: object_store::Error::NotFound { .. },
                 ..
@@ -318,12 +319,60 @@ impl RemoteStore {
             .await;
         match r {
             Ok(b) => Ok(Some(b)),
+            Err(f) if self.no_bucket(&f) => Err(self.missing_bucket()),
             Err(Failure {
                 error: object_store::Error::NotFound { .. },
                 ..
             }) => Ok(None),
             Err(f) => Err(self.fail("get", key, f)),
         }
+    }
+
+    /// [`get_bytes`](Self::get_bytes) of an object that may hold at most `max` bytes: a
+    /// larger one is refused on the size its response declares, before its body is read.
+    pub(crate) async fn get_bounded(&self, key: &str, max: u64) -> Result<Option<Bytes>> {
+        let path = ObjPath::from(key);
+        let r = self
+            .run("get", || async {
+                let got = self.store.get(&path).await?;
+                if got.meta.size > max {
+                    // Dropping the response drops its unread body.
+                    return Ok(Err(got.meta.size));
+                }
+                got.bytes().await.map(Ok)
+            })
+            .await;
+        let too_large = |size: u64| StoreError::TooLarge {
+            key: key.to_string(),
+            size,
+            max,
+        };
+        match r {
+            Ok(Ok(b)) if b.len() as u64 <= max => Ok(Some(b)),
+            // A body longer than its declared size.
+            Ok(Ok(b)) => Err(too_large(b.len() as u64)),
+            Ok(Err(size)) => Err(too_large(size)),
+            Err(f) if self.no_bucket(&f) => Err(self.missing_bucket()),
+            Err(Failure {
+                error: object_store::Error::NotFound { .. },
+                ..
+            }) => Ok(None),
+            Err(f) => Err(self.fail("get", key, f)),
+        }
+    }
+
+    /// S3 answers 404 both for a missing key and for a missing bucket: only its error code
+    /// (in the body object_store keeps) tells them apart.
+    fn no_bucket(&self, f: &Failure) -> bool {
+        matches!(f.error, object_store::Error::NotFound { .. })
+            && error_chain(&f.error).contains("NoSuchBucket")
+    }
+
+    fn missing_bucket(&self) -> StoreError {
+        StoreError::RemoteConfig(format!(
+            "{}: the bucket does not exist (create it, or fix the bucket name)",
+            self.description
+        ))
     }
 
     /// Create-only put: an existing object under a content-addressed key is
@@ -385,15 +434,9 @@ impl RemoteStore {
     pub async fn get_layer(&self, d: &Digest) -> Result<Layer> {
         let key = layer_key(d);
         let bytes = self
-            .get_bytes(&key)
+            .get_bounded(&key, MAX_MANIFEST_BYTES as u64)
             .await?
             .ok_or(StoreError::RemoteLayerMissing(*d))?;
-        if bytes.len() > MAX_MANIFEST_BYTES {
-            return Err(StoreError::CorruptLayer {
-                digest: *d,
-                reason: "manifest too large".into(),
-            });
-        }
         Layer::decode_verified(*d, bytes.to_vec())
     }
 
@@ -411,7 +454,8 @@ impl RemoteStore {
 
     pub async fn get_tag(&self, tag: &str) -> Result<Digest> {
         validate_tag(tag)?;
-        match self.get_bytes(&tag_key(tag)).await? {
+        // A digest in hex and a newline; anything much larger is not a tag.
+        match self.get_bounded(&tag_key(tag), 4096).await? {
             Some(b) => parse_tag_value(tag, &b),
             None => Err(StoreError::UnknownTag(tag.to_string())),
         }
@@ -656,13 +700,12 @@ impl RemoteStore {
             return Ok(());
         }
         let key = object_key(&d);
-        let data = self
-            .get_bytes(&key)
-            .await?
-            .ok_or_else(|| StoreError::CorruptObject {
+        let data = self.get_bounded(&key, o.stored_len).await?.ok_or_else(|| {
+            StoreError::CorruptObject {
                 digest: d,
                 reason: "missing from the remote store".into(),
-            })?;
+            }
+        })?;
         if data.len() as u64 != o.stored_len {
             return Err(StoreError::CorruptObject {
                 digest: d,

@@ -237,3 +237,37 @@ async fn cache_gc_removes_unreferenced_objects_and_stale_images() {
         &chain.memories[1],
     );
 }
+
+/// What a store holds under a tag or a layer's name is bounded by what it can be: a huge
+/// object there is refused on its declared size, unread, with a typed error.
+#[tokio::test]
+async fn oversized_tags_and_manifests_are_refused_unread() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let remote = RemoteStore::open_local(&store).unwrap();
+    let tag = store.join(tine_snapshot_store::cache::tag_key("huge"));
+    std::fs::create_dir_all(tag.parent().unwrap()).unwrap();
+    let f = std::fs::File::create(&tag).unwrap();
+    f.set_len(8 << 30).unwrap(); // sparse: 8 GiB declared, nothing stored
+    let err = remote.get_tag("huge").await.unwrap_err();
+    println!("{err}");
+    assert!(
+        matches!(
+            err,
+            tine_snapshot_store::error::StoreError::TooLarge { size, .. } if size == 8 << 30
+        ),
+        "{err:?}"
+    );
+    let d = tine_snapshot_store::digest::Digest::of(b"some layer");
+    let layer = store.join(tine_snapshot_store::cache::layer_key(&d));
+    std::fs::create_dir_all(layer.parent().unwrap()).unwrap();
+    std::fs::File::create(&layer)
+        .unwrap()
+        .set_len(1 << 40)
+        .unwrap();
+    let err = remote.get_layer(&d).await.unwrap_err();
+    assert!(
+        matches!(err, tine_snapshot_store::error::StoreError::TooLarge { .. }),
+        "{err:?}"
+    );
+}

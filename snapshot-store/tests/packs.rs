@@ -127,6 +127,7 @@ fn signed_pack_roundtrips_byte_for_byte() {
     let pack = pack_bytes(&f, Some(&key));
     let opts = ImportOptions {
         verify_key: Some(key.verifying_key()),
+        ..Default::default()
     };
     let summary = import_pack(&f.dst, pack.as_slice(), &opts).unwrap();
     assert_eq!(summary.layers, 3);
@@ -257,10 +258,12 @@ fn signatures_are_enforced() {
 
     let trust_other = ImportOptions {
         verify_key: Some(other.verifying_key()),
+        ..Default::default()
     };
     assert_refused(&f, &signed, &trust_other, "not the trusted key");
     let trust_key = ImportOptions {
         verify_key: Some(key.verifying_key()),
+        ..Default::default()
     };
     assert_refused(&f, &unsigned, &trust_key, "not signed");
 
@@ -293,4 +296,32 @@ fn signatures_are_enforced() {
         b"",
     );
     assert_refused(&f, &rebuild(&parts), &trust_key, "signature");
+}
+
+/// An unverified pack may add tags and repeat ones the cache has, never move one: a tag that
+/// names another snapshot here is refused (nothing changes) unless the caller says so.
+#[test]
+fn an_unverified_pack_does_not_re_point_a_tag() {
+    let f = fixture();
+    let none = ImportOptions::default();
+    let pack = pack_bytes(&f, None);
+    import_pack(&f.dst, pack.as_slice(), &none).unwrap();
+    import_pack(&f.dst, pack.as_slice(), &none).expect("the same tag and head again");
+    let older = {
+        let heads = [PackHead {
+            tag: Some("py+repo".into()),
+            head: f.chain.heads[1],
+        }];
+        let mut out = Vec::new();
+        export_pack(&f.src, &heads, None, &mut out).unwrap();
+        out
+    };
+    assert_refused(&f, &older, &none, "--replace-tags");
+    assert_eq!(f.dst.get_tag("py+repo").unwrap(), f.chain.heads[2]);
+    let replace = ImportOptions {
+        replace_tags: true,
+        ..Default::default()
+    };
+    import_pack(&f.dst, older.as_slice(), &replace).unwrap();
+    assert_eq!(f.dst.get_tag("py+repo").unwrap(), f.chain.heads[1]);
 }

@@ -245,3 +245,19 @@ fn collect(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
         }
     }
 }
+
+/// A bucket that does not exist is named as such, not taken for a missing tag or layer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_bucket_is_not_an_unknown_tag() {
+    let Some(moto) = common::moto::start() else {
+        return;
+    };
+    let remote = moto.store("never-created", "snapshots");
+    let err = remote.get_tag("py").await.unwrap_err();
+    println!("{err}");
+    assert!(
+        matches!(err, tine_snapshot_store::error::StoreError::RemoteConfig(_)),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("bucket does not exist"), "{err}");
+}

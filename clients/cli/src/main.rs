@@ -128,8 +128,34 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
-            eprintln!("tine: error: {e:#}");
+            eprintln!("tine: error: {}", printable(&format!("{e:#}")));
             ExitCode::from(1)
         }
+    }
+}
+
+/// An error's text for a terminal: control characters, which may come from a pack, a server
+/// or a guest (an escape sequence that rewrites the screen), are shown escaped; newlines and
+/// tabs stay.
+fn printable(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() && c != '\n' && c != '\t' {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn errors_reach_the_terminal_without_control_characters() {
+        assert_eq!(
+            super::printable("pack \"\x1b[2J\x07x\u{9b}31m\"\n\tnext"),
+            "pack \"\\u{1b}[2J\\u{7}x\\u{9b}31m\"\n\tnext"
+        );
     }
 }

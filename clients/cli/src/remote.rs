@@ -56,15 +56,16 @@ impl Conn {
                 };
                 match file {
                     Some(f) => Some(
-                        std::fs::read_to_string(&f)
-                            .with_context(|| format!("reading the token file {}", f.display()))?
-                            .trim()
-                            .to_string(),
+                        tine_rpc::auth::read_token_file(&f).context("reading the token file")?,
                     ),
                     None => None,
                 }
             }
         };
+        if token.is_some() {
+            let allow = std::env::var("TINE_ALLOW_PLAINTEXT_REMOTE").is_ok_and(|v| v == "1");
+            tine_rpc::tls::check_token_transport(&addr, allow)?;
+        }
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()

@@ -4,6 +4,8 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use std::os::unix::fs::DirBuilderExt;
+
 use anyhow::{bail, Context, Result};
 use tine_control_plane::calls::Auth;
 use tine_control_plane::server::{self, ServerConfig};
@@ -52,7 +54,8 @@ fn embedded_tokens(data: &Path) -> Result<(TokenSet, TokensFile, PathBuf)> {
                     token: auth::generate_token(),
                 },
                 TokenEntry {
-                    name: "local-executor".into(),
+                    // Bound to the embedded executor's id: it speaks for that executor alone.
+                    name: "executor:local".into(),
                     role: Role::Executor,
                     token: auth::generate_token(),
                 },
@@ -127,8 +130,22 @@ fn child_networks(
 
 pub fn up(a: UpArgs) -> Result<i32> {
     let data = local::data_dir(a.data_dir.clone())?;
-    std::fs::create_dir_all(&data)?;
+    // Made private: it holds the tokens, the database and the snapshots.
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&data)
+        .with_context(|| format!("creating {}", data.display()))?;
     let data = data.canonicalize()?;
+    // One `tine up` per data directory, before anything in it is touched.
+    let _lock = tine_host::pidlock::lock(&data, "up.lock").map_err(|e| match e {
+        tine_host::pidlock::LockError::Held { pid, .. } => anyhow::anyhow!(
+            "another `tine up` (pid {}) is using {}: stop it first, or give another --data-dir",
+            pid.map_or("unknown".into(), |p| p.to_string()),
+            data.display()
+        ),
+        e => anyhow::Error::new(e),
+    })?;
     let (token_set, tokens, admin_file) = embedded_tokens(&data)?;
     let executor_token = tokens
         .tokens
@@ -406,12 +423,7 @@ pub struct ExecutorArgs {
 
 pub fn executor(a: ExecutorArgs) -> Result<i32> {
     let token = match (&a.token_file, std::env::var("TINE_EXECUTOR_TOKEN")) {
-        (Some(p), _) => Some(
-            std::fs::read_to_string(p)
-                .with_context(|| format!("reading {}", p.display()))?
-                .trim()
-                .to_string(),
-        ),
+        (Some(p), _) => Some(tine_rpc::auth::read_token_file(p)?),
         (None, Ok(t)) => Some(t),
         (None, Err(_)) => None,
     };

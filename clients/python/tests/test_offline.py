@@ -24,7 +24,16 @@ from fake_server import TOKEN, FakeServer  # noqa: E402
 
 import tine  # noqa: E402
 
-_ENV_KEYS = ("TINE_ADDR", "TINE_TOKEN", "TINE_TOKEN_FILE", "TINE_DATA_DIR", "XDG_DATA_HOME", "TINE_TLS_CA", "HOME")
+_ENV_KEYS = (
+    "TINE_ADDR",
+    "TINE_TOKEN",
+    "TINE_TOKEN_FILE",
+    "TINE_DATA_DIR",
+    "XDG_DATA_HOME",
+    "TINE_TLS_CA",
+    "HOME",
+    "TINE_ALLOW_PLAINTEXT_REMOTE",
+)
 
 
 @contextmanager
@@ -100,7 +109,14 @@ def test_tls_choice() -> None:
         assert tine.Client("localhost:7070", token="t").tls is False
         assert tine.Client("[::1]:7070", token="t").tls is False
         assert tine.Client("tine.example.com:7070", token="t").tls is True
-        assert tine.Client("http://tine.example.com:7070", token="t").tls is False
+        # The token never goes in clear off loopback unless the caller says the network is trusted.
+        e = _raises("INVALID_ARGUMENT", tine.Client, "http://tine.example.com:7070", token="t")
+        assert "TINE_ALLOW_PLAINTEXT_REMOTE=1" in str(e), e
+        plain = tine.Client("http://tine.example.com:7070", token="t", allow_plaintext_remote=True)
+        assert plain.tls is False
+    with _env(TINE_ALLOW_PLAINTEXT_REMOTE="1"):
+        assert tine.Client("http://10.1.2.3:7070", token="t").tls is False
+    with _env():
         assert tine.Client("https://127.0.0.1:7070", token="t").tls is True
         # An explicit CA means TLS, even on loopback.
         assert tine.Client("127.0.0.1:7070", token="t", tls_ca=b"-----BEGIN CERTIFICATE-----\n").tls is True

@@ -618,6 +618,8 @@ class Client:
     of the system roots (default ``$TINE_TLS_CA``; giving one implies TLS for a bare
     ``host:port``). ``call_timeout_s``: deadline for the short calls (list, get, kill,
     delete); spawn, exec, eval, files and snapshot creation are not limited by it.
+    ``allow_plaintext_remote``: send the token in clear to a non-loopback ``http://`` address
+    (default ``$TINE_ALLOW_PLAINTEXT_REMOTE == "1"``); otherwise such a client is refused.
     """
 
     def __init__(
@@ -627,11 +629,20 @@ class Client:
         tls_ca: str | os.PathLike[str] | bytes | None = None,
         *,
         call_timeout_s: float | None = None,
+        allow_plaintext_remote: bool | None = None,
     ) -> None:
         self.target, tls = resolve_addr(addr)
         self._metadata = (("authorization", f"Bearer {resolve_token(token)}"),)
         ca = _read_ca(tls_ca)
         self.tls = tls if tls is not None else ca is not None or not _is_loopback_target(self.target)
+        if allow_plaintext_remote is None:
+            allow_plaintext_remote = os.environ.get("TINE_ALLOW_PLAINTEXT_REMOTE") == "1"
+        if not self.tls and not allow_plaintext_remote and not _is_loopback_target(self.target):
+            raise TineError(
+                "INVALID_ARGUMENT",
+                f"refusing to send the token in clear to {self.target}: use https://, or "
+                "allow_plaintext_remote=True (TINE_ALLOW_PLAINTEXT_REMOTE=1) on a trusted network",
+            )
         self.call_timeout_s = call_timeout_s
         options = [
             ("grpc.max_receive_message_length", _MAX_MESSAGE),

@@ -89,6 +89,13 @@ pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
     let host = tokio::task::spawn_blocking(move || Host::open_exclusive(host_cfg))
         .await?
         .context("opening the host's data directory")?;
+    // Said once, here, rather than by every spawn.
+    let host = match cfg.vm_refusal {
+        None => tokio::task::spawn_blocking(move || host.check_confinement().map(|()| host))
+            .await?
+            .context("checking that VMMs can be confined")?,
+        Some(_) => host,
+    };
     let state = State::new(cfg.id.clone(), host, cfg.vm_refusal.clone());
     if cfg.vm_refusal.is_none() {
         let st = state.clone();
@@ -106,8 +113,10 @@ pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
         }
         Ok(req)
     };
-    let mut builder =
-        Server::builder().trace_fn(|req| tine_rpc::telemetry::request_span(req, "executor"));
+    let keepalive = tine_rpc::conn::Keepalive::default();
+    let mut builder = keepalive.server(
+        Server::builder().trace_fn(|req| tine_rpc::telemetry::request_span(req, "executor")),
+    );
     if let Some(tls) = &cfg.tls {
         builder = builder.tls_config(tls.server_config()?)?;
     }
@@ -120,7 +129,7 @@ pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
     let addr = listener.local_addr()?;
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(router.serve_with_incoming_shutdown(
-        tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+        keepalive.incoming(listener),
         async {
             let _ = rx.await;
         },

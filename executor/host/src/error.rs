@@ -73,6 +73,13 @@ pub enum HostError {
     NotReady { timeout: Duration, last: String },
     #[error("{step} failed on the new child: {reason}")]
     Fixup { step: &'static str, reason: String },
+    #[error(
+        "VMM workers cannot confine themselves on this host: {log} (a root executor needs \
+         CAP_SYS_ADMIN for their mount namespaces; `--vmm-uid-base off` runs them as the \
+         executor's user without a view of their own, `--vmm-seccomp log` logs calls outside \
+         the filter instead of stopping them)"
+    )]
+    Unconfined { log: String },
     #[error("the parent's VMM failed to boot it: {log}")]
     ParentBootFailed { log: String },
     #[error("writing the parent's snapshot: {reason}")]
@@ -144,6 +151,7 @@ impl HostError {
             | Fixup { .. }
             | ParentNotReady { .. }
             | ParentBootFailed { .. }
+            | Unconfined { .. }
             | WarmupFailed { .. }
             | WarmupCall { .. }
             | Branch { .. }
@@ -183,6 +191,7 @@ impl HostError {
             Fixup { .. } => "fixup",
             ParentNotReady { .. } => "parent_not_ready",
             ParentBootFailed { .. } => "parent_boot_failed",
+            Unconfined { .. } => "unconfined",
             ParentSnapshot { .. } => "parent_snapshot",
             WarmupFailed { .. } | WarmupCall { .. } => "warmup",
             Locked { .. } => "locked",

@@ -2,7 +2,6 @@
 //! go through it, so there is one spawn path, one set of limits and one record format.
 
 use std::collections::{HashMap, HashSet};
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::Child;
 use std::sync::{Arc, Mutex};
@@ -195,7 +194,7 @@ pub struct Host {
     /// Snapshots (by state checksum) whose memory files this host's cgroup was charged for.
     charged: Mutex<HashSet<String>>,
     /// Held while an executor daemon owns this data directory.
-    _lock: Option<OwnedFd>,
+    _lock: Option<crate::pidlock::PidLock>,
 }
 
 impl Host {
@@ -233,7 +232,7 @@ impl Host {
         Ok(host)
     }
 
-    fn build(cfg: HostConfig, lock: Option<OwnedFd>) -> Result<Host> {
+    fn build(cfg: HostConfig, lock: Option<crate::pidlock::PidLock>) -> Result<Host> {
         for d in [cfg.snapshots_dir(), cfg.vms_dir()] {
             std::fs::create_dir_all(&d)
                 .map_err(HostError::io(format!("creating {}", d.display())))?;
@@ -564,6 +563,41 @@ impl Host {
         made.dir = dir;
         self.enforce_cache_bound();
         Ok(made)
+    }
+
+    /// Have one VMM worker confine itself as it would for a child (its view, /dev/kvm inside
+    /// it, its own user, no capabilities, the filter) and exit: a host where that cannot work
+    /// (a container without CAP_SYS_ADMIN, a kernel without seccomp) is told once, at start,
+    /// rather than failing every spawn. A daemon calls this before it serves.
+    pub fn check_confinement(&self) -> Result<()> {
+        let id = SandboxId::random("probe");
+        let dir = self.cfg.vms_dir().join(id.as_str());
+        let snapshots = self.cfg.snapshots_dir();
+        for d in [&dir, &snapshots] {
+            std::fs::create_dir_all(d)
+                .map_err(HostError::io(format!("creating {}", d.display())))?;
+        }
+        let probed = (|| {
+            let worker = self.pool.take()?;
+            let pid = worker.pid();
+            let (mut vmm, report) = worker.run(&WorkerJob {
+                vm: JobVm::Probe { snapshots },
+                dir: dir.clone(),
+                netns: None,
+                confine: self.cfg.confine.for_worker(pid),
+                #[cfg(feature = "testing")]
+                trip_seccomp: self.cfg.confine.trip_seccomp,
+            })?;
+            let reported = crate::ready::wait_restored(&report, Duration::from_secs(30));
+            let _ = vmm.kill();
+            let _ = vmm.wait();
+            match reported? {
+                Some(_) => Ok(()),
+                None => Err(HostError::Unconfined { log: vmm_log(&dir) }),
+            }
+        })();
+        let _ = std::fs::remove_dir_all(&dir);
+        probed
     }
 
     /// Boot `spec`'s parent in a VMM worker (confined like a child's) in `work`, warm it and
@@ -1697,7 +1731,7 @@ impl Host {
             self.cfg.snapshots_dir(),
             &[".partial-", "..partial-", ".fetch-", ".replaced-"],
         );
-        sweep(self.cfg.vms_dir(), &["parent-"]);
+        sweep(self.cfg.vms_dir(), &["parent-", "probe-"]);
     }
 }
 
@@ -1772,22 +1806,17 @@ fn finish_recording(img: &Arc<dyn Pages>, pages: &ChildPages) -> LazyReport {
 }
 
 /// Take an exclusive lock on `dir/host.lock` (released when the process ends).
-fn lock_dir(dir: &std::path::Path) -> Result<OwnedFd> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let path = dir.join("host.lock");
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .mode(0o600)
-        .open(&path)
-        .map_err(HostError::io(format!("opening {}", path.display())))?;
-    // SAFETY: flock on a descriptor we own.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err(HostError::Locked {
+fn lock_dir(dir: &std::path::Path) -> Result<crate::pidlock::PidLock> {
+    crate::pidlock::lock(dir, "host.lock").map_err(|e| match e {
+        crate::pidlock::LockError::Held { pid, .. } => HostError::Locked {
             dir: dir.to_path_buf(),
-            why: "an executor daemon already runs on it (one daemon per data directory)".into(),
-        });
-    }
-    Ok(f.into())
+            why: format!(
+                "an executor already runs on it (pid {}; one per data directory)",
+                pid.map_or("unknown".into(), |p| p.to_string())
+            ),
+        },
+        crate::pidlock::LockError::Io { path, source } => {
+            HostError::io(format!("locking {}", path.display()))(source)
+        }
+    })
 }

@@ -16,6 +16,7 @@ pub mod layers;
 pub mod lazy;
 pub mod network;
 pub mod parent;
+pub mod pidlock;
 pub mod process;
 pub mod ready;
 pub mod records;

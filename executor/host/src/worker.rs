@@ -61,6 +61,9 @@ pub enum JobVm {
     /// A parent: boot a kernel, to be warmed and snapshotted by the host (its control socket
     /// takes a [`crate::control::Request::Snapshot`] into a directory under `snapshots`).
     Boot(BootJob),
+    /// No VM: confine itself as for one (its view over `snapshots`, /dev/kvm opened inside
+    /// it, the lock-down), report, and exit. A host checks at start that confinement works.
+    Probe { snapshots: PathBuf },
 }
 
 /// A parent to boot. Paths are the host's, absolute.
@@ -88,6 +91,7 @@ impl JobVm {
                     crate::confine::view::linked_files(snapshot, snapshots),
                 ))
             }
+            JobVm::Probe { snapshots } => Some((snapshots, Vec::new())),
             JobVm::Boot(b) => Some((
                 &b.snapshots,
                 std::iter::once(&b.kernel)
@@ -335,6 +339,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
     // A VMM that gives up root sees only its own files from here on.
     let confined_view = match (job.confine.user, job.vm.view()) {
         (Some(_), Some((snapshots, linked))) => {
+            tine_vmm::vm::read_host_facts();
             crate::confine::view::enter(&job.dir, snapshots, &linked)
                 .context("confining the VMM")?;
             true
@@ -346,12 +351,13 @@ pub fn worker_main() -> anyhow::Result<i32> {
     } else {
         job.dir.clone()
     };
-    let console = open_console(Some(&dir.join("console.log")))?;
+    let console = || open_console(Some(&dir.join("console.log")));
     let vm = match &job.vm {
+        JobVm::Probe { .. } => return probe(&job, t0),
         JobVm::Restore { snapshot, memory } => {
             let snapshot = crate::confine::view::translate(snapshot)?;
             let opts = RestoreOptions {
-                console,
+                console: console()?,
                 vsock_uds: Some(dir.join("vsock.sock")),
                 tap,
             };
@@ -360,7 +366,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
                 JobMemory::Lazy => restore_lazily(&snapshot, opts)?,
             }
         }
-        JobVm::Boot(b) => boot(b, &dir, console, tap)?,
+        JobVm::Boot(b) => boot(b, &dir, console()?, tap)?,
     };
     let restore = t0.elapsed();
     let control = crate::control::bind(&dir).context("binding the control socket")?;
@@ -374,18 +380,10 @@ pub fn worker_main() -> anyhow::Result<i32> {
         unsafe { libc::syscall(libc::SYS_ptrace, 0, 0, 0, 0) };
     }
     let running = vm.start()?;
-    let done = Restored {
+    report(Restored {
         restore,
         start: t1.elapsed(),
-    };
-    {
-        let mut out = std::io::stdout().lock();
-        let _ = out.write_all(&done.encode());
-        let _ = out.flush();
-    }
-    // Close stdout so the daemon's pipe sees EOF if it reads again.
-    // SAFETY: closing our own stdout descriptor; nothing writes to it afterwards.
-    unsafe { libc::close(1) };
+    });
     // Shared with the control thread for the rest of this process's life.
     let running: &'static tine_vmm::vm::RunningVm = Box::leak(Box::new(running));
     std::thread::Builder::new()
@@ -393,6 +391,38 @@ pub fn worker_main() -> anyhow::Result<i32> {
         .spawn(move || crate::control::serve(control, running))?;
     let exit = running.wait_exit()?;
     Ok(exit.exit_code())
+}
+
+/// A probe's end: confined as a VMM would be, with /dev/kvm usable in its view, it reports and
+/// exits.
+fn probe(job: &WorkerJob, t0: Instant) -> anyhow::Result<i32> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .context("opening /dev/kvm in its view")?;
+    crate::confine::lock_down(&job.confine).context("confining the VMM")?;
+    #[cfg(feature = "testing")]
+    if job.trip_seccomp {
+        // SAFETY: a call that is refused before it does anything.
+        unsafe { libc::syscall(libc::SYS_ptrace, 0, 0, 0, 0) };
+    }
+    report(Restored {
+        restore: t0.elapsed(),
+        start: Duration::ZERO,
+    });
+    Ok(0)
+}
+
+/// Tell the host the guest runs, then close stdout so its end sees EOF if it reads again.
+fn report(done: Restored) {
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(&done.encode());
+        let _ = out.flush();
+    }
+    // SAFETY: closing our own stdout descriptor; nothing writes to it afterwards.
+    unsafe { libc::close(1) };
 }
 
 /// A parent's VM, its kernel loaded (shown at its own path in a confined view).

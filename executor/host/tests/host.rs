@@ -73,6 +73,11 @@ fn spawn_list_kill_readopt() {
         "{:?}",
         second.err()
     );
+    let said = second.err().unwrap().to_string();
+    assert!(
+        said.contains(&format!("pid {}", std::process::id())),
+        "names the holder: {said}"
+    );
 
     // Kill one without any guest cooperation.
     let victim = outcomes[0].id.clone();
@@ -1244,6 +1249,8 @@ fn proc_status(path: &Path) -> std::collections::HashMap<String, String> {
 fn vmm_workers_are_confined() {
     let tmp = data_dir_with_snapshot();
     let host = Host::open_exclusive(config(tmp.path(), 4, 0)).unwrap();
+    host.check_confinement()
+        .expect("a worker confines itself on this host");
     let out = spawn(&host, ids(1));
     out[0].result.as_ref().expect("spawned");
     let id = out[0].id.clone();
@@ -1292,6 +1299,22 @@ fn vmm_workers_are_confined() {
         ["dev", "proc", "snapshots", "vm"],
         "its whole file system"
     );
+    // Its /proc is a procfs of its own that shows it its own process alone, nothing host-wide.
+    let mountinfo = std::fs::read_to_string(proc.join("mountinfo")).unwrap();
+    let procfs = mountinfo
+        .lines()
+        .find(|l| l.split_whitespace().nth(4) == Some("/proc"))
+        .expect("a /proc mount");
+    println!("     its /proc: {procfs}");
+    assert!(
+        procfs.contains(" - proc ")
+            && procfs.contains("hidepid=invisible")
+            && procfs.contains("subset=pid"),
+        "{procfs}"
+    );
+    assert!(!proc.join("root/proc/sys").exists());
+    assert!(!proc.join("root/proc/cpuinfo").exists());
+    assert!(proc.join(format!("root/proc/{pid}/pagemap")).exists());
     let b = host
         .branch(&id, &Tag::parse("conf1").unwrap(), BranchKind::Diff)
         .unwrap();
@@ -1310,6 +1333,16 @@ fn vmm_workers_are_confined() {
     let mut cfg = config(tmp.path(), 4, 0);
     cfg.confine.trip_seccomp = true;
     let host = Host::open_exclusive(cfg).unwrap();
+    // The check at start fails the same way, saying why, and leaves nothing behind.
+    let err = host.check_confinement().expect_err("its probe died");
+    println!("     the check at start: {err}");
+    assert!(matches!(err, HostError::Unconfined { .. }), "{err:?}");
+    assert!(err.to_string().contains("system call 101"), "{err}");
+    assert_eq!(
+        std::fs::read_dir(tmp.path().join("vms")).unwrap().count(),
+        0,
+        "its directory is removed"
+    );
     let out = spawn(&host, ids(1));
     let err = out[0].result.as_ref().expect_err("the worker died");
     println!("     a worker outside its allow-list: {err}");

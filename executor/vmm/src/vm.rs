@@ -307,7 +307,9 @@ impl Vm {
             snapshot::vcpu::restore(fd, i, s)?;
         }
         snapshot::restore_vm(&vm.vm, &state.vm)?;
-        // Devices last: a restored vsock raises an interrupt for its transport reset.
+        // Devices last. Their registers only: a device that was active is activated by
+        // `start` (a confined VMM starts only once confined), after which a restored vsock
+        // raises an interrupt for its transport reset.
         for (t, s) in vm.virtio.iter().zip(&state.virtio) {
             t.lock().unwrap().restore(s)?;
         }
@@ -463,6 +465,10 @@ impl Vm {
     /// Start every vCPU on its own thread.
     pub fn start(self) -> Result<RunningVm> {
         install_signal_handlers()?;
+        // A restored device looks at its queues (guest-written) only now.
+        for t in &self.virtio {
+            t.lock().unwrap().activate_restored();
+        }
         let msrs = Arc::new(snapshot::vcpu::msr_candidates(&self.kvm)?);
         let pio = Arc::new(self.pio);
         let mmio = Arc::new(self.mmio);
@@ -971,8 +977,27 @@ impl RunningVm {
 fn mapping_counts() -> Option<(usize, usize)> {
     let maps = std::fs::read("/proc/self/maps").ok()?;
     let now = maps.iter().filter(|b| **b == b'\n').count();
-    let max = std::fs::read_to_string("/proc/sys/vm/max_map_count").ok()?;
-    Some((now, max.trim().parse().ok()?))
+    Some((now, max_map_count()?))
+}
+
+/// vm.max_map_count, read once per process.
+fn max_map_count() -> Option<usize> {
+    static MAX: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/vm/max_map_count")
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+/// Read now what a VMM needs of the host's /proc beyond its own process (the host identity
+/// snapshots carry, vm.max_map_count): a VMM about to confine itself to a view whose /proc
+/// shows only its own process calls this first.
+pub fn read_host_facts() {
+    let _ = crate::snapshot::host_id::HostIdentity::current();
+    let _ = max_map_count();
 }
 
 /// Most pages a rebase compares and maps in one pause (8 MiB).

@@ -3,7 +3,8 @@
 //! - `/vm`: its own directory (console.log, vmm.log, its sockets),
 //! - `/snapshots`: the directory its snapshot sits in (its diff chain are siblings there;
 //!   a branch is written into a directory the host makes there and lends it),
-//! - `/dev/kvm` and `/proc` (its own pagemap, read for branches).
+//! - `/dev/kvm` and `/proc`, a procfs of its own showing only its own process (its pagemap
+//!   and maps, read for branches and rebases).
 //!
 //! Entered while the worker is still root and one thread, before the restore opens anything,
 //! so every thread it makes lives in the view. Paths the host sends (the snapshot, a branch's
@@ -112,7 +113,20 @@ pub fn enter(vm_dir: &Path, snapshots: &Path, linked: &[PathBuf]) -> Result<(), 
     };
     bind("showing its directory", vm_dir, "vm", 0)?;
     bind("showing its snapshots", snapshots, "snapshots", 0)?;
-    bind("showing /proc", Path::new("/proc"), "proc", libc::MS_REC)?;
+    // A procfs of its own: `hidepid=invisible` shows only the processes of the VMM's user
+    // (itself alone), `subset=pid` nothing but them (no /proc/sys, no host-wide files). A
+    // kernel or container that refuses it (before 5.8, or a masked /proc) gets the host's.
+    if let Err(e) = mount(
+        "mounting its own /proc",
+        Some(Path::new("proc")),
+        &root.join("proc"),
+        Some("proc"),
+        hardened,
+        Some("hidepid=invisible,subset=pid"),
+    ) {
+        eprintln!("{e}: showing it the host's /proc instead");
+        bind("showing /proc", Path::new("/proc"), "proc", libc::MS_REC)?;
+    }
     mount(
         "showing /dev/kvm",
         Some(Path::new("/dev/kvm")),

@@ -62,6 +62,9 @@ pub struct VirtioMmio {
     acked_features: u64,
     queue_sel: u32,
     activated: bool,
+    /// Restored from a snapshot in which the device was active: activated by
+    /// [`VirtioMmio::activate_restored`].
+    activate_pending: bool,
 }
 
 impl VirtioMmio {
@@ -82,6 +85,7 @@ impl VirtioMmio {
             acked_features: 0,
             queue_sel: 0,
             activated: false,
+            activate_pending: false,
         }
     }
 
@@ -131,19 +135,7 @@ impl VirtioMmio {
                 .iter()
                 .all(|q| q.ready() && q.is_valid(&self.mem))
             {
-                self.activated = true;
-                // The device gets its own copies; the transport's stay for register reads.
-                let queues = self
-                    .queues
-                    .iter()
-                    .map(|q| Queue::try_from(q.state()).expect("validated queue state"))
-                    .collect();
-                self.device.activate(
-                    self.mem.clone(),
-                    queues,
-                    self.irq.clone(),
-                    self.acked_features,
-                );
+                self.activate_device();
             } else {
                 tracing::warn!("virtio driver set DRIVER_OK with invalid queues");
                 self.status |= STATUS_FAILED;
@@ -249,8 +241,9 @@ impl VirtioMmio {
         }
     }
 
-    /// Recreate the transport state; an activated device is re-activated with the saved queue
-    /// positions and told it was restored.
+    /// Recreate the transport state: registers and queues, checked. A device that was active
+    /// is activated (its queues in guest memory looked at) only by
+    /// [`activate_restored`](Self::activate_restored), so that a VMM can confine itself first.
     pub fn restore(&mut self, s: &VirtioMmioSnapshot) -> Result<(), DeviceError> {
         let kind = self.device.kind();
         if s.kind != kind || s.queues.len() != self.queues.len() {
@@ -278,23 +271,34 @@ impl VirtioMmio {
         self.driver_features_sel = s.driver_features_sel;
         self.queue_sel = s.queue_sel;
         self.irq.set_status(s.interrupt_status);
-        if s.activated {
-            let dev_queues = s
-                .queues
-                .iter()
-                .map(|q| Queue::try_from(QueueState::from(q)).expect("validated above"))
-                .collect();
-            self.device.activate(
-                self.mem.clone(),
-                dev_queues,
-                self.irq.clone(),
-                self.acked_features,
-            );
-            self.activated = true;
+        self.queues = queues;
+        self.activate_pending = s.activated;
+        Ok(())
+    }
+
+    /// Activate a restored device that was active, with the saved queue positions, and tell
+    /// it it was restored. Does nothing for any other.
+    pub fn activate_restored(&mut self) {
+        if std::mem::take(&mut self.activate_pending) {
+            self.activate_device();
             self.device.after_restore();
         }
-        self.queues = queues;
-        Ok(())
+    }
+
+    fn activate_device(&mut self) {
+        self.activated = true;
+        // The device gets its own copies; the transport's stay for register reads.
+        let queues = self
+            .queues
+            .iter()
+            .map(|q| Queue::try_from(q.state()).expect("validated queue state"))
+            .collect();
+        self.device.activate(
+            self.mem.clone(),
+            queues,
+            self.irq.clone(),
+            self.acked_features,
+        );
     }
 
     pub fn set_paused(&mut self, paused: bool) {

@@ -1,0 +1,79 @@
+//! One process per data directory: an exclusive `flock` on a lock file that holds the
+//! holder's pid, so a second process is refused with a name to look for. The kernel drops the
+//! lock when the holder exits, crashes included; the pid left in the file is then stale and
+//! harmless (the next holder overwrites it).
+
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+/// Held for as long as it lives.
+#[derive(Debug)]
+pub struct PidLock {
+    _file: std::fs::File,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// Another process holds it; `pid` is what it wrote (None: it has not yet).
+    #[error("{} is locked by pid {}", path.display(), pid.map_or("unknown".into(), |p| p.to_string()))]
+    Held { path: PathBuf, pid: Option<u32> },
+}
+
+/// Lock `dir/name` (made mode 0600 if missing) and write our pid into it.
+pub fn lock(dir: &Path, name: &str) -> Result<PidLock, LockError> {
+    let path = dir.join(name);
+    let io = |source| LockError::Io {
+        path: path.clone(),
+        source,
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(io)?;
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(io(err));
+        }
+        let mut text = String::new();
+        let _ = file.read_to_string(&mut text);
+        return Err(LockError::Held {
+            pid: text.trim().parse().ok(),
+            path,
+        });
+    }
+    file.set_len(0).map_err(io)?;
+    file.rewind().map_err(io)?;
+    writeln!(file, "{}", std::process::id()).map_err(io)?;
+    Ok(PidLock { _file: file })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_holder_is_refused_with_the_first_ones_pid() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = lock(dir.path(), "x.lock").unwrap();
+        // flock conflicts between open files, even within one process.
+        match lock(dir.path(), "x.lock") {
+            Err(LockError::Held { pid, .. }) => assert_eq!(pid, Some(std::process::id())),
+            other => panic!("{other:?}"),
+        }
+        drop(first);
+        lock(dir.path(), "x.lock").expect("free again once dropped");
+    }
+}
