@@ -224,7 +224,7 @@ impl Api {
             .executor(id)
             .await?
             .ok_or_else(|| Status::not_found(format!("executor {id} is not registered")))?;
-        let c = self.ctx.executors.client(&e.addr)?;
+        let c = self.ctx.executors.client(&e.id, &e.addr)?;
         Ok((e, c))
     }
 
@@ -272,7 +272,7 @@ impl Api {
     async fn expire_on(&self, due: Vec<SandboxAt>) {
         for at in due {
             let id = at.sandbox.id.clone();
-            let killed = match self.ctx.executors.client(&at.addr) {
+            let killed = match self.ctx.executors.client(&at.sandbox.executor_id, &at.addr) {
                 Ok(mut c) => {
                     let kill = c.kill(xpb::KillRequest { id: id.clone() });
                     match tokio::time::timeout(Duration::from_secs(5), kill).await {
@@ -382,7 +382,7 @@ impl Api {
                 at.sandbox.state().as_str()
             )));
         }
-        self.ctx.executors.client(&at.addr)
+        self.ctx.executors.client(&at.sandbox.executor_id, &at.addr)
     }
 
     // ---- Snapshots ----
@@ -520,7 +520,10 @@ impl Api {
         // What a diff applies over is the executor's to say (the snapshot the sandbox was
         // forked from, or its latest branch still there); the image is the lineage's.
         let forked_from = self.ctx.db.snapshot(&at.sandbox.tag).await?;
-        let mut client = self.ctx.executors.client(&at.addr)?;
+        let mut client = self
+            .ctx
+            .executors
+            .client(&at.sandbox.executor_id, &at.addr)?;
         let mut req = Request::new(r.clone());
         req.set_timeout(BRANCH_TIMEOUT);
         let mut events = client.start_branch(req).await?.into_inner();
@@ -825,7 +828,7 @@ impl Api {
             children.iter().map(|(i, id)| (id.clone(), *i)).collect();
         let tag = req.tag.clone();
         let result: Result<(), Status> = async {
-            let mut client = self.ctx.executors.client(&executor.addr)?;
+            let mut client = self.ctx.executors.client(&executor.id, &executor.addr)?;
             let mut stream = client.spawn(req).await?.into_inner();
             while let Some(ev) = stream.message().await? {
                 let Some(index) = pending.remove(&ev.id) else {
@@ -893,7 +896,7 @@ impl Api {
             .ok_or_else(|| Status::not_found(format!("sandbox {id} does not exist")))?;
         let mut row = at.sandbox;
         if row.state().is_live() {
-            let mut c = self.ctx.executors.client(&at.addr)?;
+            let mut c = self.ctx.executors.client(&row.executor_id, &at.addr)?;
             c.kill(xpb::KillRequest { id: id.to_string() }).await?;
             // Ended meanwhile (expired, failed): it keeps how it ended.
             row = match self

@@ -1,5 +1,6 @@
 //! gRPC clients for the executors' internal API, one lazily connected channel per address,
-//! each call carrying the cluster's executor token.
+//! each call carrying the executor's own token (`executor:ID` in the tokens file) or else the
+//! cluster's shared executor token.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -16,20 +17,33 @@ pub type ExecClient = ExecutorClient<InterceptedService<Channel, Bearer>>;
 
 pub struct ExecutorPool {
     bearer: Bearer,
+    /// Executors with tokens of their own, by id.
+    own: HashMap<String, Bearer>,
     tls: Option<ClientTlsConfig>,
     channels: Mutex<HashMap<String, Channel>>,
 }
 
 impl ExecutorPool {
-    pub fn new(token: Option<&str>, tls: Option<ClientTlsConfig>) -> Result<ExecutorPool, String> {
+    /// `token`: the shared executor token; `own`: tokens of single executors, by id.
+    pub fn new(
+        token: Option<&str>,
+        own: &HashMap<String, String>,
+        tls: Option<ClientTlsConfig>,
+    ) -> Result<ExecutorPool, String> {
         Ok(ExecutorPool {
             bearer: Bearer::new(token).map_err(|e| e.to_string())?,
+            own: own
+                .iter()
+                .map(|(id, t)| Ok((id.clone(), Bearer::new(Some(t))?)))
+                .collect::<Result<_, tine_rpc::auth::TokenError>>()
+                .map_err(|e| e.to_string())?,
             tls,
             channels: Mutex::new(HashMap::new()),
         })
     }
 
-    pub fn client(&self, addr: &str) -> Result<ExecClient, Status> {
+    /// A client for executor `id` at `addr`, presenting that executor's token.
+    pub fn client(&self, id: &str, addr: &str) -> Result<ExecClient, Status> {
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
         let channel = match channels.get(addr) {
             Some(c) => c.clone(),
@@ -54,10 +68,11 @@ impl ExecutorPool {
                 c
             }
         };
-        Ok(
-            ExecutorClient::with_interceptor(channel, self.bearer.clone())
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        Ok(ExecutorClient::with_interceptor(
+            channel,
+            self.own.get(id).unwrap_or(&self.bearer).clone(),
         )
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES))
     }
 }

@@ -34,6 +34,9 @@ pub struct ServerConfig {
     pub tls: Option<TlsFiles>,
     /// The secret presented to executors (role "executor" in the tokens file).
     pub executor_token: Option<String>,
+    /// Executors' own tokens by executor id (entries named `executor:ID`), presented to that
+    /// executor instead.
+    pub executor_tokens: std::collections::HashMap<String, String>,
     /// CA that signed the executors' certificates, for https:// executor addresses.
     pub executor_ca: Option<PathBuf>,
     pub heartbeat_interval_s: u32,
@@ -94,8 +97,12 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
         .as_deref()
         .map(tine_rpc::tls::client_config)
         .transpose()?;
-    let executors = ExecutorPool::new(cfg.executor_token.as_deref(), executor_tls)
-        .map_err(|e| anyhow::anyhow!("executor token: {e}"))?;
+    let executors = ExecutorPool::new(
+        cfg.executor_token.as_deref(),
+        &cfg.executor_tokens,
+        executor_tls,
+    )
+    .map_err(|e| anyhow::anyhow!("executor token: {e}"))?;
     let metrics = Arc::new(Metrics::new());
     let ctx = Arc::new(Ctx {
         db,

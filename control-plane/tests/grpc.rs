@@ -392,6 +392,7 @@ fn config(dir: &Path, t: &Tokens) -> ServerConfig {
         metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
         tls: None,
         executor_token: Some(t.executor.clone()),
+        executor_tokens: Default::default(),
         executor_ca: None,
         heartbeat_interval_s: 5,
         lost_grace_ms: 0,
@@ -1829,6 +1830,10 @@ async fn an_executor_id_belongs_to_its_own_credential() {
         ])
         .unwrap(),
     );
+    // The control plane calls ex-a with ex-a's own token (the fake accepts only that one).
+    cfg.executor_tokens = [("ex-a".to_string(), a.clone())].into();
+    let (_fake, fake_addr) = start_executor(&a).await;
+    let fake_addr: &'static str = Box::leak(format!("http://{fake_addr}").into_boxed_str());
     let cp = server::start(cfg).await.unwrap();
     let report = || {
         Some(pb::ExecutorReport {
@@ -1862,9 +1867,7 @@ async fn an_executor_id_belongs_to_its_own_credential() {
             .await
         }
     };
-    register(a.clone(), "ex-a", "http://127.0.0.1:7001")
-        .await
-        .unwrap();
+    register(a.clone(), "ex-a", fake_addr).await.unwrap();
     let e = register(b.clone(), "ex-a", "http://127.0.0.1:7666")
         .await
         .unwrap_err();
@@ -1887,14 +1890,15 @@ async fn an_executor_id_belongs_to_its_own_credential() {
         "a heartbeat from another credential does not count"
     );
     let row = cp.ctx.db.executor("ex-a").await.unwrap().unwrap();
-    assert_eq!(
-        row.addr, "http://127.0.0.1:7001",
-        "the address was not taken over"
-    );
+    assert_eq!(row.addr, fake_addr, "the address was not taken over");
     let hb = heartbeat(a.clone(), "ex-a").await.unwrap().into_inner();
     assert!(hb.registered);
+    add_snapshot(&cp, "py", None, "ex-a").await;
+    let (_, mut sb, _) = clients(cp.addr, Some(&t.admin)).await;
+    let events = spawn_all(&mut sb, "py", 1, pb::PlacementPolicy::Spread).await;
+    assert_eq!(ready_on(&events).get("ex-a"), Some(&1), "{events:?}");
     // Its own token re-registers (a restart), and the shared token registers unclaimed ids.
-    register(a, "ex-a", "http://127.0.0.1:7002").await.unwrap();
+    register(a, "ex-a", fake_addr).await.unwrap();
     register(t.executor.clone(), "ex-c", "http://127.0.0.1:7003")
         .await
         .unwrap();

@@ -92,6 +92,7 @@ async fn main() -> Result<()> {
                 metrics_listen: None,
                 tls: None,
                 executor_token: Some(exec),
+                executor_tokens: Default::default(),
                 executor_ca: None,
                 heartbeat_interval_s: 5,
                 lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,

@@ -165,6 +165,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
             // Embedded mode listens on loopback; multi-host setups use `tine control-plane`.
             tls: None,
             executor_token: Some(executor_token.clone()),
+            executor_tokens: Default::default(),
             executor_ca: None,
             heartbeat_interval_s: 5,
             lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,
@@ -303,7 +304,7 @@ impl LifetimeArgs {
 }
 
 pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
-    let (auth, executor_token) = match &a.tokens {
+    let (auth, executor_token, executor_tokens) = match &a.tokens {
         Some(p) => {
             let (set, file) = TokenSet::load_file(p)?;
             let t = file
@@ -311,15 +312,27 @@ pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
                 .iter()
                 .find(|t| t.name == a.executor_token_name && t.role == Role::Executor)
                 .map(|t| t.token.clone());
-            if t.is_none() {
+            // An executor with a token of its own is called with that token.
+            let own: std::collections::HashMap<String, String> = file
+                .tokens
+                .iter()
+                .filter(|t| t.role == Role::Executor)
+                .filter_map(|t| {
+                    Some((
+                        t.name.strip_prefix("executor:")?.to_string(),
+                        t.token.clone(),
+                    ))
+                })
+                .collect();
+            if t.is_none() && own.is_empty() {
                 eprintln!(
-                    "[tine] warning: no token named {:?} with role executor: calls to executors carry no token",
+                    "[tine] warning: no token named {:?} or executor:ID with role executor: calls to executors carry no token",
                     a.executor_token_name
                 );
             }
-            (Auth::Tokens(set), t)
+            (Auth::Tokens(set), t, own)
         }
-        None => (Auth::Disabled, None),
+        None => (Auth::Disabled, None, Default::default()),
     };
     runtime()?.block_on(async {
         let _telemetry = tine_rpc::telemetry::init("tine-control-plane", "info")?;
@@ -331,6 +344,7 @@ pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
             metrics_listen: a.metrics_listen,
             tls: TlsFiles::from_args(a.tls_cert.clone(), a.tls_key.clone())?,
             executor_token,
+            executor_tokens,
             executor_ca: a.executor_ca.clone(),
             heartbeat_interval_s: a.heartbeat_interval_s,
             lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,

@@ -77,6 +77,7 @@ async fn control_plane(dir: &Path) -> Cluster {
         metrics_listen: None,
         tls: None,
         executor_token: Some(executor_token.clone()),
+        executor_tokens: Default::default(),
         executor_ca: None,
         heartbeat_interval_s: 1,
         lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,

@@ -29,8 +29,14 @@ S3PY="import boto3; s3 = boto3.client('s3', endpoint_url='$AWS_ENDPOINT_URL')"
 STORE=s3://tine/cluster
 
 # The control plane.
+# Token files are secrets (the executor refuses one others can read). Each executor has a
+# token of its own, named executor:ID, which speaks for that id alone.
+umask 077
 "$T" token new --file "$W/tokens.json" --name ops --role admin >"$W/admin.token"
-"$T" token new --file "$W/tokens.json" --name executors --role executor >"$W/executor.token"
+for h in host-a host-b host-c host-d; do
+  "$T" token new --file "$W/tokens.json" --name "executor:$h" --role executor >"$W/$h.token"
+done
+umask 022
 CP=$(port)
 "$T" control-plane --listen "127.0.0.1:$CP" --db "$W/cp.db" --tokens "$W/tokens.json" \
   --sandbox-timeout-secs 3600 \
@@ -44,7 +50,7 @@ TINE_TOKEN=$(cat "$W/admin.token")
 executor() { # id fetch-mode
   p=$(port)
   "$T" executor --id "$1" --data-dir "$W/$1" --listen "127.0.0.1:$p" --metrics-listen 127.0.0.1:0 \
-    --control-plane "http://127.0.0.1:$CP" --token-file "$W/executor.token" --pool 2 \
+    --control-plane "http://127.0.0.1:$CP" --token-file "$W/$1.token" --pool 2 \
     --store "$STORE" --fetch "$2" >"$W/$1.out" 2>"$W/$1.err" &
   echo $! >"$W/$1.pid"
   PIDS="$PIDS $!"
