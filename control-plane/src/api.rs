@@ -1303,7 +1303,7 @@ impl Sandboxes for Api {
 
 /// A credential named `executor:ID` (one token per executor) speaks for executor ID alone.
 fn check_executor_credential(principal: &str, id: &str) -> Result<(), Status> {
-    match principal.strip_prefix("executor:") {
+    match tine_rpc::auth::bound_executor(principal) {
         Some(bound) if bound != id => Err(Status::permission_denied(format!(
             "token {principal:?} belongs to executor {bound:?}, not {id:?}"
         ))),

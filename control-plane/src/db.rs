@@ -291,17 +291,16 @@ impl Db {
     pub async fn open(path: &Path) -> Result<Db> {
         // Created private (SQLite gives its -wal and -shm files the database's mode): it holds
         // who did what, and digests of every token's sandboxes.
-        if !path.exists() {
-            use std::os::unix::fs::OpenOptionsExt;
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(path)
-                .or_else(|e| match e.kind() {
-                    std::io::ErrorKind::AlreadyExists => Ok(std::fs::File::open(path)?),
-                    _ => Err(e),
-                })?;
+        use std::os::unix::fs::OpenOptionsExt;
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+        {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e.into()),
         }
         let opts = SqliteConnectOptions::new()
             .filename(path)

@@ -57,6 +57,16 @@ pub enum TokenError {
 
 pub const MIN_TOKEN_LEN: usize = 32;
 
+/// The name of a token that speaks for executor `id` alone (one token per executor).
+pub fn executor_token_name(id: &str) -> String {
+    format!("executor:{id}")
+}
+
+/// The executor a token named `name` speaks for alone, if it is such a token.
+pub fn bound_executor(name: &str) -> Option<&str> {
+    name.strip_prefix("executor:")
+}
+
 /// Refuse a file holding secrets that users other than its owner may read or write.
 fn check_private(path: &Path) -> Result<(), TokenError> {
     use std::os::unix::fs::PermissionsExt;

@@ -41,6 +41,9 @@ async fn until_stopped() {
     }
 }
 
+/// The id of `tine up`'s own executor.
+const EMBEDDED_EXECUTOR: &str = "local";
+
 /// The tokens of the embedded default: created once (admin + local executor), mode 0600.
 fn embedded_tokens(data: &Path) -> Result<(TokenSet, TokensFile, PathBuf)> {
     let path = data.join("tokens.json");
@@ -55,7 +58,7 @@ fn embedded_tokens(data: &Path) -> Result<(TokenSet, TokensFile, PathBuf)> {
                 },
                 TokenEntry {
                     // Bound to the embedded executor's id: it speaks for that executor alone.
-                    name: "executor:local".into(),
+                    name: auth::executor_token_name(EMBEDDED_EXECUTOR),
                     role: Role::Executor,
                     token: auth::generate_token(),
                 },
@@ -141,7 +144,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
     let _lock = tine_host::pidlock::lock(&data, "up.lock").map_err(|e| match e {
         tine_host::pidlock::LockError::Held { pid, .. } => anyhow::anyhow!(
             "another `tine up` (pid {}) is using {}: stop it first, or give another --data-dir",
-            pid.map_or("unknown".into(), |p| p.to_string()),
+            tine_host::pidlock::holder(pid),
             data.display()
         ),
         e => anyhow::Error::new(e),
@@ -173,7 +176,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
             sandbox_timeouts: a.lifetimes.timeouts()?,
         })
         .await?;
-        let id = ExecutorId::parse("local")?;
+        let id = ExecutorId::parse(EMBEDDED_EXECUTOR)?;
         let ex = daemon::start(ExecutorConfig {
             id: id.clone(),
             listen: "127.0.0.1:0".parse()?,
@@ -317,12 +320,7 @@ pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
                 .tokens
                 .iter()
                 .filter(|t| t.role == Role::Executor)
-                .filter_map(|t| {
-                    Some((
-                        t.name.strip_prefix("executor:")?.to_string(),
-                        t.token.clone(),
-                    ))
-                })
+                .filter_map(|t| Some((auth::bound_executor(&t.name)?.to_string(), t.token.clone())))
                 .collect();
             if t.is_none() && own.is_empty() {
                 eprintln!(

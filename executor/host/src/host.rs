@@ -580,14 +580,8 @@ impl Host {
         let probed = (|| {
             let worker = self.pool.take()?;
             let pid = worker.pid();
-            let (mut vmm, report) = worker.run(&WorkerJob {
-                vm: JobVm::Probe { snapshots },
-                dir: dir.clone(),
-                netns: None,
-                confine: self.cfg.confine.for_worker(pid),
-                #[cfg(feature = "testing")]
-                trip_seccomp: self.cfg.confine.trip_seccomp,
-            })?;
+            let (mut vmm, report) =
+                worker.run(&self.worker_job(pid, JobVm::Probe { snapshots }, &dir, None))?;
             let reported = crate::ready::wait_restored(&report, Duration::from_secs(30));
             let _ = vmm.kill();
             let _ = vmm.wait();
@@ -598,6 +592,25 @@ impl Host {
         })();
         let _ = std::fs::remove_dir_all(&dir);
         probed
+    }
+
+    /// The job for worker `pid`: `vm` in directory `dir`, in network namespace `netns`,
+    /// confined as this host confines its VMMs.
+    fn worker_job(
+        &self,
+        pid: u32,
+        vm: JobVm,
+        dir: &std::path::Path,
+        netns: Option<PathBuf>,
+    ) -> WorkerJob {
+        WorkerJob {
+            vm,
+            dir: dir.to_path_buf(),
+            netns,
+            confine: self.cfg.confine.for_worker(pid),
+            #[cfg(feature = "testing")]
+            trip_seccomp: self.cfg.confine.trip_seccomp,
+        }
     }
 
     /// Boot `spec`'s parent in a VMM worker (confined like a child's) in `work`, warm it and
@@ -635,14 +648,8 @@ impl Host {
             net: lease.map(|l| l.name()),
         }
         .write()?;
-        let (mut vmm, report) = worker.run(&WorkerJob {
-            vm: JobVm::Boot(job),
-            dir: work.to_path_buf(),
-            netns: lease.map(|l| l.path()),
-            confine: self.cfg.confine.for_worker(pid),
-            #[cfg(feature = "testing")]
-            trip_seccomp: self.cfg.confine.trip_seccomp,
-        })?;
+        let (mut vmm, report) =
+            worker.run(&self.worker_job(pid, JobVm::Boot(job), work, lease.map(|l| l.path())))?;
         tracing::info!(tag = %spec.tag, pid, "booting a parent");
         let made = crate::parent::warm_and_snapshot(
             spec, work, staging, timeout, &mut vmm, &report, started,
@@ -1447,17 +1454,15 @@ impl Host {
                 cg.attach(id, limits, pid)
                     .map_err(|e| HostError::Cgroup(e.to_string()))?;
             }
-            let (child, restored) = worker.run(&WorkerJob {
-                vm: JobVm::Restore {
+            let (child, restored) = worker.run(&self.worker_job(
+                pid,
+                JobVm::Restore {
                     snapshot: snapshot.to_path_buf(),
                     memory,
                 },
-                dir: dir.clone(),
-                netns: lease.as_ref().map(|l| l.path()),
-                confine: self.cfg.confine.for_worker(pid),
-                #[cfg(feature = "testing")]
-                trip_seccomp: self.cfg.confine.trip_seccomp,
-            })?;
+                &dir,
+                lease.as_ref().map(|l| l.path()),
+            ))?;
             Ok((record, child, restored, network))
         })();
         if started.is_err() {
@@ -1812,7 +1817,7 @@ fn lock_dir(dir: &std::path::Path) -> Result<crate::pidlock::PidLock> {
             dir: dir.to_path_buf(),
             why: format!(
                 "an executor already runs on it (pid {}; one per data directory)",
-                pid.map_or("unknown".into(), |p| p.to_string())
+                crate::pidlock::holder(pid)
             ),
         },
         crate::pidlock::LockError::Io { path, source } => {

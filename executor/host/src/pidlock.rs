@@ -22,8 +22,13 @@ pub enum LockError {
         source: std::io::Error,
     },
     /// Another process holds it; `pid` is what it wrote (None: it has not yet).
-    #[error("{} is locked by pid {}", path.display(), pid.map_or("unknown".into(), |p| p.to_string()))]
+    #[error("{} is locked by pid {}", path.display(), holder(*pid))]
     Held { path: PathBuf, pid: Option<u32> },
+}
+
+/// A holder's pid as said in errors.
+pub fn holder(pid: Option<u32>) -> String {
+    pid.map_or_else(|| "unknown".into(), |p| p.to_string())
 }
 
 /// Lock `dir/name` (made mode 0600 if missing) and write our pid into it.

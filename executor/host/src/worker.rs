@@ -373,12 +373,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
     let t1 = Instant::now();
     // Everything the VM needs is open: from here on no guest code runs unconfined.
     tine_vmm::vm::install_signal_handlers()?;
-    crate::confine::lock_down(&job.confine).context("confining the VMM")?;
-    #[cfg(feature = "testing")]
-    if job.trip_seccomp {
-        // SAFETY: a call that is refused before it does anything.
-        unsafe { libc::syscall(libc::SYS_ptrace, 0, 0, 0, 0) };
-    }
+    lock_down(&job)?;
     let running = vm.start()?;
     report(Restored {
         restore,
@@ -393,6 +388,18 @@ pub fn worker_main() -> anyhow::Result<i32> {
     Ok(exit.exit_code())
 }
 
+/// Confine the worker (see [`crate::confine`]). Tests only: then make a call outside the
+/// allow-list if the job says so.
+fn lock_down(job: &WorkerJob) -> anyhow::Result<()> {
+    crate::confine::lock_down(&job.confine).context("confining the VMM")?;
+    #[cfg(feature = "testing")]
+    if job.trip_seccomp {
+        // SAFETY: a call that is refused before it does anything.
+        unsafe { libc::syscall(libc::SYS_ptrace, 0, 0, 0, 0) };
+    }
+    Ok(())
+}
+
 /// A probe's end: confined as a VMM would be, with /dev/kvm usable in its view, it reports and
 /// exits.
 fn probe(job: &WorkerJob, t0: Instant) -> anyhow::Result<i32> {
@@ -401,12 +408,7 @@ fn probe(job: &WorkerJob, t0: Instant) -> anyhow::Result<i32> {
         .write(true)
         .open("/dev/kvm")
         .context("opening /dev/kvm in its view")?;
-    crate::confine::lock_down(&job.confine).context("confining the VMM")?;
-    #[cfg(feature = "testing")]
-    if job.trip_seccomp {
-        // SAFETY: a call that is refused before it does anything.
-        unsafe { libc::syscall(libc::SYS_ptrace, 0, 0, 0, 0) };
-    }
+    lock_down(job)?;
     report(Restored {
         restore: t0.elapsed(),
         start: Duration::ZERO,
