@@ -12,7 +12,16 @@ use crate::db::Db;
 use crate::executors::ExecutorPool;
 use crate::metrics::Metrics;
 use tine_rpc::auth::{Principal, Role, TokenSet};
+use tine_rpc::gate::{Gated, Gatekeeper, Refused, Verdict};
+use tine_rpc::limits::MAX_MESSAGE_BYTES;
 use tine_rpc::status::code_name;
+
+/// Largest request of the calls that carry no code or data (the longest, a spawn with a
+/// full egress list, is some 20 KiB).
+pub const SMALL_REQUEST_BYTES: usize = 64 << 10;
+
+/// The services this gate guards; other paths (health, reflection) are open.
+const GATED_PREFIX: &str = "/tine.v1.";
 
 /// How callers prove who they are.
 pub enum Auth {
@@ -67,6 +76,43 @@ impl Rpc {
             Rpc::Heartbeat => "tine.v1.Executors/Heartbeat",
             Rpc::ListExecutors => "tine.v1.Executors/ListExecutors",
             Rpc::DrainExecutor => "tine.v1.Executors/DrainExecutor",
+        }
+    }
+
+    pub const ALL: [Rpc; 19] = [
+        Rpc::CreateSnapshot,
+        Rpc::ListSnapshots,
+        Rpc::GetSnapshot,
+        Rpc::DeleteSnapshot,
+        Rpc::Spawn,
+        Rpc::ListSandboxes,
+        Rpc::GetSandbox,
+        Rpc::KillSandbox,
+        Rpc::Exec,
+        Rpc::Eval,
+        Rpc::ReadFile,
+        Rpc::WriteFile,
+        Rpc::Branch,
+        Rpc::ExposePort,
+        Rpc::SetTimeout,
+        Rpc::RegisterExecutor,
+        Rpc::Heartbeat,
+        Rpc::ListExecutors,
+        Rpc::DrainExecutor,
+    ];
+
+    /// The RPC a request path (`/tine.v1.Service/Method`) names.
+    pub fn from_path(path: &str) -> Option<Rpc> {
+        let name = path.strip_prefix('/')?;
+        Rpc::ALL.into_iter().find(|r| r.name() == name)
+    }
+
+    /// The largest message a call's request may carry: calls with code, stdin or file data
+    /// get the transport's maximum, every other request is a few names and numbers.
+    pub fn body_limit(self) -> usize {
+        match self {
+            Rpc::CreateSnapshot | Rpc::Exec | Rpc::Eval | Rpc::WriteFile => MAX_MESSAGE_BYTES,
+            _ => SMALL_REQUEST_BYTES,
         }
     }
 
@@ -168,7 +214,34 @@ pub struct Call {
 }
 
 impl Ctx {
-    /// Authenticate and authorise; a refusal is audited and counted before it is returned.
+    /// Who a call comes from, if they may make it; a refusal names them when known.
+    fn admit(
+        &self,
+        rpc: Rpc,
+        authenticated: impl FnOnce(&TokenSet) -> Result<Principal, Status>,
+    ) -> Result<Principal, (Option<String>, Status)> {
+        let principal = match &self.auth {
+            Auth::Tokens(t) => authenticated(t).map_err(|s| (None, s))?,
+            Auth::Disabled => Principal {
+                name: "anonymous".into(),
+                role: Role::Admin,
+            },
+        };
+        if !rpc.allows(principal.role) {
+            let status = Status::permission_denied(format!(
+                "token {:?} (role {:?}) may not call {}",
+                principal.name,
+                principal.role,
+                rpc.name()
+            ));
+            return Err((Some(principal.name), status));
+        }
+        Ok(principal)
+    }
+
+    /// Take a call over from the gate (which authenticated and authorised it on its headers),
+    /// or, for a call that did not pass one, authenticate and authorise it here. A call that
+    /// acts is audited as STARTED before it does.
     pub fn begin<T>(
         &self,
         rpc: Rpc,
@@ -177,29 +250,18 @@ impl Ctx {
     ) -> Result<Call, Status> {
         let start = Instant::now();
         let peer = req.remote_addr();
-        let principal = match &self.auth {
-            Auth::Tokens(t) => t.authenticate(req.metadata()),
-            Auth::Disabled => Ok(Principal {
-                name: "anonymous".into(),
-                role: Role::Admin,
-            }),
-        };
-        let principal = match principal {
-            Ok(p) if rpc.allows(p.role) => p,
-            Ok(p) => {
-                let status = Status::permission_denied(format!(
-                    "token {:?} (role {:?}) may not call {}",
-                    p.name,
-                    p.role,
-                    rpc.name()
-                ));
-                self.record(rpc, Some(&p.name), &args, &status, start, peer);
-                return Err(status);
+        let principal = match req.extensions().get::<Gated>() {
+            Some(gated) => {
+                gated.begin();
+                gated.principal.clone()
             }
-            Err(status) => {
-                self.record(rpc, None, &args, &status, start, peer);
-                return Err(status);
-            }
+            None => match self.admit(rpc, |t| t.authenticate(req.metadata())) {
+                Ok(p) => p,
+                Err((name, status)) => {
+                    self.record(rpc.name(), name.as_deref(), &args, &status, start, peer);
+                    return Err(status);
+                }
+            },
         };
         if rpc.acts() {
             // Before it acts: a call that cannot be audited is not made (fail closed).
@@ -217,7 +279,7 @@ impl Ctx {
                 let status = Status::unavailable(format!(
                     "the audit log cannot be written ({e}): calls that change anything are refused until it can"
                 ));
-                self.count(rpc, &status, start);
+                self.count(rpc.name(), &status, start.elapsed());
                 return Err(status);
             }
         }
@@ -238,7 +300,7 @@ impl Ctx {
             Err(s) => s,
         };
         self.record(
-            call.rpc,
+            call.rpc.name(),
             Some(&call.principal.name),
             &call.args,
             status,
@@ -263,42 +325,107 @@ impl Ctx {
         });
     }
 
-    /// Count a call's outcome and latency; returns the latency.
-    fn count(&self, rpc: Rpc, status: &Status, start: Instant) -> std::time::Duration {
-        let elapsed = start.elapsed();
+    /// Count a call's outcome and latency.
+    fn count(&self, rpc: &str, status: &Status, elapsed: std::time::Duration) {
         self.metrics
             .rpcs
-            .with_label_values(&[rpc.name(), code_name(status.code())])
+            .with_label_values(&[rpc, code_name(status.code())])
             .inc();
         self.metrics
             .rpc_seconds
-            .with_label_values(&[rpc.name()])
+            .with_label_values(&[rpc])
             .observe(elapsed.as_secs_f64());
-        elapsed
     }
 
     fn record(
         &self,
-        rpc: Rpc,
+        rpc: &str,
         principal: Option<&str>,
         args: &serde_json::Value,
         status: &Status,
         start: Instant,
         peer: Option<SocketAddr>,
     ) {
-        let elapsed = self.count(rpc, status, start);
+        self.record_elapsed(rpc, principal, args, status, start.elapsed(), peer);
+    }
+
+    fn record_elapsed(
+        &self,
+        rpc: &str,
+        principal: Option<&str>,
+        args: &serde_json::Value,
+        status: &Status,
+        elapsed: std::time::Duration,
+        peer: Option<SocketAddr>,
+    ) {
+        self.count(rpc, status, elapsed);
         let code = code_name(status.code());
         // A failure is logged by the audit log (a call that acts was audited as it started).
         let _ = self.audit.record(&AuditRecord {
             time: rfc3339(SystemTime::now()),
             principal,
-            rpc: rpc.name(),
+            rpc,
             args: args.clone(),
             status: code,
             message: (status.code() != Code::Ok).then(|| status.message()),
             latency_ms: elapsed.as_secs_f64() * 1e3,
             peer: peer.map(|p| p.to_string()),
         });
+    }
+}
+
+/// The control plane's gate: the public services' calls are authenticated, authorised and
+/// held to their body limit on their headers; refusals are audited and counted like calls.
+pub struct Keeper(pub Arc<Ctx>);
+
+/// How a path that names no RPC of the gated services is audited and counted (a caller's
+/// made-up paths must not become metric labels).
+const UNKNOWN_RPC: &str = "tine.v1/unknown";
+
+impl Gatekeeper for Keeper {
+    fn admit(&self, path: &str, headers: &http::HeaderMap) -> Verdict {
+        if !path.starts_with(GATED_PREFIX) {
+            return Verdict::Open;
+        }
+        let Some(rpc) = Rpc::from_path(path) else {
+            let status = Status::unimplemented(format!("no such method: {path:?}"));
+            return match &self.0.auth {
+                Auth::Tokens(t) => match t.authenticate_headers(headers) {
+                    Ok(p) => Verdict::Refuse {
+                        principal: Some(p.name),
+                        status,
+                    },
+                    Err(status) => Verdict::Refuse {
+                        principal: None,
+                        status,
+                    },
+                },
+                Auth::Disabled => Verdict::Refuse {
+                    principal: None,
+                    status,
+                },
+            };
+        };
+        match self.0.admit(rpc, |t| t.authenticate_headers(headers)) {
+            Ok(principal) => Verdict::Admit {
+                principal,
+                body_limit: rpc.body_limit(),
+            },
+            Err((principal, status)) => Verdict::Refuse { principal, status },
+        }
+    }
+
+    fn refused(&self, call: Refused<'_>) {
+        let rpc = Rpc::from_path(call.path).map_or(UNKNOWN_RPC, Rpc::name);
+        let args = serde_json::json!({"before_handler": true});
+        self.0.record_elapsed(
+            rpc,
+            call.principal,
+            &args,
+            call.status,
+            call.elapsed,
+            call.peer,
+        );
     }
 }
 
@@ -314,5 +441,14 @@ mod tests {
         assert!(!Rpc::Spawn.allows(Role::Executor));
         assert!(Rpc::Heartbeat.allows(Role::Executor));
         assert!(!Rpc::Heartbeat.allows(Role::User));
+    }
+
+    #[test]
+    fn every_rpc_is_found_by_its_path() {
+        for rpc in Rpc::ALL {
+            assert_eq!(Rpc::from_path(&format!("/{}", rpc.name())), Some(rpc));
+        }
+        assert_eq!(Rpc::from_path("/tine.v1.Sandboxes/Nope"), None);
+        assert_eq!(Rpc::from_path("tine.v1.Sandboxes/Spawn"), None);
     }
 }

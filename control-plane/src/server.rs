@@ -16,10 +16,11 @@ use tonic::transport::Server;
 use crate::api::Api;
 use crate::audit::AuditLog;
 pub use crate::calls::SandboxTimeouts;
-use crate::calls::{Auth, Ctx};
+use crate::calls::{Auth, Ctx, Keeper};
 use crate::db::Db;
 use crate::executors::ExecutorPool;
 use crate::metrics::Metrics;
+use tine_rpc::gate::GateLayer;
 use tine_rpc::limits::MAX_MESSAGE_BYTES;
 use tine_rpc::tls::check_listen;
 pub use tine_rpc::tls::TlsFiles;
@@ -129,14 +130,15 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
     let reflection_v1alpha =
         reflection(tonic_reflection::server::Builder::configure()).build_v1alpha()?;
 
-    let keepalive = tine_rpc::conn::Keepalive::default();
-    let mut builder = keepalive.server(
+    let connections = tine_rpc::conn::Connections::default();
+    let mut builder = connections.server(
         Server::builder().trace_fn(|req| tine_rpc::telemetry::request_span(req, "control-plane")),
     );
     if let Some(tls) = &cfg.tls {
         builder = builder.tls_config(tls.server_config()?)?;
     }
     let router = builder
+        .layer(GateLayer::new(Arc::new(Keeper(ctx.clone()))))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
@@ -161,7 +163,7 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
     let addr = listener.local_addr()?;
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(router.serve_with_incoming_shutdown(
-        keepalive.incoming(listener),
+        connections.incoming(listener),
         async {
             let _ = rx.await;
         },

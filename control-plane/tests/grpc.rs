@@ -1283,7 +1283,7 @@ async fn auth_rejections_and_bad_input_are_audited_and_write_nothing() {
         let e = sb.spawn(req.clone()).await.unwrap_err();
         assert_eq!(e.code(), code, "{req:?}: {}", e.message());
     }
-    // Oversized message: refused by the server's decoder.
+    // Oversized message: refused by the gate as its length prefix arrives.
     let big = "x".repeat(9 << 20);
     let e = sb
         .eval(pb::EvalRequest {
@@ -1293,13 +1293,7 @@ async fn auth_rejections_and_bad_input_are_audited_and_write_nothing() {
         })
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            e.code(),
-            Code::ResourceExhausted | Code::OutOfRange | Code::Internal
-        ),
-        "{e:?}"
-    );
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     let e = sb
         .kill_sandbox(pb::KillSandboxRequest { id: "../x".into() })
         .await
@@ -1324,7 +1318,8 @@ async fn auth_rejections_and_bad_input_are_audited_and_write_nothing() {
         .find(|l| l["status"] == "PERMISSION_DENIED")
         .unwrap();
     assert_eq!(denied["principal"], "alice");
-    assert_eq!(denied["args"]["id"], "ex-a");
+    // Refused on its headers: its body (the arguments) was never read.
+    assert_eq!(denied["args"]["before_handler"], true);
     assert!(denied["peer"].as_str().unwrap().starts_with("127.0.0.1:"));
     let unauth = lines
         .iter()
@@ -1910,5 +1905,167 @@ async fn an_executor_id_belongs_to_its_own_credential() {
         .collect();
     assert_eq!(denied.len(), 2, "{denied:?}");
     assert_eq!(denied[1]["principal"], "executors");
+    cp.shutdown().await.unwrap();
+}
+
+/// A raw HTTP/2 gRPC call: a length prefix declaring `declared` bytes, then `sent`, then the
+/// body stalls (or ends, with `end`). The answer's gRPC status (code, message), or None if
+/// there was none within 3 s.
+async fn raw_call(
+    addr: SocketAddr,
+    path: &str,
+    token: Option<&str>,
+    declared: u32,
+    sent: &[u8],
+    end: bool,
+) -> Option<(Code, String)> {
+    use bytes::Bytes;
+    use http_body::Frame;
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::convert::Infallible>>(4);
+    let mut first = vec![0u8];
+    first.extend_from_slice(&declared.to_be_bytes());
+    first.extend_from_slice(sent);
+    tx.send(Ok(Frame::data(Bytes::from(first)))).await.unwrap();
+    let _held = (!end).then_some(tx);
+    let mut req = http::Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let req = req
+        .body(http_body_util::StreamBody::new(ReceiverStream::new(rx)))
+        .unwrap();
+    let resp = tokio::time::timeout(std::time::Duration::from_secs(3), send.send_request(req))
+        .await
+        .ok()?
+        .unwrap();
+    let status = match Status::from_header_map(resp.headers()) {
+        Some(s) => s,
+        None => {
+            use http_body_util::BodyExt;
+            let body = tokio::time::timeout(
+                std::time::Duration::from_secs(3),
+                resp.into_body().collect(),
+            )
+            .await
+            .ok()?
+            .unwrap();
+            Status::from_header_map(body.trailers()?)?
+        }
+    };
+    Some((status.code(), status.message().to_string()))
+}
+
+/// Calls are judged on their headers: no token, or a message over the call's limit, is
+/// answered before the body has arrived (the bodies here never finish). Calls that never
+/// reach a handler are audited and counted.
+#[tokio::test]
+async fn calls_are_refused_on_their_headers_before_their_body_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let eval = "/tine.v1.Sandboxes/Eval";
+    let get = "/tine.v1.Sandboxes/GetSandbox";
+
+    // No token: 4 MiB declared, 1 KiB sent. Before the gate, the decoder waited for the rest.
+    let (code, msg) = raw_call(cp.addr, eval, None, 4 << 20, &[b'x'; 1024], false)
+        .await
+        .expect("an unauthenticated call was held while its body was awaited");
+    assert_eq!(code, Code::Unauthenticated, "{msg}");
+    let (code, _) = raw_call(cp.addr, eval, Some(&generate_token()), 4 << 20, b"", false)
+        .await
+        .expect("a call with a wrong token was held");
+    assert_eq!(code, Code::Unauthenticated);
+
+    // A known caller, a message over this call's limit (64 KiB for GetSandbox): refused as
+    // soon as its length prefix arrives.
+    let (code, msg) = raw_call(cp.addr, get, Some(&t.user), 1 << 20, &[1; 100], false)
+        .await
+        .expect("an oversized call was held while its body was awaited");
+    assert_eq!(code, Code::ResourceExhausted, "{msg}");
+    assert!(msg.contains("limit of 65536 bytes"), "{msg}");
+    // The same size is fine for a call that carries code (held open: its body never ends).
+    assert_eq!(
+        raw_call(cp.addr, eval, Some(&t.user), 1 << 20, &[1; 100], false).await,
+        None
+    );
+
+    // Undecodable and unknown: answered without a handler, audited all the same.
+    let (code, _) = raw_call(cp.addr, get, Some(&t.user), 6, &[0xff; 6], true)
+        .await
+        .unwrap();
+    assert_ne!(code, Code::Ok);
+    let undecodable = code;
+    let (code, _) = raw_call(
+        cp.addr,
+        "/tine.v1.Sandboxes/Nope",
+        Some(&t.user),
+        0,
+        b"",
+        true,
+    )
+    .await
+    .unwrap();
+    assert_eq!(code, Code::Unimplemented);
+    let (code, _) = raw_call(cp.addr, "/tine.v1.Sandboxes/Nope", None, 0, b"", true)
+        .await
+        .unwrap();
+    assert_eq!(code, Code::Unauthenticated);
+
+    let lines = audit_lines(dir.path());
+    let refused: Vec<(&str, &str, Option<&str>)> = lines
+        .iter()
+        .filter(|l| l["args"]["before_handler"] == true)
+        .map(|l| {
+            (
+                l["rpc"].as_str().unwrap(),
+                l["status"].as_str().unwrap(),
+                l["principal"].as_str(),
+            )
+        })
+        .collect();
+    let undecodable = tine_rpc::status::code_name(undecodable);
+    for expected in [
+        ("tine.v1.Sandboxes/Eval", "UNAUTHENTICATED", None),
+        (
+            "tine.v1.Sandboxes/GetSandbox",
+            "RESOURCE_EXHAUSTED",
+            Some("alice"),
+        ),
+        ("tine.v1.Sandboxes/GetSandbox", undecodable, Some("alice")),
+        ("tine.v1/unknown", "UNIMPLEMENTED", Some("alice")),
+        ("tine.v1/unknown", "UNAUTHENTICATED", None),
+    ] {
+        assert!(
+            refused.contains(&expected),
+            "{expected:?} not in {refused:?}"
+        );
+    }
+    // And the held Eval, cut off by its client before its message was whole.
+    assert!(refused
+        .iter()
+        .any(|r| r.0 == "tine.v1.Sandboxes/Eval" && r.2 == Some("alice")));
+    assert_eq!(refused.len(), 7, "{refused:?}");
+    let metrics = http_get(cp.metrics_addr.unwrap(), "/metrics").await;
+    assert!(
+        metrics.contains(
+            "tine_rpcs_total{code=\"RESOURCE_EXHAUSTED\",rpc=\"tine.v1.Sandboxes/GetSandbox\"} 1"
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics
+            .contains("tine_rpcs_total{code=\"UNAUTHENTICATED\",rpc=\"tine.v1.Sandboxes/Eval\"} 2"),
+        "{metrics}"
+    );
     cp.shutdown().await.unwrap();
 }

@@ -242,14 +242,24 @@ impl TokenSet {
 
     /// Authenticate a call from its `authorization: Bearer <token>` metadata.
     pub fn authenticate(&self, md: &MetadataMap) -> Result<Principal, Status> {
-        let Some(value) = md.get("authorization") else {
+        self.authenticate_value(md.get("authorization").map(|v| v.as_bytes()))
+    }
+
+    /// [`TokenSet::authenticate`] on a request's HTTP headers (before it is decoded).
+    pub fn authenticate_headers(&self, headers: &http::HeaderMap) -> Result<Principal, Status> {
+        self.authenticate_value(headers.get("authorization").map(|v| v.as_bytes()))
+    }
+
+    fn authenticate_value(&self, value: Option<&[u8]>) -> Result<Principal, Status> {
+        let Some(value) = value else {
             return Err(Status::unauthenticated(
                 "missing `authorization: Bearer <token>` metadata (set TINE_TOKEN)",
             ));
         };
-        let value = value
-            .to_str()
-            .map_err(|_| Status::unauthenticated("authorization metadata is not ASCII"))?;
+        let value = std::str::from_utf8(value)
+            .ok()
+            .filter(|v| v.is_ascii())
+            .ok_or_else(|| Status::unauthenticated("authorization metadata is not ASCII"))?;
         let Some(token) = value.strip_prefix("Bearer ") else {
             return Err(Status::unauthenticated(
                 "authorization must be `Bearer <token>`",

@@ -4,6 +4,7 @@
 
 pub mod auth;
 pub mod conn;
+pub mod gate;
 pub mod metrics;
 pub mod status;
 pub mod telemetry;

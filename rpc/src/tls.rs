@@ -32,7 +32,10 @@ impl TlsFiles {
             .with_context(|| format!("reading {}", self.cert.display()))?;
         let key =
             std::fs::read(&self.key).with_context(|| format!("reading {}", self.key.display()))?;
-        Ok(ServerTlsConfig::new().identity(Identity::from_pem(cert, key)))
+        // A handshake that stalls is dropped like a connection that sends no preface.
+        Ok(ServerTlsConfig::new()
+            .identity(Identity::from_pem(cert, key))
+            .timeout(crate::conn::Connections::default().preface))
     }
 }
 

@@ -11,7 +11,8 @@ use tine_host::{Host, HostConfig};
 use tine_proto::executor::v1::executor_server::ExecutorServer;
 use tine_proto::v1 as pb;
 use tine_proto::v1::executors_client::ExecutorsClient;
-use tine_rpc::auth::{executor_secret, Bearer};
+use tine_rpc::auth::{executor_secret, Bearer, Principal, Role, TokenSet};
+use tine_rpc::gate::{GateLayer, Gatekeeper, Refused, Verdict};
 use tine_rpc::limits::MAX_MESSAGE_BYTES;
 use tine_rpc::tls::TlsFiles;
 use tine_rpc::ExecutorId;
@@ -39,6 +40,51 @@ pub struct ExecutorConfig {
     pub allow_plaintext_remote: bool,
     /// Refuse VM work with this message (e.g. PVM hosts).
     pub vm_refusal: Option<String>,
+}
+
+/// The executor's gate: every call of the executor API must carry the control plane's token
+/// (when one is configured), checked on its headers before its body is read.
+struct Keeper {
+    tokens: Option<Arc<TokenSet>>,
+}
+
+const GATED_PREFIX: &str = "/tine.executor.v1.";
+
+impl Gatekeeper for Keeper {
+    fn admit(&self, path: &str, headers: &http::HeaderMap) -> Verdict {
+        if !path.starts_with(GATED_PREFIX) {
+            return Verdict::Open;
+        }
+        let principal = match &self.tokens {
+            Some(t) => match t.authenticate_headers(headers) {
+                Ok(p) => p,
+                Err(status) => {
+                    return Verdict::Refuse {
+                        principal: None,
+                        status,
+                    }
+                }
+            },
+            None => Principal {
+                name: "anonymous".into(),
+                role: Role::Executor,
+            },
+        };
+        Verdict::Admit {
+            principal,
+            body_limit: MAX_MESSAGE_BYTES,
+        }
+    }
+
+    fn refused(&self, call: Refused<'_>) {
+        tracing::warn!(
+            path = call.path,
+            peer = ?call.peer,
+            code = tine_rpc::status::code_name(call.status.code()),
+            "refused before the handler: {}",
+            call.status.message()
+        );
+    }
 }
 
 pub struct RunningExecutor {
@@ -107,29 +153,23 @@ pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
     })
     .max_decoding_message_size(MAX_MESSAGE_BYTES)
     .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let check = move |req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(t) = &tokens {
-            t.authenticate(req.metadata())?;
-        }
-        Ok(req)
-    };
-    let keepalive = tine_rpc::conn::Keepalive::default();
-    let mut builder = keepalive.server(
+    let connections = tine_rpc::conn::Connections::default();
+    let mut builder = connections.server(
         Server::builder().trace_fn(|req| tine_rpc::telemetry::request_span(req, "executor")),
     );
     if let Some(tls) = &cfg.tls {
         builder = builder.tls_config(tls.server_config()?)?;
     }
-    let router = builder.add_service(tonic::service::interceptor::InterceptedService::new(
-        svc, check,
-    ));
+    let router = builder
+        .layer(GateLayer::new(Arc::new(Keeper { tokens })))
+        .add_service(svc);
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("binding {}", cfg.listen))?;
     let addr = listener.local_addr()?;
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(router.serve_with_incoming_shutdown(
-        keepalive.incoming(listener),
+        connections.incoming(listener),
         async {
             let _ = rx.await;
         },
