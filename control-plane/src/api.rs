@@ -23,6 +23,7 @@ use crate::db::{
 };
 use crate::executors::ExecClient;
 use crate::now_ms;
+use crate::paging::{self, Cursor};
 use crate::scheduler::{self, Candidate, Policy};
 use tine_rpc::status::{code_name, from_child_error};
 use tine_rpc::validate;
@@ -1014,17 +1015,24 @@ impl Snapshots for Api {
         &self,
         req: Request<pb::ListSnapshotsRequest>,
     ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
-        let call = self.ctx.begin(Rpc::ListSnapshots, &req, json!({}))?;
+        let r = req.get_ref().clone();
+        let call = self.ctx.begin(
+            Rpc::ListSnapshots,
+            &req,
+            json!({"page_size": r.page_size, "page_token": r.page_token}),
+        )?;
         let res = async {
+            let list = "snapshots";
+            let page = paging::request(list, r.page_size, &r.page_token)?;
+            let after = page.after.as_ref().map(|a| (a.created_ms, a.key.as_str()));
+            let rows = self.ctx.db.snapshots_page(after, page.size + 1).await?;
+            let (rows, next_page_token) = paging::finish(list, &page, rows, |s| Cursor {
+                created_ms: s.created_ms,
+                key: s.tag.clone(),
+            });
             Ok(pb::ListSnapshotsResponse {
-                snapshots: self
-                    .ctx
-                    .db
-                    .snapshots()
-                    .await?
-                    .iter()
-                    .map(snapshot_msg)
-                    .collect(),
+                snapshots: rows.iter().map(snapshot_msg).collect(),
+                next_page_token,
             })
         }
         .await;
@@ -1116,7 +1124,7 @@ impl Sandboxes for Api {
         let call = self.ctx.begin(
             Rpc::ListSandboxes,
             &req,
-            json!({"tag": r.tag, "all": r.all}),
+            json!({"tag": r.tag, "all": r.all, "page_size": r.page_size, "page_token": r.page_token}),
         )?;
         let res = async {
             let tag = if r.tag.is_empty() {
@@ -1125,15 +1133,21 @@ impl Sandboxes for Api {
                 validate::name("tag", &r.tag)?;
                 Some(r.tag.as_str())
             };
+            let list = format!("sandboxes?tag={}&all={}", r.tag, r.all);
+            let page = paging::request(&list, r.page_size, &r.page_token)?;
+            let after = page.after.as_ref().map(|a| (a.created_ms, a.key.as_str()));
+            let rows = self
+                .ctx
+                .db
+                .sandboxes_page(tag, r.all, after, page.size + 1)
+                .await?;
+            let (rows, next_page_token) = paging::finish(&list, &page, rows, |s| Cursor {
+                created_ms: s.created_ms,
+                key: s.id.clone(),
+            });
             Ok(pb::ListSandboxesResponse {
-                sandboxes: self
-                    .ctx
-                    .db
-                    .sandboxes(tag, r.all)
-                    .await?
-                    .iter()
-                    .map(sandbox_msg)
-                    .collect(),
+                sandboxes: rows.iter().map(sandbox_msg).collect(),
+                next_page_token,
             })
         }
         .await;
@@ -1379,14 +1393,23 @@ impl tine_proto::v1::executors_server::Executors for Api {
         &self,
         req: Request<pb::ListExecutorsRequest>,
     ) -> Result<Response<pb::ListExecutorsResponse>, Status> {
-        let call = self.ctx.begin(Rpc::ListExecutors, &req, json!({}))?;
+        let r = req.get_ref().clone();
+        let call = self.ctx.begin(
+            Rpc::ListExecutors,
+            &req,
+            json!({"page_size": r.page_size, "page_token": r.page_token}),
+        )?;
         let res = async {
+            let list = "executors";
+            let page = paging::request(list, r.page_size, &r.page_token)?;
+            let after = page.after.as_ref().map(|a| a.key.as_str());
+            let rows = self.ctx.db.executors_page(after, page.size + 1).await?;
+            let (rows, next_page_token) = paging::finish(list, &page, rows, |e| Cursor {
+                created_ms: 0,
+                key: e.id.clone(),
+            });
             let copies = self.ctx.db.copies().await?;
-            let executors = self
-                .ctx
-                .db
-                .executors()
-                .await?
+            let executors = rows
                 .iter()
                 .map(|e| {
                     let tags = copies
@@ -1397,7 +1420,10 @@ impl tine_proto::v1::executors_server::Executors for Api {
                     self.executor_msg(e, tags)
                 })
                 .collect();
-            Ok(pb::ListExecutorsResponse { executors })
+            Ok(pb::ListExecutorsResponse {
+                executors,
+                next_page_token,
+            })
         }
         .await;
         self.ctx.finish(call, res.map(Response::new))

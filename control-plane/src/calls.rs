@@ -164,14 +164,18 @@ pub struct SandboxTimeouts {
     pub default_s: u32,
     /// The most a spawn or SetTimeout may ask for, in seconds.
     pub max_s: u32,
+    /// Seconds an ended (killed, failed, lost) sandbox stays listed before it is forgotten
+    /// (0: kept forever). The audit log keeps every call regardless.
+    pub history_s: u32,
 }
 
 impl Default for SandboxTimeouts {
-    /// E2B's default of five minutes; a day at most.
+    /// E2B's default of five minutes; a day at most; a week of history.
     fn default() -> Self {
         SandboxTimeouts {
             default_s: 300,
             max_s: 86_400,
+            history_s: 7 * 86_400,
         }
     }
 }

@@ -319,6 +319,13 @@ impl Db {
         Ok(Db { pool })
     }
 
+    /// A transaction that writes: it takes the write lock when it begins (BEGIN IMMEDIATE), so
+    /// it waits its turn under the busy timeout instead of failing with "database is locked"
+    /// when another writer commits between its reads and its first write.
+    async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>> {
+        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
+    }
+
     pub async fn close(&self) {
         self.pool.close().await;
     }
@@ -336,7 +343,7 @@ impl Db {
         principal: &str,
     ) -> Result<()> {
         let now = now_ms();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let held: Option<String> =
             sqlx::query_scalar("SELECT principal FROM executors WHERE id = ?")
                 .bind(id)
@@ -373,7 +380,7 @@ impl Db {
     /// Record a heartbeat from `principal`; false when executor `id` is unknown or registered
     /// with another credential (it must register again, which says why).
     pub async fn heartbeat(&self, id: &str, r: &ExecutorReport, principal: &str) -> Result<bool> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let done = sqlx::query(
             "UPDATE executors SET max_sandboxes = ?, running_sandboxes = ?, mem_total_mib = ?, \
              mem_available_mib = ?, last_heartbeat_ms = ? WHERE id = ? AND principal IN (?, '')",
@@ -403,7 +410,7 @@ impl Db {
         ended: &[(String, String, bool)],
     ) -> Result<Vec<(String, String, bool)>> {
         let mut newly = Vec::new();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         for (id, reason, oom) in ended {
             // 'lost' too: a report can race the child's death (seen in neither list), and
             // the reason is worth more than "its executor no longer runs it".
@@ -432,7 +439,7 @@ impl Db {
         live: &[String],
         grace_ms: i64,
     ) -> Result<Vec<String>> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let known: Vec<(String, String, i64)> = sqlx::query_as(
             "SELECT id, state, created_ms FROM sandboxes WHERE executor_id = ? AND state IN ('starting', 'ready')",
         )
@@ -468,6 +475,21 @@ impl Db {
         Ok(sqlx::query_as("SELECT * FROM executors ORDER BY id")
             .fetch_all(&self.pool)
             .await?)
+    }
+
+    /// Up to `limit` executors by id, after `after`.
+    pub async fn executors_page(
+        &self,
+        after: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<ExecutorRow>> {
+        Ok(sqlx::query_as(
+            "SELECT * FROM executors WHERE ?1 IS NULL OR id > ?1 ORDER BY id LIMIT ?2",
+        )
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?)
     }
 
     pub async fn executor(&self, id: &str) -> Result<Option<ExecutorRow>> {
@@ -507,7 +529,7 @@ impl Db {
     // ---- snapshots ----
 
     pub async fn insert_snapshot(&self, s: &NewSnapshot) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let r = sqlx::query(
             "INSERT INTO snapshots (tag, parent_tag, image, vcpus, mem_mib, source_sandbox, created_ms, \
                head_digest, parent_digest, chain, memory_bytes, stored_bytes, compressed_bytes, \
@@ -559,7 +581,7 @@ impl Db {
         executor_id: &str,
         layers: Option<&SnapshotLayers>,
     ) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let r = sqlx::query(
             "UPDATE snapshots SET state = 'ready', writing_until_ms = NULL, \
                head_digest = ?, parent_digest = ?, chain = ?, memory_bytes = ?, stored_bytes = ?, \
@@ -615,6 +637,25 @@ impl Db {
     pub async fn snapshots(&self) -> Result<Vec<SnapshotRow>> {
         let q = format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots s ORDER BY s.created_ms, s.tag");
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(q))
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    /// Up to `limit` snapshots, oldest first, after the one created at `after`.
+    pub async fn snapshots_page(
+        &self,
+        after: Option<(i64, &str)>,
+        limit: u32,
+    ) -> Result<Vec<SnapshotRow>> {
+        let q = format!(
+            "SELECT {SNAPSHOT_COLUMNS} FROM snapshots s \
+             WHERE ?1 IS NULL OR (s.created_ms, s.tag) > (?1, ?2) \
+             ORDER BY s.created_ms, s.tag LIMIT ?3"
+        );
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(q))
+            .bind(after.map(|a| a.0))
+            .bind(after.map(|a| a.1))
+            .bind(limit)
             .fetch_all(&self.pool)
             .await?)
     }
@@ -675,7 +716,7 @@ impl Db {
         let mut doomed = descendants;
         doomed.reverse(); // children before parents (RESTRICT on parent_tag)
         doomed.push(me);
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         for s in &doomed {
             sqlx::query("DELETE FROM snapshots WHERE tag = ?")
                 .bind(&s.tag)
@@ -715,7 +756,7 @@ impl Db {
                 .await?;
             return Ok(());
         }
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         for (id, tag, executor) in rows {
             sqlx::query(INSERT)
                 .bind(id)
@@ -816,6 +857,40 @@ impl Db {
         .bind(include_ended)
         .fetch_all(&self.pool)
         .await?)
+    }
+
+    /// [`Db::sandboxes`], a page at a time: up to `limit` after the one created at `after`.
+    pub async fn sandboxes_page(
+        &self,
+        tag: Option<&str>,
+        include_ended: bool,
+        after: Option<(i64, &str)>,
+        limit: u32,
+    ) -> Result<Vec<SandboxRow>> {
+        Ok(sqlx::query_as(
+            "SELECT * FROM sandboxes WHERE (?1 IS NULL OR tag = ?1) \
+             AND (?2 OR state IN ('starting', 'ready')) \
+             AND (?3 IS NULL OR (created_ms, id) > (?3, ?4)) \
+             ORDER BY created_ms, id LIMIT ?5",
+        )
+        .bind(tag)
+        .bind(include_ended)
+        .bind(after.map(|a| a.0))
+        .bind(after.map(|a| a.1))
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// Forget sandboxes that ended before `cutoff_ms` (history retention); how many.
+    pub async fn forget_ended_before(&self, cutoff_ms: i64) -> Result<u64> {
+        Ok(
+            sqlx::query("DELETE FROM sandboxes WHERE ended_ms IS NOT NULL AND ended_ms < ?")
+                .bind(cutoff_ms)
+                .execute(&self.pool)
+                .await?
+                .rows_affected(),
+        )
     }
 
     pub async fn count_live_sandboxes(&self) -> Result<i64> {

@@ -8,6 +8,7 @@ pub mod calls;
 pub mod db;
 pub mod executors;
 pub mod metrics;
+pub mod paging;
 pub mod scheduler;
 pub mod server;
 

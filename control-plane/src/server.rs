@@ -180,7 +180,8 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
     }
     background.push(tokio::spawn(reopen_audit_on_sighup(ctx.clone())));
     background.push(tokio::spawn(refresh_gauges(api.clone())));
-    background.push(tokio::spawn(expire_sandboxes(api)));
+    background.push(tokio::spawn(expire_sandboxes(api.clone())));
+    background.push(tokio::spawn(forget_history(api)));
     tracing::info!(%addr, "control plane listening");
     Ok(RunningServer {
         addr,
@@ -212,6 +213,24 @@ async fn expire_sandboxes(api: Api) {
     loop {
         api.expire_due().await;
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Forget sandboxes that ended longer ago than the history retention, at start and then every
+/// ten minutes, so the sandboxes table (and ListSandboxes with `all`) stays bounded.
+async fn forget_history(api: Api) {
+    let history_s = api.ctx.timeouts.history_s;
+    if history_s == 0 {
+        return;
+    }
+    loop {
+        let cutoff = crate::now_ms() - i64::from(history_s) * 1000;
+        match api.ctx.db.forget_ended_before(cutoff).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(forgotten = n, "sandboxes past the history retention"),
+            Err(e) => tracing::warn!("forgetting old sandboxes: {e}"),
+        }
+        tokio::time::sleep(Duration::from_secs(600)).await;
     }
 }
 

@@ -595,7 +595,7 @@ async fn placement_across_three_executors() {
     let live = sb
         .list_sandboxes(pb::ListSandboxesRequest {
             tag: "py".into(),
-            all: false,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -718,7 +718,7 @@ async fn lineage_queries_and_delete_rules() {
         err.message()
     );
     assert_eq!(
-        sn.list_snapshots(pb::ListSnapshotsRequest {})
+        sn.list_snapshots(pb::ListSnapshotsRequest::default())
             .await
             .unwrap()
             .into_inner()
@@ -747,7 +747,7 @@ async fn lineage_queries_and_delete_rules() {
     assert_eq!(d.deleted.len(), 3);
     assert_eq!(d.deleted.last().unwrap(), "root", "children before parents");
     assert!(sn
-        .list_snapshots(pb::ListSnapshotsRequest {})
+        .list_snapshots(pb::ListSnapshotsRequest::default())
         .await
         .unwrap()
         .into_inner()
@@ -802,7 +802,7 @@ async fn restart_keeps_everything_and_executors_readopt_their_sandboxes() {
     let cp = server::start(config(dir.path(), &t)).await.unwrap();
     let (mut sn, mut sb, _) = clients(cp.addr, Some(&t.user)).await;
     assert_eq!(
-        sn.list_snapshots(pb::ListSnapshotsRequest {})
+        sn.list_snapshots(pb::ListSnapshotsRequest::default())
             .await
             .unwrap()
             .into_inner()
@@ -828,8 +828,8 @@ async fn restart_keeps_everything_and_executors_readopt_their_sandboxes() {
     assert_eq!(r.unknown_sandboxes, vec!["sbx-stranger"]);
     let after = sb
         .list_sandboxes(pb::ListSandboxesRequest {
-            tag: String::new(),
             all: true,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -1222,7 +1222,7 @@ async fn auth_rejections_and_bad_input_are_audited_and_write_nothing() {
 
     let (mut anon, _, _) = clients(cp.addr, None).await;
     let e = anon
-        .list_snapshots(pb::ListSnapshotsRequest {})
+        .list_snapshots(pb::ListSnapshotsRequest::default())
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::Unauthenticated);
@@ -1347,7 +1347,7 @@ async fn exposure_rules() {
     cfg.auth = Auth::Disabled;
     let cp = server::start(cfg).await.unwrap();
     let (mut sn, _, _) = clients(cp.addr, None).await;
-    sn.list_snapshots(pb::ListSnapshotsRequest {})
+    sn.list_snapshots(pb::ListSnapshotsRequest::default())
         .await
         .unwrap();
     cp.shutdown().await.unwrap();
@@ -1377,7 +1377,7 @@ async fn tls_listener_serves_clients_that_trust_its_ca() {
         .await
         .unwrap();
     let mut sn = SnapshotsClient::with_interceptor(ch, Bearer::new(Some(&t.user)).unwrap());
-    sn.list_snapshots(pb::ListSnapshotsRequest {})
+    sn.list_snapshots(pb::ListSnapshotsRequest::default())
         .await
         .unwrap();
 
@@ -1389,7 +1389,7 @@ async fn tls_listener_serves_clients_that_trust_its_ca() {
     if let Ok(ch) = plain {
         let mut sn = SnapshotsClient::with_interceptor(ch, Bearer::new(Some(&t.user)).unwrap());
         assert!(sn
-            .list_snapshots(pb::ListSnapshotsRequest {})
+            .list_snapshots(pb::ListSnapshotsRequest::default())
             .await
             .is_err());
     }
@@ -1760,7 +1760,7 @@ async fn calls_that_act_are_refused_while_the_audit_log_cannot_be_written() {
     add_snapshot(&cp, "py", None, "ex-a").await;
     let (mut snaps, mut sb, _) = clients(cp.addr, Some(&t.admin)).await;
     let listed = snaps
-        .list_snapshots(pb::ListSnapshotsRequest {})
+        .list_snapshots(pb::ListSnapshotsRequest::default())
         .await
         .unwrap()
         .into_inner();
@@ -2067,5 +2067,130 @@ async fn calls_are_refused_on_their_headers_before_their_body_is_read() {
             .contains("tine_rpcs_total{code=\"UNAUTHENTICATED\",rpc=\"tine.v1.Sandboxes/Eval\"} 2"),
         "{metrics}"
     );
+    cp.shutdown().await.unwrap();
+}
+
+/// Every page of ListSandboxes(tag, all) at `size` a page; the ids in order.
+async fn sandbox_pages(
+    sb: &mut SandboxesClient<Svc>,
+    all: bool,
+    size: u32,
+) -> (Vec<String>, usize) {
+    let (mut ids, mut pages, mut token) = (Vec::new(), 0, String::new());
+    loop {
+        let r = sb
+            .list_sandboxes(pb::ListSandboxesRequest {
+                all,
+                page_size: size,
+                page_token: token,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        pages += 1;
+        assert!(size == 0 || r.sandboxes.len() <= size as usize);
+        ids.extend(r.sandboxes.into_iter().map(|s| s.id));
+        if r.next_page_token.is_empty() {
+            return (ids, pages);
+        }
+        token = r.next_page_token;
+    }
+}
+
+/// Lists come in pages whose tokens continue only their own list; ended sandboxes are
+/// forgotten after the history retention (here 1 s, applied when a control plane starts).
+#[tokio::test]
+async fn lists_are_paged_and_ended_sandboxes_are_forgotten_after_the_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (_fake, addr) = start_executor(&t.executor).await;
+    register(cp.addr, &t, "ex-a", addr, 16, &[], &[]).await;
+    for tag in ["a", "b", "c"] {
+        add_snapshot(&cp, tag, None, "ex-a").await;
+    }
+    let (mut sn, mut sb, mut ex) = clients(cp.addr, Some(&t.admin)).await;
+    let ev = spawn_all(&mut sb, "a", 7, pb::PlacementPolicy::Spread).await;
+    assert_eq!(ready_on(&ev).get("ex-a"), Some(&7));
+
+    let (ids, pages) = sandbox_pages(&mut sb, false, 3).await;
+    assert_eq!(pages, 3);
+    let (all_at_once, _) = sandbox_pages(&mut sb, false, 0).await;
+    assert_eq!(ids, all_at_once);
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 7);
+
+    let first = sn
+        .list_snapshots(pb::ListSnapshotsRequest {
+            page_size: 2,
+            page_token: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(first.snapshots.len(), 2);
+    let rest = sn
+        .list_snapshots(pb::ListSnapshotsRequest {
+            page_size: 2,
+            page_token: first.next_page_token.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(rest.snapshots.len(), 1);
+    assert!(rest.next_page_token.is_empty());
+    let executors = ex
+        .list_executors(pb::ListExecutorsRequest {
+            page_size: 1,
+            page_token: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(executors.executors.len(), 1);
+    assert!(executors.next_page_token.is_empty());
+
+    // A token continues only the list (and filter) it came from; sizes are bounded.
+    let e = sb
+        .list_sandboxes(pb::ListSandboxesRequest {
+            page_token: first.next_page_token.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = sb
+        .list_sandboxes(pb::ListSandboxesRequest {
+            page_size: 1001,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("page_size"), "{e:?}");
+
+    // Two end; with all=true they are listed, until the retention passes.
+    for id in &ids[..2] {
+        sb.kill_sandbox(pb::KillSandboxRequest { id: id.clone() })
+            .await
+            .unwrap();
+    }
+    assert_eq!(sandbox_pages(&mut sb, true, 0).await.0.len(), 7);
+    assert_eq!(sandbox_pages(&mut sb, false, 0).await.0.len(), 5);
+    cp.shutdown().await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let mut cfg = config(dir.path(), &t);
+    cfg.sandbox_timeouts.history_s = 1;
+    let cp = server::start(cfg).await.unwrap();
+    let (_, mut sb, _) = clients(cp.addr, Some(&t.admin)).await;
+    let mut remembered = Vec::new();
+    for _ in 0..50 {
+        remembered = sandbox_pages(&mut sb, true, 0).await.0;
+        if remembered.len() == 5 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(remembered, ids[2..].to_vec());
     cp.shutdown().await.unwrap();
 }

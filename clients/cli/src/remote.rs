@@ -337,16 +337,26 @@ pub fn sandbox(c: SandboxCommand) -> Result<i32> {
                 Ok(0)
             }
             SandboxCommand::Ls { tag, all } => {
-                let r = sb
-                    .list_sandboxes(pb::ListSandboxesRequest {
-                        tag: tag.unwrap_or_default(),
-                        all,
-                    })
-                    .await
-                    .map_err(status_err)?
-                    .into_inner();
+                let tag = tag.unwrap_or_default();
+                let sandboxes = all_pages(|page_token| {
+                    let (mut sb, tag) = (sb.clone(), tag.clone());
+                    async move {
+                        let r = sb
+                            .list_sandboxes(pb::ListSandboxesRequest {
+                                tag,
+                                all,
+                                page_size: 0,
+                                page_token,
+                            })
+                            .await
+                            .map_err(status_err)?
+                            .into_inner();
+                        Ok((r.sandboxes, r.next_page_token))
+                    }
+                })
+                .await?;
                 println!("{:<22} {:<10} {:<16} {:<12} {:>10}", "ID", "STATE", "SNAPSHOT", "EXECUTOR", "READY ms");
-                for s in r.sandboxes {
+                for s in sandboxes {
                     let state = sandbox_state(&s);
                     println!(
                         "{:<22} {:<10} {:<16} {:<12} {:>10.2}",
@@ -657,14 +667,23 @@ pub fn snapshots(c: SnapshotsCommand) -> Result<i32> {
                 eprintln!("[tine] created in {:.1} s", t0.elapsed().as_secs_f64());
             }
             SnapshotsCommand::Ls => {
-                for s in sn
-                    .list_snapshots(pb::ListSnapshotsRequest {})
-                    .await
-                    .map_err(status_err)?
-                    .into_inner()
-                    .snapshots
-                {
-                    print_snapshot(&s, "");
+                let snapshots = all_pages(|page_token| {
+                    let mut sn = sn.clone();
+                    async move {
+                        let r = sn
+                            .list_snapshots(pb::ListSnapshotsRequest {
+                                page_size: 0,
+                                page_token,
+                            })
+                            .await
+                            .map_err(status_err)?
+                            .into_inner();
+                        Ok((r.snapshots, r.next_page_token))
+                    }
+                })
+                .await?;
+                for s in &snapshots {
+                    print_snapshot(s, "");
                 }
             }
             SnapshotsCommand::Get { tag } => {
@@ -712,11 +731,21 @@ pub fn executors(c: ExecutorsCommand) -> Result<i32> {
     conn.rt.block_on(async {
         let list = match c {
             ExecutorsCommand::Ls => {
-                ex.list_executors(pb::ListExecutorsRequest {})
-                    .await
-                    .map_err(status_err)?
-                    .into_inner()
-                    .executors
+                all_pages(|page_token| {
+                    let mut ex = ex.clone();
+                    async move {
+                        let r = ex
+                            .list_executors(pb::ListExecutorsRequest {
+                                page_size: 0,
+                                page_token,
+                            })
+                            .await
+                            .map_err(status_err)?
+                            .into_inner();
+                        Ok((r.executors, r.next_page_token))
+                    }
+                })
+                .await?
             }
             ExecutorsCommand::Drain { id } => vec![ex
                 .drain_executor(pb::DrainExecutorRequest { id })
@@ -827,5 +856,23 @@ fn print_sandbox(s: &pb::Sandbox, json: bool) {
         }
         println!("cpu time:       {:.3} s", u.cpu_usage_us as f64 / 1e6);
         println!("cpu throttled:  {} periods", u.cpu_throttled_periods);
+    }
+}
+
+/// Every entry of a paged List call: `page(token)` answers one page and the next page's
+/// token ("" after the last).
+async fn all_pages<T, F, Fut>(mut page: F) -> Result<Vec<T>>
+where
+    F: FnMut(String) -> Fut,
+    Fut: std::future::Future<Output = Result<(Vec<T>, String)>>,
+{
+    let (mut out, mut token) = (Vec::new(), String::new());
+    loop {
+        let (entries, next) = page(token).await?;
+        out.extend(entries);
+        if next.is_empty() {
+            return Ok(out);
+        }
+        token = next;
     }
 }

@@ -288,6 +288,10 @@ pub struct LifetimeArgs {
     /// The most a spawn or SetTimeout may ask for, in seconds.
     #[arg(long, default_value_t = 86_400)]
     max_sandbox_timeout_secs: u32,
+    /// Seconds an ended sandbox stays listed (`tine ps --all`) before it is forgotten (0:
+    /// forever; the audit log keeps every call either way).
+    #[arg(long, default_value_t = 7 * 86_400)]
+    history_retention_secs: u32,
 }
 
 impl LifetimeArgs {
@@ -302,6 +306,7 @@ impl LifetimeArgs {
         Ok(tine_control_plane::server::SandboxTimeouts {
             default_s: self.sandbox_timeout_secs,
             max_s: self.max_sandbox_timeout_secs,
+            history_s: self.history_retention_secs,
         })
     }
 }

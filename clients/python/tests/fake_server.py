@@ -155,7 +155,12 @@ class Sandboxes(pb_grpc.SandboxesServicer):
             for s in self.st.sandboxes.values()
             if (request.all or s.state == pb.SANDBOX_STATE_READY) and (not request.tag or s.tag == request.tag)
         ]
-        return pb.ListSandboxesResponse(sandboxes=out)
+        # Pages of two, so clients are seen to follow next_page_token (the token: an offset).
+        start = int(request.page_token or 0)
+        more = start + 2 < len(out)
+        return pb.ListSandboxesResponse(
+            sandboxes=out[start : start + 2], next_page_token=str(start + 2) if more else ""
+        )
 
     def GetSandbox(self, request: Any, context: Any) -> Any:
         _auth(context)
@@ -295,7 +300,12 @@ class Executors(pb_grpc.ExecutorsServicer):
 
     def ListExecutors(self, request: Any, context: Any) -> Any:
         _auth(context)
-        return pb.ListExecutorsResponse(executors=list(self.executors.values()))
+        out = list(self.executors.values())
+        start = int(request.page_token or 0)
+        more = start + 1 < len(out)
+        return pb.ListExecutorsResponse(
+            executors=out[start : start + 1], next_page_token=str(start + 1) if more else ""
+        )
 
     def DrainExecutor(self, request: Any, context: Any) -> Any:
         _auth(context)

@@ -918,8 +918,17 @@ class Client:
     def sandboxes(self, all: bool = False, tag: str = "") -> list[Sandbox]:
         """Running sandboxes (``all``: also killed, failed and lost ones), optionally of one
         snapshot ``tag``."""
-        r = self._unary(self._sandboxes.ListSandboxes, pb.ListSandboxesRequest(tag=tag, all=all))
-        return [Sandbox(self, s) for s in r.sandboxes]
+        out: list[Sandbox] = []
+        token = ""
+        while True:
+            r = self._unary(
+                self._sandboxes.ListSandboxes,
+                pb.ListSandboxesRequest(tag=tag, all=all, page_token=token),
+            )
+            out.extend(Sandbox(self, s) for s in r.sandboxes)
+            if not r.next_page_token:
+                return out
+            token = r.next_page_token
 
     def sandbox(self, id: str) -> Sandbox:
         """A handle on an existing sandbox, by id."""
@@ -929,8 +938,14 @@ class Client:
 
     def executors(self) -> list[Executor]:
         """The executor hosts (needs an admin token)."""
-        r = self._unary(self._executors.ListExecutors, pb.ListExecutorsRequest())
-        return [Executor._from_pb(e) for e in r.executors]
+        out: list[Executor] = []
+        token = ""
+        while True:
+            r = self._unary(self._executors.ListExecutors, pb.ListExecutorsRequest(page_token=token))
+            out.extend(Executor._from_pb(e) for e in r.executors)
+            if not r.next_page_token:
+                return out
+            token = r.next_page_token
 
     def drain_executor(self, id: str) -> Executor:
         """Stop placing new sandboxes on an executor; its running sandboxes stay."""
