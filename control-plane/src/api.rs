@@ -405,26 +405,7 @@ impl Api {
     ) -> Result<pb::Snapshot, Status> {
         validate::name("tag", &r.tag)?;
         validate::name("image", &r.image)?;
-        if r.vcpus > 64 {
-            return Err(Status::invalid_argument(format!(
-                "vcpus: {} is over 64",
-                r.vcpus
-            )));
-        }
-        if r.mem_mib != 0 && !(64..=262_144).contains(&r.mem_mib) {
-            return Err(Status::invalid_argument(format!(
-                "mem_mib: {} is outside 64..=262144",
-                r.mem_mib
-            )));
-        }
-        if r.warmup_eval.len() > 64 {
-            return Err(Status::invalid_argument(
-                "warmup_eval: more than 64 entries",
-            ));
-        }
-        for c in &r.warmup_eval {
-            validate::code("warmup_eval", c)?;
-        }
+        validate::parent_shape(&r)?;
         if self.ctx.db.snapshot(&r.tag).await?.is_some() {
             return Err(Status::already_exists(format!(
                 "snapshot {} already exists",

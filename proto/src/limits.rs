@@ -13,6 +13,17 @@ pub const DEFAULT_READY_TIMEOUT_MS: u32 = 120_000;
 /// broken, not slow, and must not hold a slot.
 pub const MAX_READY_TIMEOUT_MS: u32 = 900_000;
 
+/// Most vCPUs a parent VM may have.
+pub const MAX_VCPUS: u32 = 64;
+
+/// Guest memory a parent VM may be given (MiB): enough for a kernel and the agent, and at
+/// most 256 GiB.
+pub const MIN_GUEST_MEM_MIB: u64 = 64;
+pub const MAX_GUEST_MEM_MIB: u64 = 256 << 10;
+
+/// Most warm-up snippets one CreateSnapshot may carry.
+pub const MAX_WARMUP_EVALS: usize = 64;
+
 /// The smallest memory limit a child may be given (MiB): its VMM's own memory, the page
 /// tables KVM keeps for it, and what the guest writes while it is made ready.
 pub const MIN_MEMORY_LIMIT_MIB: u64 = 64;

@@ -2,8 +2,8 @@
 //! Names are parsed into their validated types here, at the edge.
 
 use tine_proto::limits::{
-    MAX_CPU_MILLIS, MAX_MEMORY_LIMIT_MIB, MAX_READY_TIMEOUT_MS, MAX_SPAWN, MIN_CPU_MILLIS,
-    MIN_MEMORY_LIMIT_MIB,
+    MAX_CPU_MILLIS, MAX_GUEST_MEM_MIB, MAX_MEMORY_LIMIT_MIB, MAX_READY_TIMEOUT_MS, MAX_SPAWN,
+    MAX_VCPUS, MAX_WARMUP_EVALS, MIN_CPU_MILLIS, MIN_GUEST_MEM_MIB, MIN_MEMORY_LIMIT_MIB,
 };
 use tine_proto::names::{ExecutorId, NameError, SandboxId, Tag};
 use tonic::Status;
@@ -52,6 +52,32 @@ pub fn ready_timeout_ms(ms: u32) -> Result<(), Status> {
             "ready_timeout_ms",
             format!("{ms} is over {MAX_READY_TIMEOUT_MS}"),
         ));
+    }
+    Ok(())
+}
+
+/// A parent VM's shape: vCPUs (0: one) up to `MAX_VCPUS`, guest memory 0 (the image's
+/// recommendation) or within `MIN_GUEST_MEM_MIB..=MAX_GUEST_MEM_MIB`, and no more warm-up
+/// snippets than `MAX_WARMUP_EVALS`, each a bounded piece of code.
+pub fn parent_shape(r: &tine_proto::v1::CreateSnapshotRequest) -> Result<(), Status> {
+    if r.vcpus > MAX_VCPUS {
+        return Err(invalid("vcpus", format!("{} is over {MAX_VCPUS}", r.vcpus)));
+    }
+    let m = r.mem_mib;
+    if m != 0 && !(MIN_GUEST_MEM_MIB..=MAX_GUEST_MEM_MIB).contains(&m) {
+        return Err(invalid(
+            "mem_mib",
+            format!("{m} is outside {MIN_GUEST_MEM_MIB}..={MAX_GUEST_MEM_MIB} (0: the image's)"),
+        ));
+    }
+    if r.warmup_eval.len() > MAX_WARMUP_EVALS {
+        return Err(invalid(
+            "warmup_eval",
+            format!("more than {MAX_WARMUP_EVALS} entries"),
+        ));
+    }
+    for c in &r.warmup_eval {
+        code("warmup_eval", c)?;
     }
     Ok(())
 }

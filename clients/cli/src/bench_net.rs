@@ -221,7 +221,7 @@ pub fn run(b: NetBench) -> Result<i32> {
     let tag = Tag::parse("bench-net")?;
     let t = Instant::now();
     net.create_snapshot(&ParentSpec {
-        image: b.image.clone(),
+        image: tine_image::ImageRef::Local(b.image.clone()),
         tag: tag.clone(),
         vcpus: 1,
         mem_mib: None,

@@ -50,7 +50,7 @@ pub fn snapshot(a: SnapshotArgs) -> Result<i32> {
     refuse_pvm(a.allow_pvm)?;
     let host = cli_host(Readiness::Agent)?;
     let made = host.create_snapshot(&ParentSpec {
-        image: a.image,
+        image: tine_image::ImageRef::Local(a.image),
         tag: a.tag.clone(),
         vcpus: a.vcpus,
         mem_mib: a.mem_mib,

@@ -370,10 +370,20 @@ impl Executor for ExecutorService {
         let r = req.into_inner();
         let tag = validate::tag("tag", &r.tag)?;
         validate::name("image", &r.image)?;
+        // Checked here too: this host's memory is what a parent's RAM comes out of.
+        validate::parent_shape(&r)?;
+        let (total_mib, _) = meminfo();
+        if total_mib != 0 && r.mem_mib > total_mib {
+            return Err(Status::invalid_argument(format!(
+                "mem_mib: {} is more than this host's {total_mib} MiB",
+                r.mem_mib
+            )));
+        }
         let vcpus = u8::try_from(r.vcpus.max(1))
             .map_err(|_| Status::invalid_argument("vcpus: at most 255"))?;
         let spec = ParentSpec {
-            image: r.image.clone(),
+            // Only what the image store holds: a remote caller never names a host path.
+            image: tine_host::ImageRef::Stored(r.image.clone()),
             tag,
             vcpus,
             mem_mib: (r.mem_mib != 0).then_some(r.mem_mib),

@@ -113,6 +113,27 @@ async fn executor_api_end_to_end() {
     let e = anon.info(xpb::InfoRequest {}).await.unwrap_err();
     assert_eq!(e.code(), Code::Unauthenticated);
 
+    // A parent's shape and image are checked here as well as at the control plane: no more
+    // RAM than the bounds (or this host), images from the image store only.
+    for (image, mem_mib, field) in [
+        ("busybox", 1u64 << 40, "mem_mib"),
+        ("busybox", 8, "mem_mib"),
+        ("../../etc", 0, "image"),
+        ("/tmp", 0, "image"),
+    ] {
+        let e = c
+            .create_snapshot(pb::CreateSnapshotRequest {
+                tag: "shape".into(),
+                image: image.into(),
+                mem_mib,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{image} {mem_mib}: {e:?}");
+        assert!(e.message().contains(field), "{e:?}");
+    }
+
     // Three children on a two-slot executor: two ready, one RESOURCE_EXHAUSTED with the reason.
     let events = spawn(&mut c, "idle", &["sbx-a1", "sbx-a2", "sbx-a3"]).await;
     assert_eq!(events.len(), 3);

@@ -38,4 +38,6 @@ pub use parent::{MadeSnapshot, ParentSpec};
 pub use process::{Liveness, ProcessIdentity};
 pub use ready::SpawnPhases;
 pub use records::VmRecord;
+/// How a parent names its image (store only, or also a local directory).
+pub use tine_image::ImageRef;
 pub use worker::{worker_main, WORKER_SUBCOMMAND};

@@ -19,8 +19,9 @@ use crate::worker::BootJob;
 /// What to snapshot.
 #[derive(Clone, Debug)]
 pub struct ParentSpec {
-    /// Image name, id or directory (`tine image build`).
-    pub image: String,
+    /// The image (`tine image build`): from the image store only, or, for the local CLI, also
+    /// a directory.
+    pub image: tine_image::ImageRef,
     pub tag: Tag,
     pub vcpus: u8,
     /// Guest memory; None = the image's recommendation.
@@ -53,15 +54,14 @@ pub(crate) fn boot_job(
     snapshots: &Path,
     net_cmdline: Option<&str>,
 ) -> Result<BootJob> {
-    let image =
-        tine_image::load_image_in(image_cache, &spec.image).map_err(|e| HostError::Image {
-            image: spec.image.clone(),
-            reason: format!("{e:#}"),
-        })?;
+    let image = tine_image::load_image(image_cache, &spec.image).map_err(|e| HostError::Image {
+        image: spec.image.to_string(),
+        reason: format!("{e:#}"),
+    })?;
     // Absolute and free of links: a confined VMM sees each at exactly this path.
     let resolved = |p: PathBuf| {
         std::fs::canonicalize(&p).map_err(|e| HostError::Image {
-            image: spec.image.clone(),
+            image: spec.image.to_string(),
             reason: format!("{}: {e}", p.display()),
         })
     };

@@ -1404,7 +1404,7 @@ fn a_parent_that_cannot_boot_fails_with_its_vmm_s_reason() {
     image_with_kernel(&image, &[0x5a; 8192]);
     let host = Host::open_exclusive(config(tmp.path(), 4, 0)).unwrap();
     let spec = tine_host::ParentSpec {
-        image: image.to_string_lossy().into_owned(),
+        image: tine_image::ImageRef::Local(image.to_string_lossy().into_owned()),
         tag: Tag::parse("broken").unwrap(),
         vcpus: 1,
         mem_mib: Some(32),

@@ -39,5 +39,7 @@ pub use cache::default_cache_dir;
 pub use compress::Compression;
 pub use initramfs::{smoke_init_script, smoke_initramfs, Initramfs, BOOT_MARKER};
 pub use kernel::{fetch_kernel, Flavor, Kernel};
-pub use manifest::{list_images, load_image_in, ImageManifest};
+pub use manifest::{
+    list_images, load_image, load_image_in, load_stored_image, ImageManifest, ImageRef,
+};
 pub use recipe::Recipe;

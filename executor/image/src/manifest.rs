@@ -106,9 +106,29 @@ impl ImageManifest {
             );
         }
         m.dir = dir.to_path_buf();
-        for f in [m.kernel_path(), m.initrd_path()] {
-            if !f.is_file() {
-                bail!("{}: {} is missing", path.display(), f.display());
+        for (what, file) in [("kernel", &m.kernel.path), ("initrd", &m.initrd.path)] {
+            // The files an image boots are its own: a plain name in its directory, a regular
+            // file there (not a link to somewhere else on the host).
+            let plain = Path::new(file)
+                .components()
+                .map(|c| matches!(c, std::path::Component::Normal(_)))
+                .collect::<Vec<_>>()
+                == [true];
+            if !plain {
+                bail!(
+                    "{}: the {what} {file:?} is not a file name in the image directory",
+                    path.display()
+                );
+            }
+            let f = dir.join(file);
+            match fs::symlink_metadata(&f) {
+                Ok(meta) if meta.file_type().is_file() => {}
+                Ok(_) => bail!(
+                    "{}: the {what} {} is not a regular file",
+                    path.display(),
+                    f.display()
+                ),
+                Err(_) => bail!("{}: {} is missing", path.display(), f.display()),
             }
         }
         Ok(m)
@@ -127,6 +147,62 @@ pub fn names_dir(cache: &Path) -> PathBuf {
     images_dir(cache).join("names")
 }
 
+/// How a caller names an image.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ImageRef {
+    /// A name, id or unique id prefix in the image store, and nothing else: what a remote
+    /// caller may name (it never reaches a directory elsewhere on the host).
+    Stored(String),
+    /// That, or an image directory (or its image.json) on this machine: the local CLI's
+    /// `--image`, given with the caller's own rights.
+    Local(String),
+}
+
+impl std::fmt::Display for ImageRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ImageRef::Stored(s) | ImageRef::Local(s) => f.write_str(s),
+        }
+    }
+}
+
+/// The image `r` names in the image cache `cache`.
+pub fn load_image(cache: &Path, r: &ImageRef) -> Result<ImageManifest> {
+    match r {
+        ImageRef::Local(s) => load_image_in(cache, s),
+        ImageRef::Stored(s) => load_stored_image(cache, s),
+    }
+}
+
+/// An image by name, id or unique id prefix in the image cache `cache` only: never a path,
+/// and never anything that resolves outside the cache's images directory.
+pub fn load_stored_image(cache: &Path, name: &str) -> Result<ImageManifest> {
+    if name.is_empty()
+        || name.contains('/')
+        || name.contains('\0')
+        || name.starts_with('.')
+        || name.chars().any(char::is_control)
+    {
+        bail!("image {name:?}: not an image name or id (names hold no '/' and start with no '.')");
+    }
+    let m = stored_image(cache, name)?;
+    let images = images_dir(cache)
+        .canonicalize()
+        .with_context(|| format!("resolving {}", images_dir(cache).display()))?;
+    let dir = m
+        .dir
+        .canonicalize()
+        .with_context(|| format!("resolving {}", m.dir.display()))?;
+    if dir.parent() != Some(images.as_path()) {
+        bail!(
+            "image {name:?} resolves to {}, outside the image store {}",
+            dir.display(),
+            images.display()
+        );
+    }
+    Ok(m)
+}
+
 /// An image by directory (or its image.json), id, unique id prefix or name, in the image cache
 /// `cache` (the caller's configuration: `tine` resolves `$TINE_CACHE_DIR` at its edge).
 pub fn load_image_in(cache: &Path, dir_or_hash: &str) -> Result<ImageManifest> {
@@ -137,6 +213,11 @@ pub fn load_image_in(cache: &Path, dir_or_hash: &str) -> Result<ImageManifest> {
     if as_path.file_name().is_some_and(|n| n == MANIFEST_FILE) && as_path.is_file() {
         return ImageManifest::load(as_path.parent().unwrap_or(Path::new(".")));
     }
+    stored_image(cache, dir_or_hash)
+}
+
+/// An image by name, id or unique id prefix in `cache`.
+fn stored_image(cache: &Path, dir_or_hash: &str) -> Result<ImageManifest> {
     let images = images_dir(cache);
     let named = names_dir(cache).join(dir_or_hash);
     if !dir_or_hash.contains('/') && named.join(MANIFEST_FILE).is_file() {
@@ -309,9 +390,49 @@ pub(crate) mod tests {
         assert_eq!(id("bb").unwrap(), "0123abcd");
         assert!(id("01").unwrap_err().to_string().contains("2 images"));
         assert!(id("nope").unwrap_err().to_string().contains("no image"));
+
+        // From the store only: names and ids, never a path, never out of the store.
+        let stored = |s: &str| load_stored_image(cache, s).map(|m| m.id);
+        assert_eq!(stored("bb").unwrap(), "0123abcd");
+        assert_eq!(stored("0123").unwrap(), "0123abcd");
+        for path in [
+            a.to_str().unwrap(),
+            "../images/0123abcd",
+            ".",
+            "..",
+            "a/b",
+            "",
+        ] {
+            assert!(stored(path).is_err(), "{path:?} was resolved");
+        }
+        let elsewhere = install(tmp.path(), &sample("feedbeef"));
+        let outside = tmp.path().join("outside");
+        fs::rename(&elsewhere, &outside).unwrap();
+        std::os::unix::fs::symlink(&outside, names_dir(cache).join("escape")).unwrap();
+        assert_eq!(id("escape").unwrap(), "feedbeef");
+        let err = stored("escape").unwrap_err().to_string();
+        assert!(err.contains("outside the image store"), "{err}");
         let listed = list_images(cache).unwrap();
         assert_eq!(listed.len(), 2);
         assert_eq!(listed[0].1, ["bb"]);
+    }
+
+    #[test]
+    fn an_image_boots_only_files_of_its_own_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::write(tmp.path().join("secret"), b"host file").unwrap();
+        for kernel in ["../secret", "/etc/passwd", "sub/vmlinux", ""] {
+            let mut m = sample(&format!("k{}", kernel.len()));
+            m.kernel.path = kernel.into();
+            let dir = install(tmp.path(), &m);
+            let err = ImageManifest::load(&dir).unwrap_err().to_string();
+            assert!(err.contains("not a file name"), "{kernel:?}: {err}");
+        }
+        let dir = install(tmp.path(), &sample("ee"));
+        fs::remove_file(dir.join("vmlinux")).unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("secret"), dir.join("vmlinux")).unwrap();
+        let err = ImageManifest::load(&dir).unwrap_err().to_string();
+        assert!(err.contains("not a regular file"), "{err}");
     }
 
     #[test]
