@@ -1357,14 +1357,19 @@ impl tine_proto::v1::executors_server::Executors for Api {
             check_executor_credential(&principal, &id)?;
             let report = report_from(req.into_inner().report);
             let registered = self.ctx.db.heartbeat(&id, &report, &principal).await?;
+            let mut unknown_sandboxes = Vec::new();
             if registered {
                 self.apply_ended(&id, &report).await?;
-                self.ctx
+                unknown_sandboxes = self
+                    .ctx
                     .db
                     .reconcile_sandboxes(&id, &report.live_sandboxes, self.ctx.lost_grace_ms)
                     .await?;
             }
-            Ok(pb::HeartbeatResponse { registered })
+            Ok(pb::HeartbeatResponse {
+                registered,
+                unknown_sandboxes,
+            })
         }
         .await;
         self.ctx.finish(call, res.map(Response::new))

@@ -431,6 +431,21 @@ impl Db {
         Ok(newly)
     }
 
+    /// At start: sandboxes still 'starting' belonged to spawns of a control plane that is gone
+    /// (killed mid-spawn), whose callers never learned of them. They fail, so the executors
+    /// running them are told at their next registration to kill them (see
+    /// [`Db::reconcile_sandboxes`]) rather than leaving them starting forever. How many.
+    pub async fn fail_interrupted_spawns(&self) -> Result<u64> {
+        Ok(sqlx::query(
+            "UPDATE sandboxes SET state = 'failed', \
+             error = 'its spawn was cut short: the control plane stopped before it was ready' \
+             WHERE state = 'starting'",
+        )
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+
     /// Reconcile the executor's live sandboxes with the records: ready sandboxes it no longer
     /// runs become lost; returns the ids it runs that the control plane has no live record of.
     pub async fn reconcile_sandboxes(

@@ -91,6 +91,17 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
     let db = Db::open(&cfg.db_path)
         .await
         .with_context(|| format!("opening the database {}", cfg.db_path.display()))?;
+    // Nothing is being spawned yet: any child still starting was a dead process's.
+    let interrupted = db
+        .fail_interrupted_spawns()
+        .await
+        .context("failing the spawns a previous run left unfinished")?;
+    if interrupted > 0 {
+        tracing::warn!(
+            sandboxes = interrupted,
+            "children of spawns cut short by the last stop are failed (their executors kill them)"
+        );
+    }
     let audit = AuditLog::open(&cfg.audit_path)
         .with_context(|| format!("opening the audit log {}", cfg.audit_path.display()))?;
     let executor_tls = cfg

@@ -19,6 +19,7 @@ export TINE_HOSTILE_AGENT_BIN="$PWD/target/dist/tine-agent-hostile"
 echo "== unit and integration tests"; cargo test --workspace
 echo "== API end to end: tine up + grpcurl + tine CLI + the Python client"
 cargo test -p tine-cli --test api -- --ignored
+echo "== fuzzing (bounded: TINE_FUZZ_SECS per target)"; bash fuzz/run.sh
 # The host crate's test binary, for the cgroup test the lab runs (same features as above).
 TINE_HOST_TEST_BIN=$(cargo test --workspace --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys

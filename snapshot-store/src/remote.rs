@@ -309,27 +309,9 @@ impl RemoteStore {
         }
     }
 
-    pub(crate) async fn get_bytes(&self, key: &str) -> Result<Option<Bytes>> {
-        let path = ObjPath::from(key);
-        // The whole GET, body included, is one retry unit.
-        let r = self
-            .run("get", || async {
-                self.store.get(&path).await?.bytes().await
-            })
-            .await;
-        match r {
-            Ok(b) => Ok(Some(b)),
-            Err(f) if self.no_bucket(&f) => Err(self.missing_bucket()),
-            Err(Failure {
-                error: object_store::Error::NotFound { .. },
-                ..
-            }) => Ok(None),
-            Err(f) => Err(self.fail("get", key, f)),
-        }
-    }
-
-    /// [`get_bytes`](Self::get_bytes) of an object that may hold at most `max` bytes: a
-    /// larger one is refused on the size its response declares, before its body is read.
+    /// The bytes under `key` (None: absent), which may be at most `max`: a larger object is
+    /// refused on the size its response declares, before its body is read. The whole GET,
+    /// body included, is one retry unit.
     pub(crate) async fn get_bounded(&self, key: &str, max: u64) -> Result<Option<Bytes>> {
         let path = ObjPath::from(key);
         let r = self
@@ -442,10 +424,11 @@ impl RemoteStore {
 
     /// One object's stored bytes, not yet verified (verify on ingest, e.g.
     /// with [`LocalCache::put_object_verified`]); None when the store lacks
-    /// it. Failures are typed like every other operation's, Unavailable
-    /// included.
-    pub async fn get_object(&self, d: &Digest) -> Result<Option<Bytes>> {
-        self.get_bytes(&object_key(d)).await
+    /// it. `stored_len` is what its (verified) layer says it holds: a larger
+    /// object is refused on its declared size, before its body is read.
+    /// Failures are typed like every other operation's, Unavailable included.
+    pub async fn get_object(&self, d: &Digest, stored_len: u64) -> Result<Option<Bytes>> {
+        self.get_bounded(&object_key(d), stored_len).await
     }
 
     pub async fn has_layer(&self, d: &Digest) -> Result<bool> {

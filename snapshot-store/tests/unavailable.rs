@@ -113,7 +113,7 @@ async fn closed_port_is_unavailable_naming_the_store_and_the_operation() {
 
     let err = remote.get_layer(&head).await.unwrap_err();
     assert!(err.is_unavailable(), "{err}");
-    let err = remote.get_object(&head).await.unwrap_err();
+    let err = remote.get_object(&head, 1 << 20).await.unwrap_err();
     let (_, what, ..) = unavailable(err);
     assert_eq!(what, format!("get {}", object_key(&head)));
     // Not "unknown tag": an unreachable store says nothing about the tag.
@@ -346,10 +346,18 @@ async fn directory_store_that_vanished_is_unavailable_and_not_recreated() {
     std::fs::remove_file(&store_dir).unwrap();
     std::fs::rename(&aside, &store_dir).unwrap();
     let d = a.read_layer(&head).unwrap().chunk_digest(0);
-    let bytes = remote.get_object(&d).await.unwrap().unwrap();
+    let bytes = remote.get_object(&d, u64::MAX).await.unwrap().unwrap();
     assert_eq!(Digest::of(&bytes), d);
+    // Bounded by the length its layer gives: a larger object is refused, not read.
+    let len = bytes.len() as u64;
+    assert_eq!(
+        remote.get_object(&d, len).await.unwrap().unwrap().len() as u64,
+        len
+    );
+    let err = remote.get_object(&d, len - 1).await.unwrap_err();
+    assert!(matches!(err, StoreError::TooLarge { .. }), "{err}");
     assert!(remote
-        .get_object(&Digest::of(b"absent"))
+        .get_object(&Digest::of(b"absent"), 1 << 20)
         .await
         .unwrap()
         .is_none());

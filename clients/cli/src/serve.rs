@@ -273,6 +273,10 @@ pub struct ControlPlaneArgs {
     executor_token_name: String,
     #[arg(long, default_value_t = 5)]
     heartbeat_interval_s: u32,
+    /// Seconds a ready sandbox its executor stopped reporting is given before it is marked
+    /// lost (a heartbeat racing a spawn must not condemn a new child).
+    #[arg(long, default_value_t = 30)]
+    lost_grace_secs: u32,
     #[arg(long)]
     allow_plaintext_remote: bool,
     #[command(flatten)]
@@ -350,7 +354,7 @@ pub fn control_plane(a: ControlPlaneArgs) -> Result<i32> {
             executor_tokens,
             executor_ca: a.executor_ca.clone(),
             heartbeat_interval_s: a.heartbeat_interval_s,
-            lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,
+            lost_grace_ms: i64::from(a.lost_grace_secs) * 1000,
             allow_plaintext_remote: a.allow_plaintext_remote,
             sandbox_timeouts: a.lifetimes.timeouts()?,
         })
@@ -432,10 +436,20 @@ pub struct ExecutorArgs {
     /// Children's cgroups: auto, off, or a cgroup v2 directory (see `tine up --help`).
     #[arg(long, default_value = "auto")]
     cgroup: String,
+    /// When a child counts as ready: `agent` (its guest agent answered and fixed up the clone)
+    /// or `running` (its VMM runs the restored guest: snapshots of guests without the agent).
+    #[arg(long, value_enum, default_value_t = ReadinessArg::Agent)]
+    readiness: ReadinessArg,
     #[command(flatten)]
     net: local::NetArgs,
     #[command(flatten)]
     confine: local::ConfineArgs,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum ReadinessArg {
+    Agent,
+    Running,
 }
 
 pub fn executor(a: ExecutorArgs) -> Result<i32> {
@@ -466,6 +480,10 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
             tls: TlsFiles::from_args(a.tls_cert.clone(), a.tls_key.clone())?,
             host: tine_host::HostConfig {
                 confine: a.confine.confinement()?,
+                readiness: match a.readiness {
+                    ReadinessArg::Agent => tine_host::Readiness::Agent,
+                    ReadinessArg::Running => tine_host::Readiness::Running,
+                },
                 ..local::executor_host(
                     &id,
                     data,

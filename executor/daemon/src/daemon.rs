@@ -259,7 +259,11 @@ async fn registration_loop(mut client: CpClient, id: String, addr: String, state
                 })
                 .await
             {
-                Ok(r) => registered = r.into_inner().registered,
+                Ok(r) => {
+                    let r = r.into_inner();
+                    registered = r.registered;
+                    kill_orphans(&state, r.unknown_sandboxes).await;
+                }
                 Err(e) => tracing::warn!("heartbeat to the control plane failed: {}", e.message()),
             }
         } else {
@@ -276,14 +280,7 @@ async fn registration_loop(mut client: CpClient, id: String, addr: String, state
                     registered = true;
                     interval = Duration::from_secs(r.heartbeat_interval_s.clamp(1, 60) as u64);
                     tracing::info!(%id, %addr, "registered with the control plane");
-                    for orphan in r.unknown_sandboxes {
-                        tracing::warn!(id = %orphan, "the control plane has no record of this sandbox: killing it");
-                        let Ok(orphan) = tine_rpc::SandboxId::parse(orphan) else {
-                            continue;
-                        };
-                        let st = state.clone();
-                        let _ = tokio::task::spawn_blocking(move || st.host.kill(&orphan)).await;
-                    }
+                    kill_orphans(&state, r.unknown_sandboxes).await;
                 }
                 Err(e) => {
                     tracing::warn!("registering with the control plane failed: {}", e.message())
@@ -296,5 +293,18 @@ async fn registration_loop(mut client: CpClient, id: String, addr: String, state
             Duration::from_secs(1)
         })
         .await;
+    }
+}
+
+/// Kill the sandboxes the control plane has no live record of (it answers them to a
+/// registration or a heartbeat): a child nobody can reach or account for must not run on.
+async fn kill_orphans(state: &Arc<State>, ids: Vec<String>) {
+    for orphan in ids {
+        tracing::warn!(id = %orphan, "the control plane has no record of this sandbox: killing it");
+        let Ok(orphan) = tine_rpc::SandboxId::parse(orphan) else {
+            continue;
+        };
+        let st = state.clone();
+        let _ = tokio::task::spawn_blocking(move || st.host.kill(&orphan)).await;
     }
 }

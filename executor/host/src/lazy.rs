@@ -335,7 +335,7 @@ impl LazyImage {
         }
         let data = self
             .rt
-            .block_on(self.remote.get_object(&d))
+            .block_on(self.remote.get_object(&d, o.stored_len))
             .map_err(|e| fail(format!("{what} {d}: {e}")))?
             .ok_or_else(|| fail(format!("{what} {d} is missing from the store")))?;
         if data.len() as u64 != o.stored_len {

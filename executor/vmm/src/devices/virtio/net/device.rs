@@ -243,6 +243,7 @@ pub struct Net {
     state: Arc<Mutex<DeviceState>>,
     epoll: Arc<Epoll>,
     mac: Mac,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Net {
@@ -280,11 +281,16 @@ impl Net {
             stats: NetStats::default(),
         }));
         let (worker, ep) = (state.clone(), epoll.clone());
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("net".into())
             .spawn(move || event_loop::run(worker, ep))
             .map_err(thread_err)?;
-        Ok(Self { state, epoll, mac })
+        Ok(Self {
+            state,
+            epoll,
+            mac,
+            thread: Some(thread),
+        })
     }
 
     pub fn stats(&self) -> NetStats {
@@ -294,10 +300,16 @@ impl Net {
 
 impl Drop for Net {
     fn drop(&mut self) {
-        let g = &mut *self.state.lock().unwrap();
-        g.stopped = true;
-        // Now, not at its next idle wake-up: the thread lets go of guest RAM and the tap.
-        let _ = g.kick.write(1);
+        {
+            let g = &mut *self.state.lock().unwrap_or_else(|p| p.into_inner());
+            g.stopped = true;
+            // Now, not at its next idle wake-up: the thread lets go of guest RAM and the tap.
+            let _ = g.kick.write(1);
+        }
+        // Waited for, so the RAM and the tap are released when the device is (see Vsock).
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
