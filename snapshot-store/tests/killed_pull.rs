@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use tine_snapshot_store::assemble::assemble;
-use tine_snapshot_store::builder::{build_base, build_diff, BuildOptions, DirtyPages, LayerInput};
 use tine_snapshot_store::cache::{layer_key, object_key, LocalCache};
 use tine_snapshot_store::progress::NoProgress;
 use tine_snapshot_store::remote::{RemoteStore, TransferOptions};
@@ -75,75 +74,6 @@ fn puller(store: &Path, cache: &Path, head: &str) {
     runtime()
         .block_on(remote.pull_head(&cache, &head, &NoProgress))
         .unwrap();
-}
-
-/// A page of random bytes: zstd cannot shrink it, so the pull moves the
-/// full size and takes long enough to be interrupted.
-fn random_page(rng: &mut Rng) -> Vec<u8> {
-    let mut page = vec![0u8; PAGE];
-    for w in page.chunks_exact_mut(8) {
-        w.copy_from_slice(&rng.next().to_le_bytes());
-    }
-    page
-}
-
-/// base (40 MiB of random pages over 64 MiB) ← diff (1024 pages) ← diff
-/// (1024 pages). Returns the heads and the final memory.
-fn random_chain(cache: &LocalCache, dir: &Path) -> (Vec<Digest>, PathBuf) {
-    let pages = 16 * 1024;
-    let mut rng = Rng(7);
-    let opts = BuildOptions::default();
-    let mem = dir.join("mem0");
-    let f = create_memory(&mem, pages);
-    for p in 0..10 * 1024 {
-        write_page(&f, p, &random_page(&mut rng));
-    }
-    drop(f);
-    let input = LayerInput {
-        memory: &mem,
-        page_size: PAGE as u32,
-        state: b"state-0",
-    };
-    let mut heads = vec![build_base(cache, &input, &opts).unwrap().digest];
-    let mut prev = mem;
-    for layer in 1..=2 {
-        let next = dir.join(format!("mem{layer}"));
-        std::fs::copy(&prev, &next).unwrap();
-        let f = std::fs::OpenOptions::new().write(true).open(&next).unwrap();
-        let dirty = pick_pages(&mut rng, pages, 1024);
-        for &p in &dirty {
-            write_page(&f, p, &random_page(&mut rng));
-        }
-        drop(f);
-        let state = format!("state-{layer}");
-        let input = LayerInput {
-            memory: &next,
-            page_size: PAGE as u32,
-            state: state.as_bytes(),
-        };
-        let parent = *heads.last().unwrap();
-        let l = build_diff(cache, &parent, &input, DirtyPages::List(&dirty), &opts).unwrap();
-        heads.push(l.digest);
-        prev = next;
-    }
-    (heads, prev)
-}
-
-/// Regular files under `dir` (none if it does not exist yet).
-fn files(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return out;
-    };
-    for e in entries.flatten() {
-        let path = e.path();
-        match e.file_type() {
-            Ok(t) if t.is_dir() => out.extend(files(&path)),
-            Ok(_) => out.push(path),
-            Err(_) => {}
-        }
-    }
-    out
 }
 
 fn pull_killed_mid_transfer() {

@@ -5,7 +5,9 @@ pub mod moto;
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use tine_snapshot_store::builder::{build_base, build_diff, BuildOptions, DirtyPages, LayerInput};
 
 pub const PAGE: usize = 4096;
 
@@ -158,4 +160,76 @@ pub fn build_chain(
         memories.push(next);
     }
     Chain { heads, memories }
+}
+
+/// A page of random bytes: zstd cannot shrink it, so the pull moves the
+/// full size and takes long enough to be interrupted.
+pub fn random_page(rng: &mut Rng) -> Vec<u8> {
+    let mut page = vec![0u8; PAGE];
+    for w in page.chunks_exact_mut(8) {
+        w.copy_from_slice(&rng.next().to_le_bytes());
+    }
+    page
+}
+
+/// base (40 MiB of random pages over 64 MiB) ← diff (1024 pages) ← diff
+/// (1024 pages). Returns the heads and the final memory.
+pub fn random_chain(
+    cache: &tine_snapshot_store::cache::LocalCache,
+    dir: &Path,
+) -> (Vec<tine_snapshot_store::Digest>, PathBuf) {
+    let pages = 16 * 1024;
+    let mut rng = Rng(7);
+    let opts = BuildOptions::default();
+    let mem = dir.join("mem0");
+    let f = create_memory(&mem, pages);
+    for p in 0..10 * 1024 {
+        write_page(&f, p, &random_page(&mut rng));
+    }
+    drop(f);
+    let input = LayerInput {
+        memory: &mem,
+        page_size: PAGE as u32,
+        state: b"state-0",
+    };
+    let mut heads = vec![build_base(cache, &input, &opts).unwrap().digest];
+    let mut prev = mem;
+    for layer in 1..=2 {
+        let next = dir.join(format!("mem{layer}"));
+        std::fs::copy(&prev, &next).unwrap();
+        let f = std::fs::OpenOptions::new().write(true).open(&next).unwrap();
+        let dirty = pick_pages(&mut rng, pages, 1024);
+        for &p in &dirty {
+            write_page(&f, p, &random_page(&mut rng));
+        }
+        drop(f);
+        let state = format!("state-{layer}");
+        let input = LayerInput {
+            memory: &next,
+            page_size: PAGE as u32,
+            state: state.as_bytes(),
+        };
+        let parent = *heads.last().unwrap();
+        let l = build_diff(cache, &parent, &input, DirtyPages::List(&dirty), &opts).unwrap();
+        heads.push(l.digest);
+        prev = next;
+    }
+    (heads, prev)
+}
+
+/// Regular files under `dir` (none if it does not exist yet).
+pub fn files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        match e.file_type() {
+            Ok(t) if t.is_dir() => out.extend(files(&path)),
+            Ok(_) => out.push(path),
+            Err(_) => {}
+        }
+    }
+    out
 }

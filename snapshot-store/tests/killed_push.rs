@@ -1,0 +1,230 @@
+//! A push killed with SIGKILL mid-transfer leaves nothing in the store that looks valid and is
+//! not: every object hashes to its name, no layer manifest is there without its whole chain
+//! and every object that chain names, and the tag is not there (it is set last, once the chain
+//! is complete). A second push completes, sending exactly what is missing, and a pull of the
+//! tag assembles the source memory byte for byte.
+//!
+//! Its own main (harness = false): started as `killed_push __pusher CACHE STORE HEAD`, this
+//! binary is the pusher process that gets killed.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use tine_snapshot_store::assemble::assemble;
+use tine_snapshot_store::cache::{
+    layer_key, object_key, tag_key, LocalCache, CHUNKS_DIR, LAYERS_DIR,
+};
+use tine_snapshot_store::progress::NoProgress;
+use tine_snapshot_store::remote::{RemoteStore, TransferOptions};
+use tine_snapshot_store::{Digest, Layer};
+
+const PUSHER: &str = "__pusher";
+const TEST: &str = "push_killed_mid_transfer_leaves_only_valid_objects_and_no_tag";
+const MAX_TRIES: u32 = 20;
+const TAG: &str = "top";
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some(PUSHER) {
+        pusher(Path::new(&args[2]), Path::new(&args[3]), &args[4]);
+        return;
+    }
+    // Enough of libtest's interface for `cargo test` filters and listings.
+    if args.iter().any(|a| a == "--list") {
+        println!("{TEST}: test");
+        return;
+    }
+    if let Some(filter) = args.iter().skip(1).find(|a| !a.starts_with('-')) {
+        if !TEST.contains(filter.as_str()) {
+            println!("test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 1 filtered out");
+            return;
+        }
+    }
+    println!("\nrunning 1 test");
+    let t = Instant::now();
+    push_killed_mid_transfer();
+    println!("test {TEST} ... ok");
+    println!(
+        "\ntest result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in {:.2}s\n",
+        t.elapsed().as_secs_f64()
+    );
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The child: push `head` from the cache to the directory store, tagging it.
+fn pusher(cache: &Path, store: &Path, head: &str) {
+    let remote = RemoteStore::open_local(store)
+        .unwrap()
+        .with_options(TransferOptions {
+            concurrency: 4,
+            ..TransferOptions::default()
+        });
+    let cache = LocalCache::open(cache).unwrap();
+    let head = Digest::parse(head).unwrap();
+    runtime()
+        .block_on(remote.push(&cache, &head, Some(TAG), &NoProgress))
+        .unwrap();
+}
+
+/// Objects (by their file name) in a directory store.
+fn stored_objects(store: &Path) -> Vec<PathBuf> {
+    files(&store.join(CHUNKS_DIR))
+}
+
+/// Objects that landed whole (named by a digest, not an upload in flight).
+fn whole_objects(store: &Path) -> usize {
+    stored_objects(store)
+        .iter()
+        .filter(|p| Digest::parse(p.file_name().unwrap().to_str().unwrap()).is_ok())
+        .count()
+}
+
+fn push_killed_mid_transfer() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = Instant::now();
+    let src_dir = dir.path().join("src");
+    let src = LocalCache::open(&src_dir).unwrap();
+    let (heads, memory) = random_chain(&src, dir.path());
+    let head = heads[2];
+    let chain = src.chain(&head).unwrap();
+    let all: BTreeSet<Digest> = chain
+        .iter()
+        .flat_map(|l| l.object_refs())
+        .map(|o| Digest::from_bytes(&o.hash).unwrap())
+        .collect();
+    println!(
+        "source: {} layers, {} objects, built in {:?}",
+        chain.len(),
+        all.len(),
+        t.elapsed()
+    );
+    drop(src);
+
+    let exe = std::env::current_exe().unwrap();
+    let rt = runtime();
+    for attempt in 1..=MAX_TRIES {
+        let store = dir.path().join(format!("store-{attempt}"));
+        std::fs::create_dir_all(&store).unwrap();
+        let started = Instant::now();
+        let mut child = Command::new(&exe)
+            .arg(PUSHER)
+            .arg(&src_dir)
+            .arg(&store)
+            .arg(head.hex())
+            .spawn()
+            .unwrap();
+        // Kill once some objects have landed whole and the rest are on their way.
+        loop {
+            if child.try_wait().unwrap().is_some() {
+                break;
+            }
+            if whole_objects(&store) >= 5 {
+                child.kill().unwrap();
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "the pusher neither progressed nor exited"
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let status = child.wait().unwrap();
+        let took = started.elapsed();
+        let whole = whole_objects(&store);
+        let killed = status.signal() == Some(libc::SIGKILL);
+        println!(
+            "try {attempt}: {} after {took:?}: {whole} of {} objects in the store, {} files",
+            if killed { "killed" } else { "exited" },
+            all.len(),
+            stored_objects(&store).len(),
+        );
+        if !killed || whole >= all.len() {
+            continue; // the kill did not land mid-transfer; try again
+        }
+        check_after_kill(&store, &all);
+
+        // A second push completes, sending only what is missing (an upload cut short is not
+        // "already there": it is sent again).
+        let remote = RemoteStore::open_local(&store).unwrap();
+        let src = LocalCache::open(&src_dir).unwrap();
+        let summary = rt
+            .block_on(remote.push(&src, &head, Some(TAG), &NoProgress))
+            .unwrap();
+        println!("second push: {summary:?}");
+        assert_eq!(
+            summary.objects_transferred + summary.objects_skipped,
+            all.len() as u64
+        );
+        assert_eq!(
+            summary.objects_skipped, whole as u64,
+            "what landed whole is reused"
+        );
+        let fresh = LocalCache::open(dir.path().join(format!("pulled-{attempt}"))).unwrap();
+        let (pulled, _) = rt.block_on(remote.pull(&fresh, TAG, &NoProgress)).unwrap();
+        assert_eq!(pulled, head);
+        assert_same_file(&assemble(&fresh, &head).unwrap(), &memory);
+        return;
+    }
+    panic!("no kill landed mid-transfer in {MAX_TRIES} tries");
+}
+
+/// What a killed push may leave in the store: objects whose file name is their content's
+/// hash, manifests only with their whole chain and its objects, and no tag.
+fn check_after_kill(store: &Path, all: &BTreeSet<Digest>) {
+    for path in stored_objects(store) {
+        let name = path.file_name().unwrap().to_str().unwrap();
+        // The file store's in-flight uploads are not objects (their names say so).
+        let Ok(d) = Digest::parse(name) else {
+            assert!(name.contains('#'), "stray file {}", path.display());
+            continue;
+        };
+        assert!(all.contains(&d), "object {d} is not in the chain");
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(
+            Digest::of(&bytes),
+            d,
+            "{} is torn or damaged",
+            path.display()
+        );
+    }
+    for layer in files(&store.join(LAYERS_DIR)) {
+        let name = layer.file_name().unwrap().to_str().unwrap();
+        let Ok(mut d) = Digest::parse(name) else {
+            assert!(name.contains('#'), "stray file {}", layer.display());
+            continue;
+        };
+        loop {
+            let bytes = std::fs::read(store.join(layer_key(&d)))
+                .unwrap_or_else(|e| panic!("a manifest's ancestor {d} is missing: {e}"));
+            let l = Layer::decode_verified(d, bytes).unwrap();
+            for o in l.object_refs() {
+                let o = Digest::from_bytes(&o.hash).unwrap();
+                assert!(
+                    store.join(object_key(&o)).is_file(),
+                    "manifest {d} names missing {o}"
+                );
+            }
+            match l.parent() {
+                Some(p) => d = p,
+                None => break,
+            }
+        }
+    }
+    assert!(
+        !store.join(tag_key(TAG)).exists(),
+        "the tag was set before its chain was complete"
+    );
+}
