@@ -27,38 +27,12 @@ const TEST: &str = "pull_killed_mid_transfer_leaves_only_valid_objects_and_resum
 const MAX_TRIES: u32 = 20;
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if args.get(1).map(String::as_str) == Some(PULLER) {
-        puller(Path::new(&args[2]), Path::new(&args[3]), &args[4]);
-        return;
-    }
-    // Enough of libtest's interface for `cargo test` filters and listings.
-    if args.iter().any(|a| a == "--list") {
-        println!("{TEST}: test");
-        return;
-    }
-    if let Some(filter) = args.iter().skip(1).find(|a| !a.starts_with('-')) {
-        if !TEST.contains(filter.as_str()) {
-            println!("test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 1 filtered out");
-            return;
-        }
-    }
-    println!("\nrunning 1 test");
-    let t = Instant::now();
-    pull_killed_mid_transfer();
-    println!("test {TEST} ... ok");
-    println!(
-        "\ntest result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in {:.2}s\n",
-        t.elapsed().as_secs_f64()
+    own_main(
+        TEST,
+        PULLER,
+        |args| puller(Path::new(&args[0]), Path::new(&args[1]), &args[2]),
+        pull_killed_mid_transfer,
     );
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 /// The child: pull `head` from the directory store into the cache.

@@ -187,11 +187,7 @@ pub fn random_chain(
         write_page(&f, p, &random_page(&mut rng));
     }
     drop(f);
-    let input = LayerInput {
-        memory: &mem,
-        page_size: PAGE as u32,
-        state: b"state-0",
-    };
+    let input = layer_input(&mem, "state-0");
     let mut heads = vec![build_base(cache, &input, &opts).unwrap().digest];
     let mut prev = mem;
     for layer in 1..=2 {
@@ -204,11 +200,7 @@ pub fn random_chain(
         }
         drop(f);
         let state = format!("state-{layer}");
-        let input = LayerInput {
-            memory: &next,
-            page_size: PAGE as u32,
-            state: state.as_bytes(),
-        };
+        let input = layer_input(&next, &state);
         let parent = *heads.last().unwrap();
         let l = build_diff(cache, &parent, &input, DirtyPages::List(&dirty), &opts).unwrap();
         heads.push(l.digest);
@@ -232,4 +224,52 @@ pub fn files(dir: &Path) -> Vec<PathBuf> {
         }
     }
     out
+}
+
+/// The memory file and state of a layer to build.
+pub fn layer_input<'a>(memory: &'a Path, state: &'a str) -> LayerInput<'a> {
+    LayerInput {
+        memory,
+        page_size: PAGE as u32,
+        state: state.as_bytes(),
+    }
+}
+
+/// A two-worker runtime, as a store command uses.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The main of a test binary with its own harness (`harness = false`) that re-executes itself
+/// as a child process to SIGKILL: started as `EXE CHILD ARGS...` it runs `child(ARGS)`;
+/// otherwise it answers enough of libtest's interface (listing, a name filter) for `cargo
+/// test` and runs `test`, named `name`.
+pub fn own_main(name: &str, child_flag: &str, child: impl FnOnce(&[String]), test: impl FnOnce()) {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some(child_flag) {
+        child(&args[2..]);
+        return;
+    }
+    if args.iter().any(|a| a == "--list") {
+        println!("{name}: test");
+        return;
+    }
+    if let Some(filter) = args.iter().skip(1).find(|a| !a.starts_with('-')) {
+        if !name.contains(filter.as_str()) {
+            println!("test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 1 filtered out");
+            return;
+        }
+    }
+    println!("\nrunning 1 test");
+    let t = std::time::Instant::now();
+    test();
+    println!("test {name} ... ok");
+    println!(
+        "\ntest result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in {:.2}s\n",
+        t.elapsed().as_secs_f64()
+    );
 }
