@@ -392,22 +392,22 @@ impl Gatekeeper for Keeper {
             return Verdict::Open;
         }
         let Some(rpc) = Rpc::from_path(path) else {
-            let status = Status::unimplemented(format!("no such method: {path:?}"));
-            return match &self.0.auth {
+            // Unknown methods too are answered only to those who authenticate.
+            let principal = match &self.0.auth {
                 Auth::Tokens(t) => match t.authenticate_headers(headers) {
-                    Ok(p) => Verdict::Refuse {
-                        principal: Some(p.name),
-                        status,
-                    },
-                    Err(status) => Verdict::Refuse {
-                        principal: None,
-                        status,
-                    },
+                    Ok(p) => Some(p.name),
+                    Err(status) => {
+                        return Verdict::Refuse {
+                            principal: None,
+                            status,
+                        }
+                    }
                 },
-                Auth::Disabled => Verdict::Refuse {
-                    principal: None,
-                    status,
-                },
+                Auth::Disabled => None,
+            };
+            return Verdict::Refuse {
+                principal,
+                status: Status::unimplemented(format!("no such method: {path:?}")),
             };
         };
         match self.0.admit(rpc, |t| t.authenticate_headers(headers)) {

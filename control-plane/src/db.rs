@@ -487,9 +487,7 @@ impl Db {
     }
 
     pub async fn executors(&self) -> Result<Vec<ExecutorRow>> {
-        Ok(sqlx::query_as("SELECT * FROM executors ORDER BY id")
-            .fetch_all(&self.pool)
-            .await?)
+        self.executors_page(None, u32::MAX).await
     }
 
     /// Up to `limit` executors by id, after `after`.
@@ -646,13 +644,6 @@ impl Db {
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(q))
             .bind(tag)
             .fetch_optional(&self.pool)
-            .await?)
-    }
-
-    pub async fn snapshots(&self) -> Result<Vec<SnapshotRow>> {
-        let q = format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots s ORDER BY s.created_ms, s.tag");
-        Ok(sqlx::query_as(sqlx::AssertSqlSafe(q))
-            .fetch_all(&self.pool)
             .await?)
     }
 
@@ -859,19 +850,14 @@ impl Db {
         .await?)
     }
 
+    /// Sandboxes (of snapshot `tag`; with `include_ended`, also ended ones), oldest first.
     pub async fn sandboxes(
         &self,
         tag: Option<&str>,
         include_ended: bool,
     ) -> Result<Vec<SandboxRow>> {
-        Ok(sqlx::query_as(
-            "SELECT * FROM sandboxes WHERE (?1 IS NULL OR tag = ?1) \
-             AND (?2 OR state IN ('starting', 'ready')) ORDER BY created_ms, id",
-        )
-        .bind(tag)
-        .bind(include_ended)
-        .fetch_all(&self.pool)
-        .await?)
+        self.sandboxes_page(tag, include_ended, None, u32::MAX)
+            .await
     }
 
     /// [`Db::sandboxes`], a page at a time: up to `limit` after the one created at `after`.

@@ -11,16 +11,16 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
 use tine_snapshot_store::assemble::assemble;
-use tine_snapshot_store::cache::{layer_key, object_key, LocalCache};
+use tine_snapshot_store::cache::LocalCache;
 use tine_snapshot_store::progress::NoProgress;
-use tine_snapshot_store::remote::{RemoteStore, TransferOptions};
-use tine_snapshot_store::{Digest, Layer};
+use tine_snapshot_store::remote::RemoteStore;
+use tine_snapshot_store::Digest;
 
 const PULLER: &str = "__puller";
 const TEST: &str = "pull_killed_mid_transfer_leaves_only_valid_objects_and_resumes";
@@ -37,12 +37,7 @@ fn main() {
 
 /// The child: pull `head` from the directory store into the cache.
 fn puller(store: &Path, cache: &Path, head: &str) {
-    let remote = RemoteStore::open_local(store)
-        .unwrap()
-        .with_options(TransferOptions {
-            concurrency: 4,
-            ..TransferOptions::default()
-        });
+    let remote = local_store(store);
     let cache = LocalCache::open(cache).unwrap();
     let head = Digest::parse(head).unwrap();
     runtime()
@@ -119,7 +114,7 @@ fn pull_killed_mid_transfer() {
         if !killed || present.is_empty() || present.len() >= all.len() || leftovers.is_empty() {
             continue; // the kill did not land mid-transfer; try again
         }
-        check_after_kill(&cache_dir, &present, &all);
+        check_after_kill(&cache_dir, &all);
 
         // The next open sweeps what the killed writer left in tmp/.
         let cache = LocalCache::open(&cache_dir).unwrap();
@@ -149,36 +144,8 @@ fn pull_killed_mid_transfer() {
 
 /// What a killed pull may leave: objects that verify, and no manifest
 /// without its whole chain and every object that chain names.
-fn check_after_kill(cache_dir: &Path, present: &[PathBuf], all: &BTreeSet<Digest>) {
-    for path in present {
-        let name = path.file_name().unwrap().to_str().unwrap();
-        let d = Digest::parse(name).unwrap_or_else(|_| panic!("stray file {}", path.display()));
-        assert!(all.contains(&d), "object {d} is not in the chain");
-        let bytes = std::fs::read(path).unwrap();
-        assert_eq!(
-            Digest::of(&bytes),
-            d,
-            "{} is torn or damaged",
-            path.display()
-        );
-    }
-    // Read the files directly: opening the cache would sweep tmp/ first.
-    for layer in files(&cache_dir.join("layers")) {
-        let mut next = Some(Digest::parse(layer.file_name().unwrap().to_str().unwrap()).unwrap());
-        while let Some(d) = next {
-            let bytes = std::fs::read(cache_dir.join(layer_key(&d)))
-                .unwrap_or_else(|e| panic!("a manifest's ancestor {d} is missing: {e}"));
-            let l = Layer::decode_verified(d, bytes).unwrap();
-            for o in l.object_refs() {
-                let o = Digest::from_bytes(&o.hash).unwrap();
-                assert!(
-                    cache_dir.join(object_key(&o)).is_file(),
-                    "manifest {d} names missing {o}"
-                );
-            }
-            next = l.parent();
-        }
-    }
+fn check_after_kill(cache_dir: &Path, all: &BTreeSet<Digest>) {
+    assert_only_whole_objects_and_chains(cache_dir, all, |_| false);
     assert!(
         files(&cache_dir.join("images")).is_empty(),
         "an image appeared before its chain was complete"

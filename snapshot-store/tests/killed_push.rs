@@ -17,12 +17,10 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use tine_snapshot_store::assemble::assemble;
-use tine_snapshot_store::cache::{
-    layer_key, object_key, tag_key, LocalCache, CHUNKS_DIR, LAYERS_DIR,
-};
+use tine_snapshot_store::cache::{tag_key, LocalCache, CHUNKS_DIR};
 use tine_snapshot_store::progress::NoProgress;
-use tine_snapshot_store::remote::{RemoteStore, TransferOptions};
-use tine_snapshot_store::{Digest, Layer};
+use tine_snapshot_store::remote::RemoteStore;
+use tine_snapshot_store::Digest;
 
 const PUSHER: &str = "__pusher";
 const TEST: &str = "push_killed_mid_transfer_leaves_only_valid_objects_and_no_tag";
@@ -40,12 +38,7 @@ fn main() {
 
 /// The child: push `head` from the cache to the directory store, tagging it.
 fn pusher(cache: &Path, store: &Path, head: &str) {
-    let remote = RemoteStore::open_local(store)
-        .unwrap()
-        .with_options(TransferOptions {
-            concurrency: 4,
-            ..TransferOptions::default()
-        });
+    let remote = local_store(store);
     let cache = LocalCache::open(cache).unwrap();
     let head = Digest::parse(head).unwrap();
     runtime()
@@ -158,45 +151,8 @@ fn push_killed_mid_transfer() {
 /// What a killed push may leave in the store: objects whose file name is their content's
 /// hash, manifests only with their whole chain and its objects, and no tag.
 fn check_after_kill(store: &Path, all: &BTreeSet<Digest>) {
-    for path in stored_objects(store) {
-        let name = path.file_name().unwrap().to_str().unwrap();
-        // The file store's in-flight uploads are not objects (their names say so).
-        let Ok(d) = Digest::parse(name) else {
-            assert!(name.contains('#'), "stray file {}", path.display());
-            continue;
-        };
-        assert!(all.contains(&d), "object {d} is not in the chain");
-        let bytes = std::fs::read(&path).unwrap();
-        assert_eq!(
-            Digest::of(&bytes),
-            d,
-            "{} is torn or damaged",
-            path.display()
-        );
-    }
-    for layer in files(&store.join(LAYERS_DIR)) {
-        let name = layer.file_name().unwrap().to_str().unwrap();
-        let Ok(mut d) = Digest::parse(name) else {
-            assert!(name.contains('#'), "stray file {}", layer.display());
-            continue;
-        };
-        loop {
-            let bytes = std::fs::read(store.join(layer_key(&d)))
-                .unwrap_or_else(|e| panic!("a manifest's ancestor {d} is missing: {e}"));
-            let l = Layer::decode_verified(d, bytes).unwrap();
-            for o in l.object_refs() {
-                let o = Digest::from_bytes(&o.hash).unwrap();
-                assert!(
-                    store.join(object_key(&o)).is_file(),
-                    "manifest {d} names missing {o}"
-                );
-            }
-            match l.parent() {
-                Some(p) => d = p,
-                None => break,
-            }
-        }
-    }
+    // The file store's uploads in flight are not objects (their names say so).
+    assert_only_whole_objects_and_chains(store, all, |name| name.contains('#'));
     assert!(
         !store.join(tag_key(TAG)).exists(),
         "the tag was set before its chain was complete"

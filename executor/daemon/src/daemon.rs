@@ -45,7 +45,7 @@ pub struct ExecutorConfig {
 /// The executor's gate: every call of the executor API must carry the control plane's token
 /// (when one is configured), checked on its headers before its body is read.
 struct Keeper {
-    tokens: Option<Arc<TokenSet>>,
+    tokens: Option<TokenSet>,
 }
 
 const GATED_PREFIX: &str = "/tine.executor.v1.";
@@ -127,10 +127,7 @@ pub async fn start(cfg: ExecutorConfig) -> Result<RunningExecutor> {
         cfg.tls.is_some(),
         cfg.allow_plaintext_remote,
     )?;
-    let tokens = match &cfg.token {
-        Some(t) => Some(Arc::new(executor_secret(t)?)),
-        None => None,
-    };
+    let tokens = cfg.token.as_deref().map(executor_secret).transpose()?;
     let host_cfg = cfg.host.clone();
     let host = tokio::task::spawn_blocking(move || Host::open_exclusive(host_cfg))
         .await?

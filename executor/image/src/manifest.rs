@@ -179,16 +179,16 @@ pub fn load_image(cache: &Path, r: &ImageRef) -> Result<ImageManifest> {
 pub fn load_stored_image(cache: &Path, name: &str) -> Result<ImageManifest> {
     if name.is_empty()
         || name.contains('/')
-        || name.contains('\0')
         || name.starts_with('.')
         || name.chars().any(char::is_control)
     {
         bail!("image {name:?}: not an image name or id (names hold no '/' and start with no '.')");
     }
     let m = stored_image(cache, name)?;
-    let images = images_dir(cache)
+    let images = images_dir(cache);
+    let images = images
         .canonicalize()
-        .with_context(|| format!("resolving {}", images_dir(cache).display()))?;
+        .with_context(|| format!("resolving {}", images.display()))?;
     let dir = m
         .dir
         .canonicalize()

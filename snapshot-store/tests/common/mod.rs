@@ -273,3 +273,64 @@ pub fn own_main(name: &str, child_flag: &str, child: impl FnOnce(&[String]), tes
         t.elapsed().as_secs_f64()
     );
 }
+
+/// A directory store as the killed transfers use it (four transfers at once).
+pub fn local_store(store: &Path) -> tine_snapshot_store::remote::RemoteStore {
+    tine_snapshot_store::remote::RemoteStore::open_local(store)
+        .unwrap()
+        .with_options(tine_snapshot_store::remote::TransferOptions {
+            concurrency: 4,
+            ..tine_snapshot_store::remote::TransferOptions::default()
+        })
+}
+
+/// What a transfer killed mid-way may leave under `root`, a cache or a directory store (they
+/// share their layout): objects that hash to their names and belong to `all`, and no layer
+/// manifest without its whole chain and every object the chain names. Any other file must be
+/// a transfer still in flight by its name (`in_flight`). Files are read directly: opening a
+/// cache would sweep its tmp/ first.
+pub fn assert_only_whole_objects_and_chains(
+    root: &Path,
+    all: &std::collections::BTreeSet<tine_snapshot_store::Digest>,
+    in_flight: impl Fn(&str) -> bool,
+) {
+    use tine_snapshot_store::cache::{layer_key, object_key, CHUNKS_DIR, LAYERS_DIR};
+    use tine_snapshot_store::{Digest, Layer};
+    let digest_of = |path: &Path| {
+        let name = path.file_name().unwrap().to_str().unwrap();
+        let d = Digest::parse(name).ok();
+        assert!(
+            d.is_some() || in_flight(name),
+            "stray file {}",
+            path.display()
+        );
+        d
+    };
+    for path in files(&root.join(CHUNKS_DIR)) {
+        let Some(d) = digest_of(&path) else { continue };
+        assert!(all.contains(&d), "object {d} is not in the chain");
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(
+            Digest::of(&bytes),
+            d,
+            "{} is torn or damaged",
+            path.display()
+        );
+    }
+    for layer in files(&root.join(LAYERS_DIR)) {
+        let mut next = digest_of(&layer);
+        while let Some(d) = next {
+            let bytes = std::fs::read(root.join(layer_key(&d)))
+                .unwrap_or_else(|e| panic!("a manifest's ancestor {d} is missing: {e}"));
+            let l = Layer::decode_verified(d, bytes).unwrap();
+            for o in l.object_refs() {
+                let o = Digest::from_bytes(&o.hash).unwrap();
+                assert!(
+                    root.join(object_key(&o)).is_file(),
+                    "manifest {d} names missing {o}"
+                );
+            }
+            next = l.parent();
+        }
+    }
+}
