@@ -406,12 +406,7 @@ impl Api {
         validate::name("tag", &r.tag)?;
         validate::name("image", &r.image)?;
         validate::parent_shape(&r)?;
-        if self.ctx.db.snapshot(&r.tag).await?.is_some() {
-            return Err(Status::already_exists(format!(
-                "snapshot {} already exists",
-                r.tag
-            )));
-        }
+        self.free_tag(&r.tag).await?;
         let executor = if r.executor.is_empty() {
             self.ctx
                 .db
@@ -431,25 +426,105 @@ impl Api {
         if !self.is_up(&e) {
             return Err(Status::unavailable(format!("executor {executor} is down")));
         }
-        let mut req = Request::new(r.clone());
-        req.set_timeout(CREATE_SNAPSHOT_TIMEOUT);
-        let made = client.create_snapshot(req).await?.into_inner();
-        let layers = made.layers.as_ref().map(layers_from).transpose()?;
+        // Recorded as being written before the executor starts, so a stop of either side
+        // leaves a failed record naming where the files may be, never a copy nobody knows of.
+        let deadline = CREATE_SNAPSHOT_TIMEOUT + Duration::from_secs(30);
         self.ctx
             .db
             .insert_snapshot(&NewSnapshot {
                 tag: r.tag.clone(),
                 parent_tag: None,
                 image: r.image.clone(),
-                vcpus: made.vcpus,
-                mem_mib: made.mem_mib,
+                vcpus: r.vcpus,
+                mem_mib: r.mem_mib,
                 source_sandbox: None,
-                executor_id: executor,
-                layers,
-                state: NewState::Ready,
+                executor_id: executor.clone(),
+                layers: None,
+                state: NewState::Writing {
+                    until_ms: now_ms() + deadline.as_millis() as i64,
+                },
             })
             .await?;
-        self.recorded(&r.tag).await
+        // The executor's work and its record go on in a task of their own: a caller that
+        // hangs up does not leave the record writing until its deadline.
+        let db = self.ctx.db.clone();
+        let (tag, reply_tag) = (r.tag.clone(), r.tag.clone());
+        let ended = tokio::spawn(async move {
+            let mut req = Request::new(r);
+            req.set_timeout(CREATE_SNAPSHOT_TIMEOUT);
+            let made = async {
+                let made = client.create_snapshot(req).await?.into_inner();
+                let layers = made.layers.as_ref().map(layers_from).transpose()?;
+                Ok::<_, Status>((made, layers))
+            }
+            .await;
+            match made {
+                Ok((made, layers)) => {
+                    let shape = Some((made.vcpus, made.mem_mib));
+                    db.finish_snapshot(&tag, &executor, layers.as_ref(), shape)
+                        .await
+                        .map_err(Status::from)
+                }
+                Err(e) => {
+                    let why = format!("{}: {}", code_name(e.code()), e.message());
+                    if let Err(d) = db.fail_snapshot(&tag, &why).await {
+                        tracing::warn!(%tag, "could not record a failed snapshot: {d}");
+                    }
+                    Err(e)
+                }
+            }
+        })
+        .await;
+        ended.map_err(|e| {
+            Status::internal(format!("the snapshot's task ended abnormally: {e}"))
+        })??;
+        self.recorded(&reply_tag).await
+    }
+
+    /// Make `tag` free for a new snapshot: ALREADY_EXISTS if a snapshot has it, unless that
+    /// one failed, in which case it is replaced (what it left on its executor goes first).
+    async fn free_tag(&self, tag: &str) -> Result<(), Status> {
+        match self.ctx.db.snapshot(tag).await? {
+            None => Ok(()),
+            Some(row) => match row.status(now_ms()) {
+                SnapshotStatus::Failed(_) => self.forget_failed(&row).await,
+                _ => Err(Status::already_exists(format!(
+                    "snapshot {tag} already exists"
+                ))),
+            },
+        }
+    }
+
+    /// Remove a failed snapshot's record and whatever its attempt left on the executor it was
+    /// written on, so its tag can be created again. An executor that cannot be asked keeps the
+    /// record, and the call says why.
+    async fn forget_failed(&self, row: &SnapshotRow) -> Result<(), Status> {
+        for ex in row.holders() {
+            let ex = ex.as_str();
+            let mut c = match self.executor_client(ex).await {
+                Ok((_, c)) => c,
+                // An executor that left the cluster holds nothing of it any more.
+                Err(e) if e.code() == Code::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            let req = xpb::DeleteSnapshotRequest {
+                tag: row.tag.clone(),
+            };
+            c.delete_snapshot(req).await.map_err(|e| {
+                Status::unavailable(format!(
+                    "snapshot {} failed on executor {ex}, which cannot remove what it left now \
+                     ({}: {}); try again when it is up, or delete the snapshot",
+                    row.tag,
+                    code_name(e.code()),
+                    e.message()
+                ))
+            })?;
+        }
+        match self.ctx.db.delete_snapshot(&row.tag, false).await {
+            // A concurrent retry removed it first.
+            Ok(_) | Err(DbError::NoSnapshot(_)) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     async fn delete_snapshot_inner(
@@ -461,7 +536,7 @@ impl Api {
         // The records are gone; now free the files. An executor that is unreachable keeps
         // its copy, which no longer matches any record (reported as unknown, never used).
         for s in &deleted {
-            for ex in s.executor_list() {
+            for ex in s.holders() {
                 if let Ok((_, mut c)) = self.executor_client(&ex).await {
                     let req = xpb::DeleteSnapshotRequest { tag: s.tag.clone() };
                     if let Err(e) = c.delete_snapshot(req).await {
@@ -480,12 +555,7 @@ impl Api {
         validate::name("sandbox_id", &r.sandbox_id)?;
         validate::name("tag", &r.tag)?;
         let mode = validate::branch_mode(r.mode)?;
-        if self.ctx.db.snapshot(&r.tag).await?.is_some() {
-            return Err(Status::already_exists(format!(
-                "snapshot {} already exists",
-                r.tag
-            )));
-        }
+        self.free_tag(&r.tag).await?;
         let at = self
             .ctx
             .db
@@ -559,7 +629,10 @@ impl Api {
                         ))),
                     };
                     let recorded = match made {
-                        Ok(layers) => db.finish_snapshot(&tag, &executor, layers.as_ref()).await,
+                        Ok(layers) => {
+                            db.finish_snapshot(&tag, &executor, layers.as_ref(), None)
+                                .await
+                        }
                         Err(e) => {
                             let why = format!("{}: {}", code_name(e.code()), e.message());
                             tracing::warn!(%tag, "branch failed after its sandbox resumed: {why}");

@@ -109,6 +109,9 @@ pub struct SnapshotRow {
     pub error: Option<String>,
     #[sqlx(default)]
     pub writing_until_ms: Option<i64>,
+    /// The executor it was (or is being) written on: where a failed one may have left files.
+    #[sqlx(default)]
+    pub writer: Option<String>,
 }
 
 /// Whether a snapshot can be spawned from.
@@ -147,7 +150,7 @@ impl SnapshotRow {
             "writing" => match self.writing_until_ms {
                 Some(until_ms) if until_ms > now_ms => SnapshotStatus::Writing { until_ms },
                 _ => SnapshotStatus::Failed(
-                    "its branch was not reported complete in time (the control plane waiting for it may have restarted); delete it and branch again".into(),
+                    "it was not reported complete in time (the control plane waiting for it may have restarted); delete it, or create it again".into(),
                 ),
             },
             "failed" => SnapshotStatus::Failed(
@@ -165,6 +168,18 @@ impl SnapshotRow {
             .filter(|s| !s.is_empty())
             .map(|s| s.split(',').map(str::to_owned).collect())
             .unwrap_or_default()
+    }
+
+    /// Every executor that may have files of it: those holding it, and the one it was
+    /// written on (a failed attempt's leftovers).
+    pub fn holders(&self) -> Vec<String> {
+        let mut all = self.executor_list();
+        if let Some(w) = &self.writer {
+            if !all.contains(w) {
+                all.push(w.clone());
+            }
+        }
+        all
     }
 }
 
@@ -278,7 +293,7 @@ pub const LOST_GRACE_MS: i64 = 30_000;
 
 const SNAPSHOT_COLUMNS: &str = "s.tag, s.parent_tag, s.image, s.vcpus, s.mem_mib, s.source_sandbox, s.created_ms, \
      s.head_digest, s.parent_digest, s.chain, s.memory_bytes, s.stored_bytes, s.compressed_bytes, \
-     s.state, s.error, s.writing_until_ms, \
+     s.state, s.error, s.writing_until_ms, s.writer, \
      (SELECT group_concat(executor_id, ',') FROM snapshot_copies c WHERE c.tag = s.tag) AS executors";
 
 #[derive(Clone)]
@@ -435,6 +450,20 @@ impl Db {
     /// (killed mid-spawn), whose callers never learned of them. They fail, so the executors
     /// running them are told at their next registration to kill them (see
     /// [`Db::reconcile_sandboxes`]) rather than leaving them starting forever. How many.
+    /// Fail every snapshot still recorded as being written: at start, no call of this process
+    /// waits for one, so none will be finished (a copy its executor completed anyway is removed
+    /// when the tag is deleted or created again).
+    pub async fn fail_interrupted_snapshots(&self) -> Result<u64> {
+        Ok(sqlx::query(
+            "UPDATE snapshots SET state = 'failed', writing_until_ms = NULL, \
+             error = 'its writing was cut short: the control plane stopped before it finished; delete it, or create it again' \
+             WHERE state = 'writing'",
+        )
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+
     pub async fn fail_interrupted_spawns(&self) -> Result<u64> {
         Ok(sqlx::query(
             "UPDATE sandboxes SET state = 'failed', \
@@ -546,8 +575,8 @@ impl Db {
         let r = sqlx::query(
             "INSERT INTO snapshots (tag, parent_tag, image, vcpus, mem_mib, source_sandbox, created_ms, \
                head_digest, parent_digest, chain, memory_bytes, stored_bytes, compressed_bytes, \
-               state, writing_until_ms) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(tag) DO NOTHING",
+               state, writing_until_ms, writer) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(tag) DO NOTHING",
         )
         .bind(&s.tag)
         .bind(&s.parent_tag)
@@ -570,6 +599,7 @@ impl Db {
             NewState::Ready => None,
             NewState::Writing { until_ms } => Some(until_ms),
         })
+        .bind(&s.executor_id)
         .execute(&mut *tx)
         .await?;
         if r.rows_affected() == 0 {
@@ -587,18 +617,20 @@ impl Db {
     }
 
     /// A snapshot recorded as writing is complete on `executor_id` (and in the store, with
-    /// `layers`). Fails with [`DbError::NotWriting`] if it is no longer writing.
+    /// `layers`; `shape` is its (vCPUs, MiB) when only the executor knew them). Fails with
+    /// [`DbError::NotWriting`] if it is no longer writing.
     pub async fn finish_snapshot(
         &self,
         tag: &str,
         executor_id: &str,
         layers: Option<&SnapshotLayers>,
+        shape: Option<(u32, u64)>,
     ) -> Result<()> {
         let mut tx = self.write_tx().await?;
         let r = sqlx::query(
             "UPDATE snapshots SET state = 'ready', writing_until_ms = NULL, \
                head_digest = ?, parent_digest = ?, chain = ?, memory_bytes = ?, stored_bytes = ?, \
-               compressed_bytes = ? \
+               compressed_bytes = ?, vcpus = coalesce(?, vcpus), mem_mib = coalesce(?, mem_mib) \
              WHERE tag = ? AND state = 'writing' AND writing_until_ms > ?",
         )
         .bind(layers.map(|l| l.head_digest.clone()))
@@ -607,6 +639,8 @@ impl Db {
         .bind(layers.map(|l| l.memory_bytes as i64))
         .bind(layers.map(|l| l.stored_bytes as i64))
         .bind(layers.map(|l| l.compressed_bytes as i64))
+        .bind(shape.map(|s| s.0 as i64))
+        .bind(shape.map(|s| s.1 as i64))
         .bind(tag)
         .bind(now_ms())
         .execute(&mut *tx)
@@ -986,7 +1020,7 @@ mod tests {
         );
         // Too late to finish; deleting it is allowed.
         assert!(matches!(
-            db.finish_snapshot("late", "ex", None).await,
+            db.finish_snapshot("late", "ex", None, None).await,
             Err(DbError::NotWriting(_))
         ));
         db.delete_snapshot("late", false).await.unwrap();
@@ -1002,7 +1036,7 @@ mod tests {
             .unwrap()
             .executor_list()
             .is_empty());
-        db.finish_snapshot("live", "ex", None).await.unwrap();
+        db.finish_snapshot("live", "ex", None, None).await.unwrap();
         let live = db.snapshot("live").await.unwrap().unwrap();
         assert_eq!(live.status(now_ms()), SnapshotStatus::Ready);
         assert_eq!(live.executor_list(), vec!["ex"]);

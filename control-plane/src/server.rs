@@ -102,6 +102,17 @@ pub async fn start(cfg: ServerConfig) -> Result<RunningServer> {
             "children of spawns cut short by the last stop are failed (their executors kill them)"
         );
     }
+    // Likewise no call waits for a snapshot being written any more.
+    let unfinished = db
+        .fail_interrupted_snapshots()
+        .await
+        .context("failing the snapshots a previous run left being written")?;
+    if unfinished > 0 {
+        tracing::warn!(
+            snapshots = unfinished,
+            "snapshots whose writing the last stop cut short are failed (create them again)"
+        );
+    }
     let audit = AuditLog::open(&cfg.audit_path)
         .with_context(|| format!("opening the audit log {}", cfg.audit_path.display()))?;
     let executor_tls = cfg

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::{Stream, StreamExt};
 use tine_control_plane::calls::Auth;
-use tine_control_plane::db::NewSnapshot;
+use tine_control_plane::db::{Db, NewSnapshot, NewState};
 use tine_control_plane::server::{self, RunningServer, ServerConfig};
 use tine_proto::executor::v1 as xpb;
 use tine_proto::executor::v1::executor_server::{Executor, ExecutorServer};
@@ -46,6 +46,12 @@ struct FakeState {
     resources: Vec<Option<pb::Resources>>,
     /// Kill never answers (an executor that hangs).
     kill_hangs: bool,
+    /// CreateSnapshot waits until this is notified (None: answers at once).
+    create_gate: Option<Arc<tokio::sync::Notify>>,
+    /// CreateSnapshot fails with UNAVAILABLE and this message (an executor that died).
+    create_failure: Option<String>,
+    /// The tag of each CreateSnapshot call, in order.
+    created_tags: Vec<String>,
 }
 
 #[derive(Clone, Default)]
@@ -98,6 +104,17 @@ impl Executor for FakeExecutor {
         req: Request<pb::CreateSnapshotRequest>,
     ) -> Result<Response<pb::Snapshot>, Status> {
         let r = req.into_inner();
+        let (gate, failure) = {
+            let mut st = self.state.lock().unwrap();
+            st.created_tags.push(r.tag.clone());
+            (st.create_gate.clone(), st.create_failure.clone())
+        };
+        if let Some(g) = gate {
+            g.notified().await;
+        }
+        if let Some(why) = failure {
+            return Err(Status::unavailable(why));
+        }
         Ok(Response::new(pb::Snapshot {
             tag: r.tag,
             image: r.image,
@@ -1208,6 +1225,106 @@ async fn a_branch_that_does_not_wait_is_writing_until_its_executor_finishes() {
         .filter(|l| l["rpc"] == "tine.v1.Sandboxes/Spawn" && l["args"]["no_wait"] == true)
         .collect();
     assert!(!spawns.is_empty());
+    cp.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_create_is_recorded_while_written_and_a_failed_one_is_replaced_with_its_leftovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens();
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    let (fake, addr) = start_executor(&t.executor).await;
+    register(cp.addr, &t, "ex-a", addr, 8, &[], &[]).await;
+    let (mut sn, _, _) = clients(cp.addr, Some(&t.user)).await;
+    let create = |tag: &str| pb::CreateSnapshotRequest {
+        tag: tag.into(),
+        image: "python-numpy".into(),
+        ..Default::default()
+    };
+
+    // While the executor works the snapshot is recorded as writing, on that executor.
+    let gate = Arc::new(tokio::sync::Notify::new());
+    fake.state.lock().unwrap().create_gate = Some(gate.clone());
+    let mut sn2 = sn.clone();
+    let call = tokio::spawn(async move { sn2.create_snapshot(create("c")).await });
+    let mut state = None;
+    for _ in 0..200 {
+        if let Ok(r) = sn
+            .get_snapshot(pb::GetSnapshotRequest { tag: "c".into() })
+            .await
+        {
+            state = Some(r.into_inner().snapshot.unwrap().state());
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(state, Some(pb::SnapshotState::Writing));
+    // A second create of the tag meanwhile is refused, without reaching the executor.
+    let err = sn.create_snapshot(create("c")).await.unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists);
+    assert_eq!(fake.state.lock().unwrap().created_tags, vec!["c"]);
+    // The caller hanging up does not strand the record: it is finished when the executor is.
+    call.abort();
+    let _ = call.await;
+    gate.notify_one();
+    let mut state = snapshot_state(&mut sn, "c").await;
+    for _ in 0..200 {
+        if state.0 != pb::SnapshotState::Writing {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        state = snapshot_state(&mut sn, "c").await;
+    }
+    assert_eq!(state.0, pb::SnapshotState::Ready, "{}", state.1);
+    fake.state.lock().unwrap().create_gate = None;
+
+    // An executor that fails (dies) mid-create leaves a FAILED record with its reason,
+    // never nothing: the tag is known, and so is where leftovers may be.
+    fake.state.lock().unwrap().create_failure = Some("the executor went away".into());
+    let err = sn.create_snapshot(create("d")).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    let (state, why) = snapshot_state(&mut sn, "d").await;
+    assert_eq!(state, pb::SnapshotState::Failed);
+    assert!(why.contains("the executor went away"), "{why}");
+    assert!(fake.state.lock().unwrap().deleted_tags.is_empty());
+    // Creating it again first has the executor remove what the failed attempt left.
+    fake.state.lock().unwrap().create_failure = None;
+    let again = sn.create_snapshot(create("d")).await.unwrap().into_inner();
+    assert_eq!(
+        (again.state(), again.executors, again.mem_mib),
+        (pb::SnapshotState::Ready, vec!["ex-a".to_string()], 512)
+    );
+    assert_eq!(fake.state.lock().unwrap().deleted_tags, vec!["d"]);
+    assert_eq!(fake.state.lock().unwrap().created_tags, vec!["c", "d", "d"]);
+    cp.shutdown().await.unwrap();
+
+    // A stop while a create was under way leaves its record writing (what a killed control
+    // plane leaves; the lab's kill -9 scenario does it for real). The next start fails it,
+    // so a retry need not wait out its deadline.
+    let db = Db::open(&dir.path().join("tine.db")).await.unwrap();
+    db.insert_snapshot(&NewSnapshot {
+        tag: "e".into(),
+        parent_tag: None,
+        image: "python-numpy".into(),
+        vcpus: 0,
+        mem_mib: 0,
+        source_sandbox: None,
+        executor_id: "ex-a".into(),
+        layers: None,
+        state: NewState::Writing { until_ms: i64::MAX },
+    })
+    .await
+    .unwrap();
+    db.close().await;
+    let cp = server::start(config(dir.path(), &t)).await.unwrap();
+    register(cp.addr, &t, "ex-a", addr, 8, &[], &[]).await;
+    let (mut sn, _, _) = clients(cp.addr, Some(&t.user)).await;
+    let (state, why) = snapshot_state(&mut sn, "e").await;
+    assert_eq!(state, pb::SnapshotState::Failed);
+    assert!(why.contains("cut short"), "{why}");
+    let e = sn.create_snapshot(create("e")).await.unwrap().into_inner();
+    assert_eq!(e.state(), pb::SnapshotState::Ready);
+    assert_eq!(fake.state.lock().unwrap().deleted_tags, vec!["d", "e"]);
     cp.shutdown().await.unwrap();
 }
 

@@ -303,6 +303,40 @@ fn agent_exec_streams_files_and_timeouts_in_a_busybox_guest() {
 
 #[test]
 #[ignore = "boots Linux: needs VMX/SVM or the nested lab (slow)"]
+fn a_service_killed_while_a_parent_writes_its_snapshot_leaves_a_failed_record_and_a_retry_works() {
+    build_image("busybox");
+    // One L1 CPU: two services, a booting parent and a shell polling the snapshot directory
+    // are steadier on one (docs/lab.md).
+    scenario_args_on(
+        1,
+        "killsnap.sh",
+        "busybox",
+        &[],
+        &[
+            "executor-registered",
+            "writing-1",
+            "create-1-fails",
+            "no-copy-1",
+            "record-failed-1",
+            "executor-back",
+            "nothing-left-1",
+            "retry-1",
+            "ready-1",
+            "child-1",
+            "writing-2",
+            "create-2-fails",
+            "executor-up-2",
+            "record-failed-2",
+            "no-spawn-of-failed",
+            "retry-2",
+            "ready-2",
+            "child-2",
+        ],
+    );
+}
+
+#[test]
+#[ignore = "boots Linux: needs VMX/SVM or the nested lab (slow)"]
 fn forked_children_get_a_new_vm_generation_id() {
     // Debian's generic kernel: the cloud kernel has no CONFIG_VMGENID driver.
     let agent = static_agent().to_str().expect("agent path is UTF-8");

@@ -37,6 +37,8 @@ pub enum HostError {
     NoSnapshot(Tag),
     #[error("snapshot {0} already exists (replace it explicitly)")]
     SnapshotExists(Tag),
+    #[error("snapshot {0} is being made on this host already (an earlier attempt still runs); try again once it has ended")]
+    SnapshotBeingMade(Tag),
     #[error("snapshot {tag} cannot be restored: {source}")]
     BadSnapshot {
         tag: Tag,
@@ -139,6 +141,7 @@ impl HostError {
         match self {
             NoSnapshot(_) | NoVm(_) => ErrorKind::NotFound,
             SnapshotExists(_) | VmExists(_) => ErrorKind::AlreadyExists,
+            SnapshotBeingMade(_) => ErrorKind::Unavailable,
             Full { .. } | OutOfMemory { .. } => ErrorKind::Exhausted,
             Limits(_) => ErrorKind::Invalid,
             NotOwner { .. } | Locked { .. } => ErrorKind::Denied,
@@ -176,6 +179,7 @@ impl HostError {
         match self {
             NoSnapshot(_) => "no_snapshot",
             SnapshotExists(_) => "snapshot_exists",
+            SnapshotBeingMade(_) => "snapshot_being_made",
             BadSnapshot { .. } => "bad_snapshot",
             NoVm(_) => "no_vm",
             VmExists(_) => "vm_exists",

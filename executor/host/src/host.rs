@@ -193,6 +193,8 @@ pub struct Host {
     no_cgroups: String,
     /// Snapshots (by state checksum) whose memory files this host's cgroup was charged for.
     charged: Mutex<HashSet<String>>,
+    /// Tags whose parents are being booted and snapshotted here (one attempt per tag).
+    making: Mutex<HashSet<Tag>>,
     /// Held while an executor daemon owns this data directory.
     _lock: Option<crate::pidlock::PidLock>,
 }
@@ -289,6 +291,7 @@ impl Host {
             fetcher,
             network,
             exposed: Mutex::new(HashMap::new()),
+            making: Mutex::new(HashSet::new()),
             cgroups,
             no_cgroups,
             charged: Mutex::new(HashSet::new()),
@@ -497,6 +500,13 @@ impl Host {
     /// Boot an image, warm it, and snapshot it under `spec.tag`. The snapshot appears under
     /// its tag only once complete (written aside, then renamed).
     pub fn create_snapshot(&self, spec: &ParentSpec) -> Result<MadeSnapshot> {
+        // A retry that arrives while an earlier attempt (whose caller went away) still runs
+        // is told so, rather than booting a second parent that would lose the race to install.
+        let _making = Making::claim(&self.making, &spec.tag)?;
+        self.create_snapshot_once(spec)
+    }
+
+    fn create_snapshot_once(&self, spec: &ParentSpec) -> Result<MadeSnapshot> {
         let dir = self.snapshot_dir(&spec.tag);
         if dir.exists() && !spec.replace {
             return Err(HostError::SnapshotExists(spec.tag.clone()));
@@ -1740,6 +1750,37 @@ impl Host {
     }
 }
 
+/// A tag claimed in [`Host`]'s `making` set for as long as this lives.
+struct Making<'a> {
+    set: &'a Mutex<HashSet<Tag>>,
+    tag: Tag,
+}
+
+impl<'a> Making<'a> {
+    fn claim(set: &'a Mutex<HashSet<Tag>>, tag: &Tag) -> Result<Making<'a>> {
+        if !set
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(tag.clone())
+        {
+            return Err(HostError::SnapshotBeingMade(tag.clone()));
+        }
+        Ok(Making {
+            set,
+            tag: tag.clone(),
+        })
+    }
+}
+
+impl Drop for Making<'_> {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.tag);
+    }
+}
+
 impl Drop for Host {
     fn drop(&mut self) {
         // Prepared namespaces nobody will use; the children's stay with them (re-adopted).
@@ -1824,4 +1865,26 @@ fn lock_dir(dir: &std::path::Path) -> Result<crate::pidlock::PidLock> {
             HostError::io(format!("locking {}", path.display()))(source)
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tag_is_made_by_one_attempt_at_a_time() {
+        let set = Mutex::new(HashSet::new());
+        let tag = Tag::parse("py").unwrap();
+        let first = Making::claim(&set, &tag).unwrap();
+        assert!(matches!(
+            Making::claim(&set, &tag),
+            Err(HostError::SnapshotBeingMade(t)) if t == tag
+        ));
+        // Other tags are not held up.
+        let other = Making::claim(&set, &Tag::parse("np").unwrap()).unwrap();
+        drop(first);
+        let again = Making::claim(&set, &tag).unwrap();
+        drop((again, other));
+        assert!(set.lock().unwrap().is_empty());
+    }
 }
