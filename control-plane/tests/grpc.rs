@@ -1063,6 +1063,19 @@ async fn snapshot_state(sn: &mut SnapshotsClient<Svc>, tag: &str) -> (pb::Snapsh
     (s.state(), s.error)
 }
 
+/// `tag`'s state once it is no longer WRITING (or after 4 s).
+async fn settled_state(sn: &mut SnapshotsClient<Svc>, tag: &str) -> (pb::SnapshotState, String) {
+    let mut state = snapshot_state(sn, tag).await;
+    for _ in 0..200 {
+        if state.0 != pb::SnapshotState::Writing {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        state = snapshot_state(sn, tag).await;
+    }
+    state
+}
+
 fn branch_req(id: &str, tag: &str, mode: pb::BranchMode, no_wait: bool) -> pb::BranchRequest {
     pb::BranchRequest {
         sandbox_id: id.into(),
@@ -1191,14 +1204,7 @@ async fn a_branch_that_does_not_wait_is_writing_until_its_executor_finishes() {
         .into_inner();
     assert_eq!(f.state(), pb::SnapshotState::Writing);
     gate.notify_one();
-    let mut state = snapshot_state(&mut sn, "f").await;
-    for _ in 0..100 {
-        if state.0 != pb::SnapshotState::Writing {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        state = snapshot_state(&mut sn, "f").await;
-    }
+    let state = settled_state(&mut sn, "f").await;
     assert_eq!(state.0, pb::SnapshotState::Failed);
     assert!(state.1.contains("No space left on device"), "{}", state.1);
     let err = sb.spawn(spawn_one("f", false)).await.unwrap_err();
@@ -1267,14 +1273,7 @@ async fn a_create_is_recorded_while_written_and_a_failed_one_is_replaced_with_it
     call.abort();
     let _ = call.await;
     gate.notify_one();
-    let mut state = snapshot_state(&mut sn, "c").await;
-    for _ in 0..200 {
-        if state.0 != pb::SnapshotState::Writing {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        state = snapshot_state(&mut sn, "c").await;
-    }
+    let state = settled_state(&mut sn, "c").await;
     assert_eq!(state.0, pb::SnapshotState::Ready, "{}", state.1);
     fake.state.lock().unwrap().create_gate = None;
 
