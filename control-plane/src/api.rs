@@ -453,7 +453,11 @@ impl Api {
             let mut req = Request::new(r);
             req.set_timeout(CREATE_SNAPSHOT_TIMEOUT);
             let made = async {
-                let made = client.create_snapshot(req).await?.into_inner();
+                let made = client
+                    .create_snapshot(req)
+                    .await
+                    .map_err(|e| executor_lost(&executor, e))?
+                    .into_inner();
                 let layers = made.layers.as_ref().map(layers_from).transpose()?;
                 Ok::<_, Status>((made, layers))
             }
@@ -1370,6 +1374,22 @@ impl Sandboxes for Api {
 }
 
 /// A credential named `executor:ID` (one token per executor) speaks for executor ID alone.
+/// A call whose connection to its executor broke (the executor died or restarted) is
+/// UNAVAILABLE and names the executor; tonic reports it as UNKNOWN "transport error".
+fn executor_lost(executor: &str, e: Status) -> Status {
+    let broken = e.code() == Code::Unknown
+        && std::iter::successors(std::error::Error::source(&e), |s| s.source())
+            .any(|s| s.is::<tonic::transport::Error>());
+    if broken || (e.code() == Code::Unknown && e.message() == "transport error") {
+        Status::unavailable(format!(
+            "executor {executor} stopped answering (it died or restarted): {}",
+            e.message()
+        ))
+    } else {
+        e
+    }
+}
+
 fn check_executor_credential(principal: &str, id: &str) -> Result<(), Status> {
     match tine_rpc::auth::bound_executor(principal) {
         Some(bound) if bound != id => Err(Status::permission_denied(format!(

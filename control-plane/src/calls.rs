@@ -386,6 +386,23 @@ pub struct Keeper(pub Arc<Ctx>);
 /// made-up paths must not become metric labels).
 const UNKNOWN_RPC: &str = "tine.v1/unknown";
 
+/// The bounded label a call refused before its handler is audited and counted under: its
+/// RPC's name, or its service's for the open ones (health, reflection), never the raw path.
+fn refused_label(path: &str) -> &'static str {
+    if let Some(rpc) = Rpc::from_path(path) {
+        return rpc.name();
+    }
+    if path.starts_with(GATED_PREFIX) {
+        UNKNOWN_RPC
+    } else if path.starts_with("/grpc.health.") {
+        "grpc.health"
+    } else if path.starts_with("/grpc.reflection.") {
+        "grpc.reflection"
+    } else {
+        "unknown"
+    }
+}
+
 impl Gatekeeper for Keeper {
     fn admit(&self, path: &str, headers: &http::HeaderMap) -> Verdict {
         if !path.starts_with(GATED_PREFIX) {
@@ -420,7 +437,7 @@ impl Gatekeeper for Keeper {
     }
 
     fn refused(&self, call: Refused<'_>) {
-        let rpc = Rpc::from_path(call.path).map_or(UNKNOWN_RPC, Rpc::name);
+        let rpc = refused_label(call.path);
         let args = serde_json::json!({"before_handler": true});
         self.0.record_elapsed(
             rpc,
@@ -454,5 +471,20 @@ mod tests {
         }
         assert_eq!(Rpc::from_path("/tine.v1.Sandboxes/Nope"), None);
         assert_eq!(Rpc::from_path("tine.v1.Sandboxes/Spawn"), None);
+    }
+
+    #[test]
+    fn calls_refused_before_their_handler_get_bounded_labels() {
+        assert_eq!(
+            refused_label("/tine.v1.Sandboxes/Spawn"),
+            "tine.v1.Sandboxes/Spawn"
+        );
+        assert_eq!(refused_label("/tine.v1.Sandboxes/Made-up"), UNKNOWN_RPC);
+        assert_eq!(refused_label("/grpc.health.v1.Health/Check"), "grpc.health");
+        assert_eq!(
+            refused_label("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"),
+            "grpc.reflection"
+        );
+        assert_eq!(refused_label("/anything/else"), "unknown");
     }
 }
