@@ -469,6 +469,14 @@ impl Api {
                         .await
                         .map_err(Status::from)
                 }
+                // The executor has a copy of that tag no record knows of, and made nothing:
+                // leave the tag unrecorded, as it was (deleting that copy is not this call's).
+                Err(e) if e.code() == Code::AlreadyExists => {
+                    if let Err(d) = db.forget_writing(&tag).await {
+                        tracing::warn!(%tag, "could not forget a refused snapshot: {d}");
+                    }
+                    Err(e)
+                }
                 Err(e) => {
                     let why = format!("{}: {}", code_name(e.code()), e.message());
                     if let Err(d) = db.fail_snapshot(&tag, &why).await {

@@ -657,6 +657,16 @@ impl Db {
         Ok(())
     }
 
+    /// Forget a snapshot recorded as writing whose making never started (its executor
+    /// refused it): the tag is as free as before the call.
+    pub async fn forget_writing(&self, tag: &str) -> Result<()> {
+        sqlx::query("DELETE FROM snapshots WHERE tag = ? AND state = 'writing'")
+            .bind(tag)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// A snapshot recorded as writing failed: nothing can be spawned from it.
     pub async fn fail_snapshot(&self, tag: &str, error: &str) -> Result<()> {
         let r = sqlx::query(

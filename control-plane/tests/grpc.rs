@@ -48,8 +48,8 @@ struct FakeState {
     kill_hangs: bool,
     /// CreateSnapshot waits until this is notified (None: answers at once).
     create_gate: Option<Arc<tokio::sync::Notify>>,
-    /// CreateSnapshot fails with UNAVAILABLE and this message (an executor that died).
-    create_failure: Option<String>,
+    /// CreateSnapshot fails with this code and message (UNAVAILABLE: an executor that died).
+    create_failure: Option<(Code, String)>,
     /// The tag of each CreateSnapshot call, in order.
     created_tags: Vec<String>,
 }
@@ -112,8 +112,8 @@ impl Executor for FakeExecutor {
         if let Some(g) = gate {
             g.notified().await;
         }
-        if let Some(why) = failure {
-            return Err(Status::unavailable(why));
+        if let Some((code, why)) = failure {
+            return Err(Status::new(code, why));
         }
         Ok(Response::new(pb::Snapshot {
             tag: r.tag,
@@ -1279,7 +1279,8 @@ async fn a_create_is_recorded_while_written_and_a_failed_one_is_replaced_with_it
 
     // An executor that fails (dies) mid-create leaves a FAILED record with its reason,
     // never nothing: the tag is known, and so is where leftovers may be.
-    fake.state.lock().unwrap().create_failure = Some("the executor went away".into());
+    fake.state.lock().unwrap().create_failure =
+        Some((Code::Unavailable, "the executor went away".into()));
     let err = sn.create_snapshot(create("d")).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable);
     let (state, why) = snapshot_state(&mut sn, "d").await;
@@ -1294,7 +1295,22 @@ async fn a_create_is_recorded_while_written_and_a_failed_one_is_replaced_with_it
         (pb::SnapshotState::Ready, vec!["ex-a".to_string()], 512)
     );
     assert_eq!(fake.state.lock().unwrap().deleted_tags, vec!["d"]);
-    assert_eq!(fake.state.lock().unwrap().created_tags, vec!["c", "d", "d"]);
+    // An executor that already holds a copy nobody recorded refuses, having made nothing:
+    // the tag stays unrecorded (its copy is not the create's to delete).
+    fake.state.lock().unwrap().create_failure =
+        Some((Code::AlreadyExists, "snapshot x already exists".into()));
+    let err = sn.create_snapshot(create("x")).await.unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists);
+    let err = sn
+        .get_snapshot(pb::GetSnapshotRequest { tag: "x".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    fake.state.lock().unwrap().create_failure = None;
+    assert_eq!(
+        fake.state.lock().unwrap().created_tags,
+        vec!["c", "d", "d", "x"]
+    );
     cp.shutdown().await.unwrap();
 
     // A stop while a create was under way leaves its record writing (what a killed control
