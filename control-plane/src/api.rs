@@ -1381,14 +1381,14 @@ impl Sandboxes for Api {
     }
 }
 
-/// A credential named `executor:ID` (one token per executor) speaks for executor ID alone.
 /// A call whose connection to its executor broke (the executor died or restarted) is
 /// UNAVAILABLE and names the executor; tonic reports it as UNKNOWN "transport error".
 fn executor_lost(executor: &str, e: Status) -> Status {
     let broken = e.code() == Code::Unknown
-        && std::iter::successors(std::error::Error::source(&e), |s| s.source())
-            .any(|s| s.is::<tonic::transport::Error>());
-    if broken || (e.code() == Code::Unknown && e.message() == "transport error") {
+        && (e.message() == "transport error"
+            || std::iter::successors(std::error::Error::source(&e), |s| s.source())
+                .any(|s| s.is::<tonic::transport::Error>()));
+    if broken {
         Status::unavailable(format!(
             "executor {executor} stopped answering (it died or restarted): {}",
             e.message()
@@ -1398,6 +1398,7 @@ fn executor_lost(executor: &str, e: Status) -> Status {
     }
 }
 
+/// A credential named `executor:ID` (one token per executor) speaks for executor ID alone.
 fn check_executor_credential(principal: &str, id: &str) -> Result<(), Status> {
     match tine_rpc::auth::bound_executor(principal) {
         Some(bound) if bound != id => Err(Status::permission_denied(format!(

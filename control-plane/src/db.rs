@@ -446,13 +446,9 @@ impl Db {
         Ok(newly)
     }
 
-    /// At start: sandboxes still 'starting' belonged to spawns of a control plane that is gone
-    /// (killed mid-spawn), whose callers never learned of them. They fail, so the executors
-    /// running them are told at their next registration to kill them (see
-    /// [`Db::reconcile_sandboxes`]) rather than leaving them starting forever. How many.
     /// Fail every snapshot still recorded as being written: at start, no call of this process
     /// waits for one, so none will be finished (a copy its executor completed anyway is removed
-    /// when the tag is deleted or created again).
+    /// when the tag is deleted or created again). How many.
     pub async fn fail_interrupted_snapshots(&self) -> Result<u64> {
         Ok(sqlx::query(
             "UPDATE snapshots SET state = 'failed', writing_until_ms = NULL, \
@@ -464,6 +460,10 @@ impl Db {
         .rows_affected())
     }
 
+    /// At start: sandboxes still 'starting' belonged to spawns of a control plane that is gone
+    /// (killed mid-spawn), whose callers never learned of them. They fail, so the executors
+    /// running them are told at their next registration to kill them (see
+    /// [`Db::reconcile_sandboxes`]) rather than leaving them starting forever. How many.
     pub async fn fail_interrupted_spawns(&self) -> Result<u64> {
         Ok(sqlx::query(
             "UPDATE sandboxes SET state = 'failed', \
