@@ -61,7 +61,7 @@ fuzz_target!(|data: &[u8]| {
     let client = AgentClient::new(Connector::Unix(agent.sock.clone()))
         .with_io_timeout(Some(Duration::from_secs(2)))
         .with_stall_timeout(Duration::from_secs(2));
-    match which % 9 {
+    match which % 10 {
         0 => drop(client.ping()),
         1 => drop(client.exec(
             &["sh", "-c", "true"],
@@ -78,6 +78,12 @@ fuzz_target!(|data: &[u8]| {
         5 => drop(client.write_file("/tmp/f", 0o644, &b"data"[..])),
         6 => drop(client.reseed(&[7u8; 32], Some(&CloneIdentity::new("sbx-1", [1; 16])))),
         7 => drop(client.prepare_snapshot()),
+        8 => drop(client.wake(
+            std::time::SystemTime::now(),
+            &[7u8; 32],
+            Some(&CloneIdentity::new("sbx-1", [1; 16])),
+            Duration::from_secs(2),
+        )),
         _ => drop(client.set_time(std::time::SystemTime::UNIX_EPOCH)),
     }
 });

@@ -111,7 +111,7 @@ impl LocalCache {
         loop {
             // SAFETY: flock on a descriptor we own; no memory is passed.
             if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
-                return Ok(Some(CacheLock { _file: file }));
+                return Ok(Some(CacheLock { file }));
             }
             let e = std::io::Error::last_os_error();
             match e.kind() {
@@ -600,7 +600,16 @@ impl LocalCache {
 /// A held [`LocalCache`] lock; released when dropped.
 #[derive(Debug)]
 pub(crate) struct CacheLock {
-    _file: File,
+    file: File,
+}
+
+impl Drop for CacheLock {
+    /// Unlock explicitly: closing alone leaves the lock held while a child forked by another
+    /// thread (a VMM worker being spawned) still shares the open file before its exec.
+    fn drop(&mut self) {
+        // SAFETY: flock on a descriptor we own.
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
 }
 
 /// Bytes on disk (allocated blocks) per part of the cache.

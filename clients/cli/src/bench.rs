@@ -1,5 +1,6 @@
 //! `tine bench ...`: measurements printed as tables (and JSON), never asserted.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -8,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use tine_host::{SpawnOptions, SpawnOutcome, SpawnPhases};
 use tine_image::BOOT_MARKER;
+use tine_vmm::kvm_stats::Counters;
 
 use crate::defaults;
 
@@ -67,10 +69,13 @@ pub fn run(c: BenchCommand) -> Result<i32> {
 struct Sample {
     to_marker: Duration,
     to_exit: Duration,
+    /// KVM's counters for the whole boot (None: this host's KVM has none).
+    kvm: Option<Counters>,
 }
 
 fn one_boot(kernel: &PathBuf, initrd: &PathBuf, vcpus: u8, mem_mib: u64) -> Result<Sample> {
     let exe = std::env::current_exe().context("locating the tine binary")?;
+    let counters = tempfile::NamedTempFile::new().context("a file for KVM's counters")?;
     let start = Instant::now();
     let mut child = Command::new(exe)
         .args([
@@ -85,6 +90,8 @@ fn one_boot(kernel: &PathBuf, initrd: &PathBuf, vcpus: u8, mem_mib: u64) -> Resu
         .arg(kernel)
         .arg("--initrd")
         .arg(initrd)
+        .arg("--kvm-counters")
+        .arg(counters.path())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -108,7 +115,62 @@ fn one_boot(kernel: &PathBuf, initrd: &PathBuf, vcpus: u8, mem_mib: u64) -> Resu
     if !status.success() {
         bail!("tine run exited with {status} for {}", kernel.display());
     }
-    Ok(Sample { to_marker, to_exit })
+    let kvm = std::fs::read(counters.path())
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    Ok(Sample {
+        to_marker,
+        to_exit,
+        kvm,
+    })
+}
+
+/// The counters a boot table shows first, in this order (the rest follow by name): exits and
+/// what they were for.
+const LEADING_COUNTERS: [&str; 9] = [
+    "exits",
+    "pf_taken",
+    "halt_exits",
+    "io_exits",
+    "mmio_exits",
+    "irq_exits",
+    "irq_window_exits",
+    "insn_emulation",
+    "hypercalls",
+];
+
+/// Per counter, its p50 over each column's samples; rows where every column is 0 are left
+/// out. Columns without counters are None.
+fn counter_table(columns: &[Vec<&Counters>]) -> Vec<(String, Vec<Option<u64>>)> {
+    let mut names: Vec<String> = columns
+        .iter()
+        .flatten()
+        .flat_map(|c| c.0.keys().cloned())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let rank = |n: &str| {
+        LEADING_COUNTERS
+            .iter()
+            .position(|l| *l == n)
+            .unwrap_or(LEADING_COUNTERS.len())
+    };
+    names.sort_by(|a, b| rank(a).cmp(&rank(b)).then(a.cmp(b)));
+    names
+        .into_iter()
+        .map(|n| {
+            let row: Vec<Option<u64>> = columns
+                .iter()
+                .map(|samples| {
+                    let mut v: Vec<u64> = samples.iter().map(|c| c.get(&n)).collect();
+                    v.sort_unstable();
+                    v.get(v.len() / 2).copied()
+                })
+                .collect();
+            (n, row)
+        })
+        .filter(|(_, row)| row.iter().any(|v| v.unwrap_or(0) > 0))
+        .collect()
 }
 
 fn ms(d: Duration) -> f64 {
@@ -146,6 +208,7 @@ fn boot(b: BootBench) -> Result<i32> {
         "kernel", "min ms", "p50 ms", "max ms", "exit p50 ms"
     );
     let mut json = Vec::new();
+    let mut all_samples = Vec::new();
     for k in &kernels {
         let mut samples = Vec::new();
         for i in 0..b.runs {
@@ -168,11 +231,19 @@ fn boot(b: BootBench) -> Result<i32> {
             .to_string_lossy()
             .to_string();
         println!("{name:<48} {min:>10.1} {p50:>10.1} {max:>10.1} {exit_p50:>12.1}");
+        let kvm: Vec<&Counters> = samples.iter().filter_map(|s| s.kvm.as_ref()).collect();
+        let kvm_json = counter_table(&[kvm])
+            .into_iter()
+            .map(|(n, v)| format!("{n:?}:{}", v[0].unwrap_or(0)))
+            .collect::<Vec<_>>()
+            .join(",");
         json.push(format!(
-            "{{\"kernel\":{:?},\"runs\":{},\"marker_ms\":{{\"min\":{min:.3},\"p50\":{p50:.3},\"max\":{max:.3}}},\"exit_ms_p50\":{exit_p50:.3}}}",
+            "{{\"kernel\":{:?},\"runs\":{},\"marker_ms\":{{\"min\":{min:.3},\"p50\":{p50:.3},\"max\":{max:.3}}},\"exit_ms_p50\":{exit_p50:.3},\"kvm_p50\":{{{kvm_json}}}}}",
             name, b.runs
         ));
+        all_samples.push((name, samples));
     }
+    print_kvm_counters(&all_samples);
     let doc = format!(
         "{{\"bench\":\"boot\",\"vcpus\":{},\"mem_mib\":{},\"results\":[{}]}}",
         b.vcpus,
@@ -184,6 +255,63 @@ fn boot(b: BootBench) -> Result<i32> {
         std::fs::write(&p, &doc).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(0)
+}
+
+/// Print [`counter_table`] of `columns` under `headers`, `width` characters a column; returns
+/// the table.
+fn print_counter_table(
+    headers: &[String],
+    columns: &[Vec<&Counters>],
+    width: usize,
+) -> Vec<(String, Vec<Option<u64>>)> {
+    print!("{:<32}", "counter");
+    for h in headers {
+        print!(" {h:>width$}");
+    }
+    println!();
+    let table = counter_table(columns);
+    for (name, row) in &table {
+        print!("{name:<32}");
+        for v in row {
+            match v {
+                Some(v) => print!(" {v:>width$}"),
+                None => print!(" {:>width$}", "-"),
+            }
+        }
+        println!();
+    }
+    table
+}
+
+/// KVM's counters per boot, one column per kernel: where a boot's exits went.
+fn print_kvm_counters(runs: &[(String, Vec<Sample>)]) {
+    let columns: Vec<Vec<&Counters>> = runs
+        .iter()
+        .map(|(_, s)| s.iter().filter_map(|s| s.kvm.as_ref()).collect())
+        .collect();
+    if columns.iter().all(Vec::is_empty) {
+        println!(
+            "\nKVM counters: not available on this host (KVM statistics files need Linux 5.14)"
+        );
+        return;
+    }
+    println!(
+        "\nKVM counters per boot (p50 over the runs; counted by KVM, so exits it handles itself, \
+         such as nested page faults (pf_taken) and halts, are included; vm.* are the VM's own \
+         at its end, e.g. guest memory mapped by page size)"
+    );
+    let headers: Vec<String> = runs
+        .iter()
+        .map(|(n, _)| truncate(n, 20).to_string())
+        .collect();
+    print_counter_table(&headers, &columns, 20);
+}
+
+fn truncate(s: &str, n: usize) -> &str {
+    match s.char_indices().nth(n) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
 }
 
 #[derive(clap::Args)]
@@ -203,6 +331,13 @@ pub struct ForkBench {
     /// At most this many children restoring at once (0: all of them).
     #[arg(long, default_value_t = 0)]
     parallel: usize,
+    /// Seconds the children idle once all are ready, before their memory is read.
+    #[arg(long, default_value_t = 0.5)]
+    idle_secs: f64,
+    /// Children of each fan-out whose written pages are attributed to causes in the guest
+    /// (needs python3 in the image; 0: none).
+    #[arg(long, default_value_t = 2)]
+    attribute: usize,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -218,22 +353,15 @@ fn pct(sorted: &[f64], q: f64) -> f64 {
 fn pss_split_kib(pid: u32) -> Option<(u64, u64)> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
     let (mut guest, mut vmm) = (0u64, 0u64);
-    let mut in_guest = false;
-    for l in s.lines() {
-        let mut words = l.split_whitespace();
-        let first = words.next().unwrap_or("");
-        if first.contains('-') && !first.ends_with(':') {
-            // A mapping header: "start-end perms offset dev inode [path]".
-            in_guest = l.ends_with("/memory.img");
-        } else if first == "Pss:" {
-            let kib: u64 = words.next().and_then(|v| v.parse().ok()).unwrap_or(0);
-            if in_guest {
+    crate::bench_pages::for_each_smaps_field(&s, |path, field, kib| {
+        if field == "Pss:" {
+            if path.ends_with("/memory.img") {
                 guest += kib;
             } else {
                 vmm += kib;
             }
         }
-    }
+    });
     Some((guest, vmm))
 }
 
@@ -290,6 +418,9 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     if b.counts.is_empty() || b.cold_runs == 0 {
         bail!("--counts and --cold-runs must not be empty/zero");
     }
+    if !(0.0..=3600.0).contains(&b.idle_secs) {
+        bail!("--idle-secs must be between 0 and 3600");
+    }
     println!(
         "fork benchmark: snapshot {:?}, image {:?}",
         b.tag.as_str(),
@@ -300,7 +431,8 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     println!("     per-child time runs from handing its worker the snapshot; total = wall time until all N are ready (--parallel {}: at most that many restoring at once, 0 = all);", b.parallel);
     println!("     cold = `tine run --image` to agent ready;");
     println!(
-        "     memory = PSS of the child VMM processes after all are ready and idle, divided by N, split into guest RAM (the memory.img mapping: shared pages by share, pages the guest wrote in full) and the VMM process itself."
+        "     memory = PSS of the child VMM processes after all are ready and idle for {} s, divided by N, split into guest RAM (the memory.img mapping: shared pages by share, pages the guest wrote in full) and the VMM process itself.",
+        b.idle_secs
     );
     let mut cold: Vec<f64> = Vec::new();
     for i in 0..b.cold_runs {
@@ -338,6 +470,8 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     );
     let mut rows = Vec::new();
     let mut phase_rows: Vec<(usize, Vec<SpawnPhases>)> = Vec::new();
+    let mut written_rows: Vec<(usize, Written)> = Vec::new();
+    let mut counter_rows: Vec<(usize, Vec<Counters>)> = Vec::new();
     let host = crate::local::cli_host(tine_host::Readiness::Agent)?;
     let opts = SpawnOptions {
         ready_timeout: Some(Duration::from_secs(300)),
@@ -349,12 +483,27 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         resources: Default::default(),
     };
     for &n in &b.counts {
+        // Workers up and waiting before the clock (fork_children finds them there).
+        host.prestart_workers(n);
         let t0 = Instant::now();
         let collected = std::sync::Mutex::new(Vec::new());
+        // KVM's counters of the first children ready, read as each becomes ready: what its
+        // VM did from creation to ready (one control-socket call each, after its clock).
+        let counted = std::sync::Mutex::new(Vec::new());
+        let slots = std::sync::atomic::AtomicUsize::new(0);
         crate::fork::fork_children(&host, &b.tag, n, &opts, |r| {
+            use std::sync::atomic::Ordering::Relaxed;
+            if r.result.is_ok() && slots.fetch_add(1, Relaxed) < b.attribute {
+                match host.kvm_counters(&r.id) {
+                    Ok(Some(c)) => counted.lock().unwrap().push(c),
+                    Ok(None) => {}
+                    Err(e) => eprintln!("  child {}: {e}", r.id),
+                }
+            }
             collected.lock().unwrap().push(r)
         })?;
         let reports: Vec<SpawnOutcome> = collected.into_inner().unwrap();
+        counter_rows.push((n, counted.into_inner().unwrap()));
         let total = t0.elapsed().as_secs_f64() * 1e3;
         let phases: Vec<SpawnPhases> = reports
             .iter()
@@ -369,7 +518,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
             }
         }
         phase_rows.push((n, phases));
-        std::thread::sleep(Duration::from_millis(500)); // let children go idle
+        std::thread::sleep(Duration::from_secs_f64(b.idle_secs)); // let children go idle
         let split: Vec<(u64, u64)> = reports
             .iter()
             .filter_map(|r| r.pid.and_then(pss_split_kib))
@@ -379,6 +528,15 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         let mib_per_child = (guest_kib + vmm_kib) as f64 / 1024.0 / n as f64;
         let guest_mib = guest_kib as f64 / 1024.0 / n as f64;
         let vmm_mib = vmm_kib as f64 / 1024.0 / n as f64;
+        // After the PSS: running the classifier in a child writes pages of its own.
+        let sample: Vec<&SpawnOutcome> = reports
+            .iter()
+            .filter(|r| r.result.is_ok() && r.pid.is_some())
+            .take(b.attribute)
+            .collect();
+        if !sample.is_empty() {
+            written_rows.push((n, attribute_written(&host, &sample)));
+        }
         for r in &reports {
             let _ = host.kill(&r.id);
         }
@@ -399,12 +557,17 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     }
     println!("\n`vs cold p50` = N x (cold boot p50) / (wall time to get all N children ready).");
     let phases_json = print_phase_table(&phase_rows);
+    let written_json = print_written_table(&written_rows, b.idle_secs);
+    let counters_json = print_child_counters(&counter_rows);
     let doc = format!(
-        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"rows\":[{}],\"phases\":[{}]}}",
+        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"idle_secs\":{},\"rows\":[{}],\"phases\":[{}],\"written\":{},\"kvm_to_ready_p50\":{}}}",
         b.tag.as_str(),
         pct(&floor, 0.5),
+        b.idle_secs,
         rows.join(","),
-        phases_json.join(",")
+        phases_json.join(","),
+        written_json,
+        counters_json
     );
     println!("json: {doc}");
     if let Some(p) = b.json {
@@ -413,12 +576,175 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     Ok(0)
 }
 
+/// KVM's counters per child from its VM's creation to ready, one column per N; returns them
+/// as JSON (`{"N": {counter: p50}}`).
+fn print_child_counters(rows: &[(usize, Vec<Counters>)]) -> String {
+    let columns: Vec<Vec<&Counters>> = rows.iter().map(|(_, c)| c.iter().collect()).collect();
+    if columns.iter().all(Vec::is_empty) {
+        println!("\nKVM counters: none read (this host's KVM keeps none, or --attribute 0)");
+        return "{}".into();
+    }
+    println!(
+        "\nKVM counters per child from restore to ready (p50 over the first children ready, as \
+         many as --attribute; read as each became ready; pf_taken = nested page faults, e.g. \
+         first touches of guest RAM)"
+    );
+    let headers: Vec<String> = rows
+        .iter()
+        .map(|(n, c)| format!("N={n} ({})", c.len()))
+        .collect();
+    let table = print_counter_table(&headers, &columns, 16);
+    let per_n: Vec<String> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, (n, _))| {
+            let fields: Vec<String> = table
+                .iter()
+                .filter_map(|(name, row)| row[i].map(|v| format!("{name:?}:{v}")))
+                .collect();
+            format!("\"{n}\":{{{}}}", fields.join(","))
+        })
+        .collect();
+    format!("{{{}}}", per_n.join(","))
+}
+
+/// The pages a sample of children wrote, summed by cause (guest causes in pages, the VMM's own
+/// in KiB), over `children` children.
+#[derive(Default)]
+struct Written {
+    children: usize,
+    guest_pages: BTreeMap<String, u64>,
+    vmm_kib: BTreeMap<String, u64>,
+    /// Children whose guest could not say (no python3 in the image, say), with why.
+    unattributed: Vec<String>,
+}
+
+fn attribute_written(host: &tine_host::Host, sample: &[&SpawnOutcome]) -> Written {
+    let mut w = Written::default();
+    for r in sample {
+        let pid = r.pid.expect("sampled children have a pid");
+        let frames = match crate::bench_pages::written_guest_frames(pid) {
+            Ok(f) => f,
+            Err(e) => {
+                w.unattributed.push(format!("{}: {e:#}", r.id));
+                continue;
+            }
+        };
+        let vmm = crate::bench_pages::vmm_private_kib(pid).unwrap_or_default();
+        let causes = host
+            .vm_dir(&r.id)
+            .map_err(anyhow::Error::from)
+            .and_then(|d| {
+                let agent = tine_host::ready::agent(&d.join("vsock.sock"));
+                crate::bench_pages::guest_causes(&agent, &frames)
+            });
+        w.children += 1;
+        match causes {
+            Ok(c) => {
+                for (cause, pages) in c {
+                    *w.guest_pages.entry(cause).or_default() += pages;
+                }
+            }
+            Err(e) => {
+                w.unattributed.push(format!("{}: {e:#}", r.id));
+                *w.guest_pages.entry("not attributed".into()).or_default() += frames.len() as u64;
+            }
+        }
+        for (k, kib) in vmm {
+            *w.vmm_kib.entry(k.to_string()).or_default() += kib;
+        }
+    }
+    w
+}
+
+/// What each sampled child wrote, MiB per child by cause with one column per fan-out size;
+/// returns the same as a JSON array.
+fn print_written_table(rows: &[(usize, Written)], idle_secs: f64) -> String {
+    if rows.is_empty() {
+        return "[]".into();
+    }
+    println!("\nmemory each idle child holds privately, by cause (MiB per child; mean over the first children of each N, {idle_secs} s idle, read after the PSS above):");
+    println!("  guest = pages of guest RAM the child wrote (its own copies; the rest it shares with the snapshot), named by the guest's");
+    println!("  page flags and process page maps (python3 in the child); VMM = the VMM process's private memory besides guest RAM");
+    let mib =
+        |v: u64, per: usize, unit_kib: u64| v as f64 * unit_kib as f64 / 1024.0 / per.max(1) as f64;
+    let mut causes: Vec<String> = Vec::new();
+    let mut vmm: Vec<String> = Vec::new();
+    for (_, w) in rows {
+        for k in w.guest_pages.keys() {
+            if !causes.contains(k) {
+                causes.push(k.clone());
+            }
+        }
+        for k in w.vmm_kib.keys() {
+            if !vmm.contains(k) {
+                vmm.push(k.clone());
+            }
+        }
+    }
+    // Biggest first, by the last fan-out's figures.
+    let last = &rows[rows.len() - 1].1;
+    causes.sort_by_key(|c| std::cmp::Reverse(last.guest_pages.get(c).copied().unwrap_or(0)));
+    let header: Vec<String> = rows
+        .iter()
+        .map(|(n, w)| format!("{:>12}", format!("N={n} ({})", w.children)))
+        .collect();
+    println!("{:<46} {}", "cause", header.join(" "));
+    let line = |name: &str, f: &dyn Fn(&Written) -> f64| {
+        let cells: Vec<String> = rows
+            .iter()
+            .map(|(_, w)| format!("{:>12.2}", f(w)))
+            .collect();
+        println!("{name:<46} {}", cells.join(" "));
+    };
+    for c in &causes {
+        line(&format!("guest: {c}"), &|w| {
+            mib(w.guest_pages.get(c).copied().unwrap_or(0), w.children, 4)
+        });
+    }
+    line("guest: total written", &|w| {
+        mib(w.guest_pages.values().sum(), w.children, 4)
+    });
+    for c in &vmm {
+        line(c, &|w| {
+            mib(w.vmm_kib.get(c).copied().unwrap_or(0), w.children, 1)
+        });
+    }
+    line("VMM: total", &|w| {
+        mib(w.vmm_kib.values().sum(), w.children, 1)
+    });
+    for (_, w) in rows {
+        for u in &w.unattributed {
+            println!("  not attributed: {u}");
+        }
+    }
+    let json: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|(n, w)| {
+            let guest: serde_json::Map<String, serde_json::Value> = w
+                .guest_pages
+                .iter()
+                .map(|(k, v)| (k.clone(), serde_json::json!(mib(*v, w.children, 4))))
+                .collect();
+            let vmm: serde_json::Map<String, serde_json::Value> = w
+                .vmm_kib
+                .iter()
+                .map(|(k, v)| (k.clone(), serde_json::json!(mib(*v, w.children, 1))))
+                .collect();
+            serde_json::json!({"n": n, "children": w.children, "guest_mib_per_child": guest,
+                               "vmm_mib_per_child": vmm})
+        })
+        .collect();
+    serde_json::Value::Array(json).to_string()
+}
+
 /// Where each child's time went: p50 / p90 of every spawn phase per fan-out size, as a table;
 /// returns the same figures as JSON objects.
 fn print_phase_table(rows: &[(usize, Vec<SpawnPhases>)]) -> Vec<String> {
     println!("\nspawn phases per child (ms, p50 / p90), as the host measured them:");
     println!("  handoff = child record + a pre-started worker handed the snapshot; restore = KVM restore in the worker;");
-    println!("  running = vCPUs started + report back; agent = first agent answer; fixup = clock + reseed");
+    println!("  running = vCPUs started + report back; agent = first agent answer (Wake: clock, entropy, identity in one exchange);");
+    println!("  fixup = separate clock + reseed calls (only agents from before Wake)");
     let names = SpawnPhases::default().named().map(|(name, _)| name);
     let header: Vec<String> = names.iter().map(|n| format!("{n:>17}")).collect();
     println!("{:>6} {}", "N", header.join(" "));
@@ -449,4 +775,44 @@ fn print_phase_table(rows: &[(usize, Vec<SpawnPhases>)]) -> Vec<String> {
         json.push(format!("{{\"n\":{n},{}}}", fields.join(",")));
     }
     json
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counters(pairs: &[(&str, u64)]) -> Counters {
+        Counters(pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect())
+    }
+
+    #[test]
+    fn the_counter_table_leads_with_exits_takes_p50s_and_drops_all_zero_rows() {
+        let a = [
+            counters(&[
+                ("exits", 10),
+                ("vm.pages_2m", 3),
+                ("pf_taken", 5),
+                ("zero", 0),
+            ]),
+            counters(&[
+                ("exits", 30),
+                ("vm.pages_2m", 1),
+                ("pf_taken", 7),
+                ("zero", 0),
+            ]),
+            counters(&[
+                ("exits", 20),
+                ("vm.pages_2m", 2),
+                ("pf_taken", 6),
+                ("zero", 0),
+            ]),
+        ];
+        let b = [counters(&[("exits", 4), ("halt_exits", 1)])];
+        let table = counter_table(&[a.iter().collect(), b.iter().collect(), Vec::new()]);
+        let names: Vec<&str> = table.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["exits", "pf_taken", "halt_exits", "vm.pages_2m"]);
+        assert_eq!(table[0].1, [Some(20), Some(4), None]);
+        assert_eq!(table[1].1, [Some(6), Some(0), None]);
+        assert_eq!(table[3].1, [Some(2), Some(0), None]);
+    }
 }

@@ -4,6 +4,7 @@ mod bench;
 mod bench_branch;
 mod bench_fetch;
 mod bench_net;
+mod bench_pages;
 mod defaults;
 mod doctor;
 mod fork;

@@ -63,6 +63,10 @@ pub struct RunArgs {
     /// ioeventfds (to compare the two).
     #[arg(long)]
     no_ioeventfd: bool,
+    /// When the guest stops, write KVM's counters for the VM (exits by reason, page faults,
+    /// halts, summed over vCPUs; the VM's own under `vm.`) to this file as a JSON object.
+    #[arg(long)]
+    kvm_counters: Option<PathBuf>,
 }
 
 pub fn run(a: RunArgs) -> Result<i32> {
@@ -154,7 +158,15 @@ pub fn run(a: RunArgs) -> Result<i32> {
         }
         // The console closed without the marker: the guest stopped; report how.
     }
-    let exit = running.wait()?;
+    let exit = running.wait_exit()?;
+    if let Some(path) = &a.kvm_counters {
+        let counters = running
+            .kvm_counters()
+            .context("this host's KVM has no statistics files (Linux 5.14 or later)")?;
+        std::fs::write(path, serde_json::to_vec(&counters)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    drop(running);
     report_exit(a.quiet, exit, started);
     Ok(exit.exit_code())
 }

@@ -69,6 +69,17 @@ pub enum ClientError {
 
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
 
+/// How an agent's error for a request it does not know begins (agents older than a request
+/// answer it so, which is how a host tells them apart).
+pub const UNKNOWN_REQUEST: &str = "unknown or missing request type";
+
+impl ClientError {
+    /// The agent does not know the request: it predates it.
+    pub fn is_unknown_request(&self) -> bool {
+        matches!(self, ClientError::Agent(m, _) if m.starts_with(UNKNOWN_REQUEST))
+    }
+}
+
 /// The kind of failure the agent reported.
 pub use pb::ErrorCode as AgentErrorCode;
 
@@ -230,6 +241,25 @@ pub struct ReseedOutcome {
     pub credited: bool,
     pub python_reseeded: Vec<String>,
     pub identity_set: bool,
+}
+
+/// What [`AgentClient::prepare_snapshot`] did: MemFree (KiB) before and after, and the warm
+/// interpreter's objects frozen (0 without one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PreparedSnapshot {
+    pub free_kib_before: u64,
+    pub free_kib_after: u64,
+    pub python_objects_frozen: u64,
+}
+
+/// What a [`AgentClient::wake`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WakeOutcome {
+    pub ping: PingInfo,
+    pub credited: bool,
+    pub identity_set: bool,
+    /// A warm interpreter runs and is reseeded before its next eval.
+    pub python_reseed_pending: bool,
 }
 
 /// What makes a clone distinguishable inside: its hostname and machine-id.
@@ -508,27 +538,10 @@ impl AgentClient {
 
     fn ping_within(&self, timeout: Duration) -> Result<PingInfo> {
         let mut s = self.open(request::Kind::Ping(pb::PingRequest {}), Some(timeout))?;
-        let p = match s.recv()? {
-            Kind::Ping(p) => p,
-            other => return Err(unexpected("ping", &other)),
-        };
-        let readiness = match pb::Readiness::try_from(p.readiness) {
-            Ok(pb::Readiness::Ready) => Readiness::Ready,
-            Ok(pb::Readiness::Warming) => Readiness::Warming,
-            Ok(pb::Readiness::Failed) => Readiness::Failed(p.warmup_error),
-            _ => {
-                return Err(ClientError::Protocol(format!(
-                    "unknown readiness value {}",
-                    p.readiness
-                )))
-            }
-        };
-        Ok(PingInfo {
-            agent_version: p.agent_version,
-            uptime: Duration::from_millis(p.uptime_ms),
-            readiness,
-            warmup_command: p.warmup_command,
-        })
+        match s.recv()? {
+            Kind::Ping(p) => ping_info(p),
+            other => Err(unexpected("ping", &other)),
+        }
     }
 
     /// Polls ping until the agent reports ready. Connection errors are
@@ -815,15 +828,43 @@ impl AgentClient {
         }
     }
 
+    /// A clone's first call, in one exchange: set its clock to `time`, mix `entropy` into its
+    /// kernel RNG, give it `identity`, and have its warm interpreter reseeded before its next
+    /// eval; answers with what a ping says. `timeout` bounds connecting. An agent older than
+    /// this call answers with an error for which [`ClientError::is_unknown_request`] holds.
+    pub fn wake(
+        &self,
+        time: std::time::SystemTime,
+        entropy: &[u8],
+        identity: Option<&CloneIdentity>,
+        timeout: Duration,
+    ) -> Result<WakeOutcome> {
+        let (hostname, machine_id) = identity_fields(identity);
+        let mut s = self.open(
+            request::Kind::Wake(pb::WakeRequest {
+                unix_nanos: unix_nanos(time, "wake")?,
+                entropy: entropy.to_vec(),
+                hostname,
+                machine_id,
+            }),
+            Some(timeout),
+        )?;
+        match s.recv()? {
+            Kind::Wake(w) => Ok(WakeOutcome {
+                ping: ping_info(w.ping.ok_or_else(|| {
+                    ClientError::Protocol("a wake answer without its ping".into())
+                })?)?,
+                credited: w.credited,
+                identity_set: w.identity_set,
+                python_reseed_pending: w.python_reseed_pending,
+            }),
+            other => Err(unexpected("wake", &other)),
+        }
+    }
+
     /// Sets the guest's CLOCK_REALTIME.
     pub fn set_time(&self, time: std::time::SystemTime) -> Result<()> {
-        let nanos = time
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_err(|_| ClientError::Local {
-                what: "set_time",
-                source: io::Error::new(io::ErrorKind::InvalidInput, "time before 1970"),
-            })?
-            .as_nanos() as u64;
+        let nanos = unix_nanos(time, "set_time")?;
         let mut s = self.open(
             request::Kind::SetTime(pb::SetTimeRequest { unix_nanos: nanos }),
             None,
@@ -842,9 +883,7 @@ impl AgentClient {
         entropy: &[u8],
         identity: Option<&CloneIdentity>,
     ) -> Result<ReseedOutcome> {
-        let (hostname, machine_id) = identity
-            .map(|i| (i.hostname.clone(), i.machine_id.clone()))
-            .unwrap_or_default();
+        let (hostname, machine_id) = identity_fields(identity);
         let mut s = self.open(
             request::Kind::Reseed(pb::ReseedRequest {
                 entropy: entropy.to_vec(),
@@ -865,18 +904,60 @@ impl AgentClient {
 }
 
 impl AgentClient {
-    /// Drops the guest's clean caches before a snapshot; returns MemFree before and after
-    /// (KiB). An agent older than this call answers with an error.
-    pub fn prepare_snapshot(&self) -> Result<(u64, u64)> {
+    /// Readies a parent for its snapshot: its warm interpreter collects and freezes its
+    /// objects, and its kernel drops clean caches. An agent older than this call answers
+    /// with an error for which [`ClientError::is_unknown_request`] holds.
+    pub fn prepare_snapshot(&self) -> Result<PreparedSnapshot> {
         let mut s = self.open(
             request::Kind::PrepareSnapshot(pb::PrepareSnapshotRequest {}),
             None,
         )?;
         match s.recv()? {
-            Kind::PrepareSnapshot(r) => Ok((r.free_kib_before, r.free_kib_after)),
+            Kind::PrepareSnapshot(r) => Ok(PreparedSnapshot {
+                free_kib_before: r.free_kib_before,
+                free_kib_after: r.free_kib_after,
+                python_objects_frozen: r.python_objects_frozen,
+            }),
             other => Err(unexpected("prepare_snapshot", &other)),
         }
     }
+}
+
+/// The (hostname, machine_id) request fields for `identity` (empty: keep the parent's).
+fn identity_fields(identity: Option<&CloneIdentity>) -> (String, String) {
+    identity
+        .map(|i| (i.hostname.clone(), i.machine_id.clone()))
+        .unwrap_or_default()
+}
+
+fn unix_nanos(time: std::time::SystemTime, what: &'static str) -> Result<u64> {
+    Ok(time
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|_| ClientError::Local {
+            what,
+            source: io::Error::new(io::ErrorKind::InvalidInput, "time before 1970"),
+        })?
+        .as_nanos() as u64)
+}
+
+fn ping_info(p: pb::PingResponse) -> Result<PingInfo> {
+    let readiness = match pb::Readiness::try_from(p.readiness) {
+        Ok(pb::Readiness::Ready) => Readiness::Ready,
+        Ok(pb::Readiness::Warming) => Readiness::Warming,
+        Ok(pb::Readiness::Failed) => Readiness::Failed(p.warmup_error),
+        _ => {
+            return Err(ClientError::Protocol(format!(
+                "unknown readiness value {}",
+                p.readiness
+            )))
+        }
+    };
+    Ok(PingInfo {
+        agent_version: p.agent_version,
+        uptime: Duration::from_millis(p.uptime_ms),
+        readiness,
+        warmup_command: p.warmup_command,
+    })
 }
 
 fn unexpected(call: &str, got: &Kind) -> ClientError {
@@ -893,6 +974,7 @@ fn unexpected(call: &str, got: &Kind) -> ClientError {
         Kind::SetTime(_) => "set_time",
         Kind::Reseed(_) => "reseed",
         Kind::PrepareSnapshot(_) => "prepare_snapshot",
+        Kind::Wake(_) => "wake",
         Kind::Error(_) => "error",
     };
     ClientError::Protocol(format!("unexpected `{name}` response to {call}"))

@@ -78,6 +78,23 @@ fn reseed_reseeds_loaded_random_module() {
 }
 
 #[test]
+fn wake_is_refused_without_a_time_or_entropy_before_it_changes_anything() {
+    let agent = TestAgent::start();
+    let c = agent.client();
+    // Both are refused before any side effect, so the test host's clock and pool are untouched.
+    let t = Duration::from_secs(5);
+    let e = c
+        .wake(std::time::UNIX_EPOCH, &[7; 16], None, t)
+        .unwrap_err();
+    assert!(e.to_string().contains("unix_nanos must be set"), "{e}");
+    let e = c
+        .wake(std::time::SystemTime::now(), &[], None, t)
+        .unwrap_err();
+    assert!(e.to_string().contains("entropy must not be empty"), "{e}");
+    assert!(!e.is_unknown_request());
+}
+
+#[test]
 fn warmup_reports_warming_then_ready() {
     // The warm-up blocks until the test creates the release file, so the
     // `warming` state is observed deterministically (no sleeps or timings).

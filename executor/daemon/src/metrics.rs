@@ -28,7 +28,9 @@ impl ExecutorMetrics {
                 "tine_executor_spawn_phase_seconds",
                 "Time of each phase of a child's spawn: handoff (record + worker handed the \
                  snapshot), restore (KVM restore in the worker), running (vCPUs started, \
-                 reported back), agent (first agent answer), fixup (clock + reseed), total",
+                 reported back), agent (the first agent answer, which also sets the clock, \
+                 entropy and identity), fixup (separate clock + reseed calls: agents from \
+                 before Wake only), total",
             )
             .buckets(prometheus::exponential_buckets(0.0001, 2.0, 20).expect("buckets")),
             &["phase"],

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tine_vmm::kvm_stats::Counters;
 use tine_vmm::vm::{RunningVm, SnapshotKind};
 
 pub const CONTROL_SOCKET: &str = "control.sock";
@@ -43,6 +44,8 @@ pub enum Request {
     /// Take the diff branch in `dir` (complete, in place) as what the VM is a diff over from
     /// now on, so its next branch holds only what changed since.
     Rebase { dir: PathBuf },
+    /// KVM's counters for the VM so far (see [`tine_vmm::kvm_stats`]).
+    KvmCounters,
 }
 
 impl Request {
@@ -60,7 +63,7 @@ impl Request {
             Request::Snapshot { dir } => Request::Snapshot {
                 dir: translate(&dir)?,
             },
-            Request::PauseResume => Request::PauseResume,
+            r @ (Request::PauseResume | Request::KvmCounters) => r,
         })
     }
 }
@@ -91,6 +94,10 @@ pub enum Reply {
     Snapshotted {
         /// Pause and write, in microseconds.
         took_us: u64,
+    },
+    /// None: the host's KVM keeps no statistics files (before Linux 5.14).
+    KvmCounters {
+        counters: Option<Counters>,
     },
     Failed {
         reason: String,
@@ -171,6 +178,9 @@ fn answer(conn: UnixStream, vm: &RunningVm) -> std::io::Result<()> {
                 },
             }
         }
+        Ok(Request::KvmCounters) => Reply::KvmCounters {
+            counters: vm.kvm_counters(),
+        },
         Ok(Request::PauseResume) => {
             let t0 = std::time::Instant::now();
             let paused = vm.pause();

@@ -96,6 +96,8 @@ pub enum HostError {
     Store { what: String, reason: String },
     #[error("branching VM {id}: {reason}")]
     Branch { id: SandboxId, reason: String },
+    #[error("reading VM {id}'s KVM counters: {reason}")]
+    Counters { id: SandboxId, reason: String },
     #[error("snapshot {tag} has descendants on this host ({child}, ...): delete them first")]
     HasDescendants { tag: Tag, child: String },
     #[error("fetching snapshot {tag} from {store}: {reason}")]
@@ -166,6 +168,7 @@ impl HostError {
             | Io { .. }
             | Vmm(_)
             | Store { .. }
+            | Counters { .. }
             | Cgroup(_)
             | ParentSnapshot { .. } => ErrorKind::Internal,
             Fetch { .. } => ErrorKind::Unavailable,
@@ -201,6 +204,7 @@ impl HostError {
             Locked { .. } => "locked",
             Store { .. } => "store",
             Branch { .. } => "branch",
+            Counters { .. } => "counters",
             HasDescendants { .. } => "has_descendants",
             Cancelled(_) => "cancelled",
             Fetch { .. } => "fetch",

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tine_vmm::kvm_stats::Counters;
 use tine_vmm::vm::Rebase;
 
 use tine_proto::names::{SandboxId, Tag};
@@ -477,6 +478,11 @@ impl Host {
         self.pool.idle()
     }
 
+    /// The process ids of the idle VMM workers, each started and waiting for its job.
+    pub fn idle_worker_pids(&self) -> Vec<u32> {
+        self.pool.idle_pids()
+    }
+
     fn vms(&self) -> std::sync::MutexGuard<'_, Vms> {
         self.vms.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -932,6 +938,23 @@ impl Host {
         };
         match ask_vmm(id, &dir, &crate::control::Request::PauseResume)? {
             crate::control::Reply::Paused { paused_us } => Ok(Duration::from_micros(paused_us)),
+            other => Err(refuse(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// KVM's counters for VM `id` so far: exits by reason, page faults, halts (None: this
+    /// host's KVM keeps none).
+    pub fn kvm_counters(&self, id: &SandboxId) -> Result<Option<Counters>> {
+        let dir = self.vm_dir(id)?;
+        let refuse = |reason: String| HostError::Counters {
+            id: id.clone(),
+            reason,
+        };
+        let req = crate::control::Request::KvmCounters;
+        match crate::control::request(&dir, &req, Duration::from_secs(10))
+            .map_err(|e| refuse(format!("its VMM did not answer: {e}")))?
+        {
+            crate::control::Reply::KvmCounters { counters } => Ok(counters),
             other => Err(refuse(format!("unexpected answer {other:?}"))),
         }
     }

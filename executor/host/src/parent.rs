@@ -136,15 +136,25 @@ pub(crate) fn warm_and_snapshot(
             });
         }
     }
-    // Clean caches out of the image (a kernel with init_on_free=1 zeroes what it frees):
-    // smaller to store, to fetch and to keep resident. An older agent lacks the call.
+    // Ready the guest for its snapshot: the warm interpreter freezes its objects (clones'
+    // garbage collections then leave the shared heap alone) and the kernel drops clean caches
+    // (children start with that memory free). An older agent lacks the call; any other
+    // failure means the parent is not what a snapshot should hold.
     match client.prepare_snapshot() {
-        Ok((before, after)) => tracing::info!(
-            free_mib_before = before / 1024,
-            free_mib_after = after / 1024,
-            "guest caches dropped before the snapshot"
+        Ok(p) => tracing::info!(
+            free_mib_before = p.free_kib_before / 1024,
+            free_mib_after = p.free_kib_after / 1024,
+            python_objects_frozen = p.python_objects_frozen,
+            "guest prepared for the snapshot"
         ),
-        Err(e) => tracing::warn!("not preparing the guest for its snapshot: {e}"),
+        Err(e) if e.is_unknown_request() => {
+            tracing::warn!("not preparing the guest for its snapshot (its agent is older): {e}")
+        }
+        Err(e) => {
+            return Err(HostError::ParentSnapshot {
+                reason: format!("preparing the guest: {e}"),
+            })
+        }
     }
     let t1 = Instant::now();
     let failed = |reason: String| HostError::ParentSnapshot { reason };

@@ -11,7 +11,16 @@ use std::path::{Path, PathBuf};
 /// Held for as long as it lives.
 #[derive(Debug)]
 pub struct PidLock {
-    _file: std::fs::File,
+    file: std::fs::File,
+}
+
+impl Drop for PidLock {
+    /// Unlock explicitly rather than by closing: a child forked by another thread and not yet
+    /// exec'd shares the open file, and with it the lock, until it execs.
+    fn drop(&mut self) {
+        // SAFETY: flock on a descriptor we own.
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -62,7 +71,7 @@ pub fn lock(dir: &Path, name: &str) -> Result<PidLock, LockError> {
     file.set_len(0).map_err(io)?;
     file.rewind().map_err(io)?;
     writeln!(file, "{}", std::process::id()).map_err(io)?;
-    Ok(PidLock { _file: file })
+    Ok(PidLock { file })
 }
 
 #[cfg(test)]
@@ -80,5 +89,29 @@ mod tests {
         }
         drop(first);
         lock(dir.path(), "x.lock").expect("free again once dropped");
+    }
+
+    #[test]
+    fn a_forked_child_that_has_not_exec_d_does_not_keep_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = lock(dir.path(), "x.lock").unwrap();
+        // What another thread's Command::spawn does between fork and exec.
+        // SAFETY: the child only calls async-signal-safe functions.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0, "fork");
+        if child == 0 {
+            unsafe {
+                libc::sleep(30);
+                libc::_exit(0);
+            }
+        }
+        drop(first);
+        let again = lock(dir.path(), "x.lock");
+        // SAFETY: our own child.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+            libc::waitpid(child, std::ptr::null_mut(), 0);
+        }
+        again.expect("free once dropped though a forked child still shares the file");
     }
 }

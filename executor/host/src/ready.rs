@@ -1,10 +1,13 @@
-//! Readiness of a restored child: its VMM restored the snapshot, its agent answers, then the
-//! clone gets its own wall clock and RNG state. "Spawned" in Tine means exactly this.
+//! Readiness of a restored child: its VMM restored the snapshot, and its agent answered the
+//! call that gives the clone its own wall clock, RNG state and identity. "Spawned" in Tine
+//! means exactly this. (The warm interpreter's generators are reseeded before its next eval.)
 
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
-use tine_agent::client::{AgentClient, Connector};
+use tine_agent::client::{
+    AgentClient, ClientError, CloneIdentity, Connector, Readiness as AgentReadiness,
+};
 
 use crate::config::Readiness;
 use crate::error::{HostError, Result};
@@ -27,9 +30,11 @@ pub struct SpawnPhases {
     pub restore: Duration,
     /// vCPUs started and the "restored" report back to the host.
     pub running: Duration,
-    /// First answer from the guest agent.
+    /// First answer from the guest agent. Agents that know Wake set the wall clock, take
+    /// fresh entropy and the clone's identity in that same exchange.
     pub agent: Duration,
-    /// Wall clock set and RNG reseeded in the guest.
+    /// Wall clock set and RNG reseeded in separate calls: only for agents before Wake (or a
+    /// clone still warming up), otherwise about zero.
     pub fixup: Duration,
     /// All of it, as the caller saw it.
     pub total: Duration,
@@ -91,60 +96,121 @@ pub fn make_ready(
     };
     let t1 = Instant::now();
     let client = agent(&dir.join("vsock.sock")).with_io_timeout(Some(left()));
-    {
+    let (seed, identity) = clone_seed(dir)?;
+    // One exchange makes the clone ready: clock, entropy, identity, and what a ping says.
+    let woke = {
         let _s = tracing::info_span!("spawn.agent").entered();
+        let mut backoff = Duration::from_millis(1);
         loop {
-            // The agent's listener survived the snapshot, so the first ping normally succeeds
-            // as soon as the guest runs; retries only cover a guest slow to get there.
-            match client.wait_ready_polling(
-                Duration::from_secs(5),
-                Duration::from_millis(1),
-                Duration::from_millis(20),
+            // The agent's listener survived the snapshot, so the first attempt normally
+            // succeeds as soon as the guest runs; retries only cover a guest slow to get there.
+            match client.wake(
+                SystemTime::now(),
+                &seed,
+                identity.as_ref(),
+                Duration::from_secs(2),
             ) {
-                Ok(_) => break,
-                Err(e) => {
-                    if process.liveness() != Liveness::Running {
-                        return Err(HostError::VmmExited { log: vmm_log(dir) });
-                    }
-                    if Instant::now() > deadline {
-                        return Err(HostError::NotReady {
-                            timeout,
-                            last: e.to_string(),
-                        });
-                    }
+                Ok(w) => break Some(w),
+                Err(e) if e.is_unknown_request() => break None,
+                // An answer that is an error is final; a connection closed before any answer
+                // is not (a clone's vsock transport resets as it resumes).
+                Err(e @ ClientError::Agent(..)) => {
+                    return Err(HostError::Fixup {
+                        step: "waking the clone",
+                        reason: e.to_string(),
+                    })
                 }
+                Err(e) => keep_waiting(process, dir, deadline, timeout, &e)?,
             }
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(20));
         }
-    }
+    };
     phases.agent = t1.elapsed();
     let t2 = Instant::now();
     let _s = tracing::info_span!("spawn.fixup").entered();
-    let client = client.with_io_timeout(Some(left()));
+    match woke {
+        Some(w) if w.ping.readiness == AgentReadiness::Ready => {}
+        // An agent from before Wake, or a clone whose warm-up is not done (its parent's was,
+        // so this is for robustness only): the separate calls, after it reports ready.
+        _ => separate_fixups(&client, dir, process, deadline, timeout, &seed, identity)?,
+    }
+    phases.fixup = t2.elapsed();
+    Ok(())
+}
+
+/// After a failed attempt to reach a child's agent: Ok to try again, or why not (its VMM
+/// exited, or the readiness deadline passed, with `last` as the last failure).
+fn keep_waiting(
+    process: &ProcessIdentity,
+    dir: &Path,
+    deadline: Instant,
+    timeout: Duration,
+    last: &ClientError,
+) -> Result<()> {
+    if process.liveness() != Liveness::Running {
+        return Err(HostError::VmmExited { log: vmm_log(dir) });
+    }
+    if Instant::now() > deadline {
+        return Err(HostError::NotReady {
+            timeout,
+            last: last.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// 48 bytes of fresh entropy for a clone and, for one with a sandbox directory, its own
+/// hostname (its sandbox id) and machine-id (drawn with the seed).
+fn clone_seed(dir: &Path) -> Result<([u8; 48], Option<CloneIdentity>)> {
+    let mut seed = [0u8; 64];
+    getrandom::fill(&mut seed).map_err(|e| HostError::Fixup {
+        step: "drawing a seed",
+        reason: e.to_string(),
+    })?;
+    let mut machine_id = [0u8; 16];
+    machine_id.copy_from_slice(&seed[48..]);
+    let identity = dir
+        .file_name()
+        .map(|n| CloneIdentity::new(&hostname_of(&n.to_string_lossy()), machine_id));
+    let mut entropy = [0u8; 48];
+    entropy.copy_from_slice(&seed[..48]);
+    Ok((entropy, identity))
+}
+
+/// Readiness the way agents before Wake need it: ping until ready, then set the clock, then
+/// reseed (which also reseeds the warm interpreter before answering).
+fn separate_fixups(
+    client: &AgentClient,
+    dir: &Path,
+    process: &ProcessIdentity,
+    deadline: Instant,
+    timeout: Duration,
+    seed: &[u8],
+    identity: Option<CloneIdentity>,
+) -> Result<()> {
+    loop {
+        match client.wait_ready_polling(
+            Duration::from_secs(5),
+            Duration::from_millis(1),
+            Duration::from_millis(20),
+        ) {
+            Ok(_) => break,
+            Err(e) => keep_waiting(process, dir, deadline, timeout, &e)?,
+        }
+    }
     client
         .set_time(SystemTime::now())
         .map_err(|e| HostError::Fixup {
             step: "setting the clock",
             reason: e.to_string(),
         })?;
-    let mut seed = [0u8; 64];
-    getrandom::fill(&mut seed).map_err(|e| HostError::Fixup {
-        step: "drawing a seed",
-        reason: e.to_string(),
-    })?;
-    // Its own hostname (its sandbox id) and machine-id, drawn with the seed.
-    let mut machine_id = [0u8; 16];
-    machine_id.copy_from_slice(&seed[48..]);
-    let identity = dir.file_name().map(|n| {
-        tine_agent::client::CloneIdentity::new(&hostname_of(&n.to_string_lossy()), machine_id)
-    });
-    let seed = &seed[..48];
     client
         .reseed(seed, identity.as_ref())
         .map_err(|e| HostError::Fixup {
             step: "reseeding the RNG",
             reason: e.to_string(),
         })?;
-    phases.fixup = t2.elapsed();
     Ok(())
 }
 
@@ -167,38 +233,60 @@ fn hostname_of(id: &str) -> String {
 
 /// Wait up to `timeout` for a worker's [`Restored`] report: None at EOF (it failed).
 pub(crate) fn wait_restored(f: &std::fs::File, timeout: Duration) -> Result<Option<Restored>> {
-    use std::io::Read;
-    use std::os::fd::AsRawFd;
     let deadline = Instant::now() + timeout;
     let mut buf = [0u8; Restored::LEN];
     let mut got = 0;
     while got < buf.len() {
         let left = deadline.saturating_duration_since(Instant::now());
+        match read_with_timeout(f, &mut buf[got..], left) {
+            Ok(0) => return Ok(None),
+            Ok(k) => got += k,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                return Err(HostError::RestoreTimeout(timeout))
+            }
+            Err(e) => return Err(HostError::io("reading the child VMM's report")(e)),
+        }
+    }
+    Ok(Restored::decode(&buf))
+}
+
+/// One read from `fd` once it is readable, waiting at most `timeout` (then `TimedOut`);
+/// interruptions are retried. 0 is end of file.
+pub(crate) fn read_with_timeout(
+    fd: &impl std::os::fd::AsRawFd,
+    buf: &mut [u8],
+    timeout: Duration,
+) -> std::io::Result<usize> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
         let mut pfd = libc::pollfd {
-            fd: f.as_raw_fd(),
+            fd: fd.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         };
         // SAFETY: one valid pollfd.
         let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
         if n == 0 {
-            return Err(HostError::RestoreTimeout(timeout));
+            return Err(std::io::ErrorKind::TimedOut.into());
         }
         if n < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            return Err(HostError::io("waiting for the child VMM")(e));
+            return Err(e);
         }
-        match (&*f).read(&mut buf[got..]) {
-            Ok(0) => return Ok(None),
-            Ok(k) => got += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(HostError::io("reading the child VMM's report")(e)),
+        // SAFETY: reads into the buffer we own, at most its length.
+        let r = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
         }
     }
-    Ok(Restored::decode(&buf))
 }
 
 #[cfg(test)]

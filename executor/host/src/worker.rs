@@ -148,12 +148,19 @@ impl Restored {
     }
 }
 
+/// What a worker sends first, once it has started and waits for its job.
+const IDLE: u8 = b'I';
+/// How long a started worker may take to say it waits (a loaded host starts processes slowly).
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// A started worker waiting for its job.
 pub struct Worker {
     /// Taken when the job is handed over; a worker dropped before that is killed and reaped.
     child: Option<Child>,
     stdin: Option<ChildStdin>,
     stdout: Option<OwnedFd>,
+    /// It said it waits for its job ([`IDLE`] was read).
+    waiting: bool,
 }
 
 impl Worker {
@@ -178,7 +185,32 @@ impl Worker {
             child: Some(child),
             stdin: Some(stdin),
             stdout: Some(stdout),
+            waiting: false,
         })
+    }
+
+    /// Block until the worker has started and waits for its job (its first byte). A pool that
+    /// hands out only such workers keeps their start-up (exec, loading, setting up) out of a
+    /// spawn's time and off the CPU while children are restored.
+    fn wait_started(&mut self) -> Result<()> {
+        if self.waiting {
+            return Ok(());
+        }
+        let fd = self.stdout.as_ref().expect("before its job");
+        let mut b = [0u8; 1];
+        let read = crate::ready::read_with_timeout(fd, &mut b, START_TIMEOUT);
+        match read {
+            Ok(1) if b[0] == IDLE => {
+                self.waiting = true;
+                Ok(())
+            }
+            Ok(_) => Err(HostError::io("starting a VMM worker")(
+                std::io::Error::other(
+                    "it exited or said something else before waiting for its job",
+                ),
+            )),
+            Err(e) => Err(HostError::io("starting a VMM worker")(e)),
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -195,6 +227,9 @@ impl Worker {
             .write_all(&line)
             .map_err(HostError::io("handing the job to a VMM worker"))?;
         drop(stdin);
+        // A worker started just now (the pool was empty) reads the job once it is up; its
+        // first byte must not be taken for its report.
+        self.wait_started()?;
         let child = self.child.take().expect("a worker runs one job");
         let stdout = self.stdout.take().expect("a worker runs one job");
         Ok((child, std::fs::File::from(stdout)))
@@ -275,13 +310,14 @@ impl WorkerPool {
         self.fill_to(self.target);
     }
 
-    /// Start workers until `n` are idle (a one-shot fork pre-starts exactly what it needs).
+    /// Start workers until `n` are idle, each waiting for its job (a one-shot fork pre-starts
+    /// exactly what it needs).
     pub fn fill_to(&self, n: usize) {
         loop {
             if self.idle() >= n {
                 return;
             }
-            match Worker::start(&self.exe) {
+            match Worker::start(&self.exe).and_then(|mut w| w.wait_started().map(|()| w)) {
                 Ok(w) => self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(w),
                 Err(e) => {
                     tracing::warn!("VMM worker pool: {e}");
@@ -293,6 +329,12 @@ impl WorkerPool {
 
     pub fn idle(&self) -> usize {
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// The idle workers' process ids.
+    pub fn idle_pids(&self) -> Vec<u32> {
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        idle.iter().map(Worker::pid).collect()
     }
 }
 
@@ -309,6 +351,11 @@ impl Drop for WorkerPool {
 /// Body of `tine __vmm-worker`: wait for a job on stdin (EOF: the daemon went away, exit
 /// quietly), restore, signal, run.
 pub fn worker_main() -> anyhow::Result<i32> {
+    {
+        let mut out = std::io::stdout().lock();
+        out.write_all(&[IDLE])?;
+        out.flush()?;
+    }
     let mut line = String::new();
     if std::io::stdin().lock().read_line(&mut line)? == 0 {
         return Ok(0);

@@ -343,6 +343,34 @@ fn children_are_held_to_their_cgroup_limits() {
     assert!(!host.cgroups().unwrap().dir(&idle.id).exists());
 }
 
+/// Pre-started workers are ready when pre-starting returns: each is blocked reading its job
+/// from stdin, so none of its start-up falls into a spawn's time.
+fn prestarted_workers_are_waiting_for_their_job() {
+    let tmp = data_dir_with_snapshot();
+    let host = Host::open_exclusive(config(tmp.path(), 4, 0)).unwrap();
+    host.prestart_workers(2);
+    let pids = host.idle_worker_pids();
+    assert_eq!(pids.len(), 2);
+    for pid in pids {
+        // "<syscall number> <first argument> ...": read(2) on descriptor 0 (it may still be
+        // between saying so and the call).
+        let want = format!("{} 0x0 ", libc::SYS_read);
+        let t0 = Instant::now();
+        let mut call = String::new();
+        while t0.elapsed() < Duration::from_secs(5) {
+            call = std::fs::read_to_string(format!("/proc/{pid}/syscall")).unwrap();
+            if call.starts_with(&want) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(call.starts_with(&want), "worker {pid}: {call}");
+    }
+    // And they still take jobs.
+    assert!(spawn(&host, ids(2)).iter().all(|o| o.result.is_ok()));
+    host.kill_all();
+}
+
 fn a_burst_leaves_at_most_the_pool_idle() {
     let tmp = data_dir_with_snapshot();
     let pool = 3;
@@ -1289,6 +1317,15 @@ fn vmm_workers_are_confined() {
         threads += 1;
     }
     assert!(threads >= 2, "the vCPU and control threads at least");
+    // Its KVM counters still come through the control socket once it is locked down (the
+    // statistics files were opened before).
+    let counters = host
+        .kvm_counters(&id)
+        .expect("a confined VMM answers for its counters")
+        .expect("this host's KVM keeps counters");
+    // (This guest spins without leaving, so the values may all be 0: the names are the check.)
+    assert!(counters.0.contains_key("exits"), "{counters:?}");
+    assert!(counters.0.contains_key("vm.pages_4k"), "{counters:?}");
     let mut seen: Vec<String> = std::fs::read_dir(proc.join("root"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -1450,7 +1487,11 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 19] = [
+    let tests: [(&str, fn()); 20] = [
+        (
+            "prestarted_workers_are_waiting_for_their_job",
+            prestarted_workers_are_waiting_for_their_job,
+        ),
         (
             "a_parent_that_cannot_boot_fails_with_its_vmm_s_reason",
             a_parent_that_cannot_boot_fails_with_its_vmm_s_reason,

@@ -14,7 +14,7 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tine_host::network::{NetConfig, Policy, Target};
+use tine_host::network::{NetConfig, Network, Policy, Target};
 use tine_host::testing::{
     kvm_available, serve_as_worker_if_asked, test_host_config, write_idle_guest_snapshot,
     write_idle_guest_snapshot_with_network,
@@ -300,6 +300,27 @@ fn a_failed_network_setup_fails_the_child_and_leaks_nothing() {
     assert_eq!(leftovers(), before);
 }
 
+/// A host closed while its pool is being refilled: the refill's namespace must be gone by the
+/// time the drain returns (it used to be released a moment later, or never).
+fn a_drain_during_a_refill_leaves_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let before = leftovers();
+    let cfg = NetConfig {
+        links: "10.202.0.0/16".parse().unwrap(),
+        pool: 3,
+        ..NetConfig::default()
+    };
+    for round in 0..10 {
+        let net = Network::open(cfg.clone(), tmp.path()).unwrap();
+        net.refill_in_background();
+        // Let the refill get into making a namespace for some rounds, not others.
+        std::thread::sleep(Duration::from_millis(round * 15));
+        net.remove_host_table();
+        assert_eq!(leftovers(), before, "round {round}: namespaces and links");
+        assert!(net.recorded().is_empty(), "round {round}: records");
+    }
+}
+
 fn main() {
     serve_as_worker_if_asked();
     if !kvm_available() {
@@ -325,7 +346,11 @@ fn main() {
         return;
     }
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let tests: [(&str, fn()); 2] = [
+    let tests: [(&str, fn()); 3] = [
+        (
+            "a_drain_during_a_refill_leaves_nothing",
+            a_drain_during_a_refill_leaves_nothing,
+        ),
         (
             "children_get_their_own_confined_network",
             children_get_their_own_confined_network,

@@ -97,6 +97,9 @@ mount -t devpts devpts /host/dev/pts
 mount -t tmpfs -o mode=1777 tmpfs /host/dev/shm
 # cgroup v2 with every controller (nothing mounts v1 here): children get their own cgroups.
 mount -t cgroup2 cgroup2 /host/sys/fs/cgroup || echo "$m no cgroup2"
+# As deploy/systemd/tine-executor-tmpfiles.conf sets up an executor host: huge pages for the
+# guest RAM that asks for them (a job may write `never` to measure without).
+echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>/dev/null || echo "$m no shmem huge pages"
 . /tine/setup.sh
 mkdir -p /host/run/tine
 cp /tine/job.sh /host/run/tine/job.sh || fail "copy job"

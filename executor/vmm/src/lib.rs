@@ -9,6 +9,7 @@ pub mod devices;
 pub mod diagnostics;
 pub mod error;
 pub mod host;
+pub mod kvm_stats;
 pub mod layout;
 pub mod memory;
 pub mod regs;

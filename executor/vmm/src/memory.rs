@@ -241,6 +241,9 @@ impl GuestRam {
                 size: r.size,
                 source,
             })?;
+            if file.is_some() && sharing == Sharing::Shared {
+                advise_huge(&mapping, r.size);
+            }
             let region = GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr)).ok_or(
                 MemoryError::RegionOverflow {
                     guest_addr: r.guest_addr,
@@ -502,6 +505,25 @@ impl GuestRam {
                 source,
             })?;
         Ok(ptr as u64)
+    }
+}
+
+/// Ask for transparent huge pages on a booting VM's RAM (a shared memfd): a guest that
+/// touches its memory for the first time, as every cold boot does, then takes one nested page
+/// fault per 2 MiB instead of one per 4 KiB. The host decides: shmem huge pages need
+/// `/sys/kernel/mm/transparent_hugepage/shmem_enabled` at `advise` (or `within_size`,
+/// `always`); at the default `never` this changes nothing, so a refusal is only logged.
+fn advise_huge(mapping: &MmapRegion, size: u64) {
+    // SAFETY: advice on our own fresh mapping of `size` bytes; it never changes its contents.
+    let rc = unsafe { libc::madvise(mapping.as_ptr().cast(), size as usize, libc::MADV_HUGEPAGE) };
+    if rc != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "MADV_HUGEPAGE refused for guest RAM");
+    } else {
+        tracing::debug!(
+            addr = mapping.as_ptr() as usize,
+            aligned_2m = (mapping.as_ptr() as usize).is_multiple_of(2 << 20),
+            "guest RAM advised for huge pages"
+        );
     }
 }
 

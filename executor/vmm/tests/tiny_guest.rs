@@ -21,7 +21,8 @@ fn print(code: &mut Vec<u8>, text: &str) {
 
 const I8042_RESET: (u16, u8) = (0x64, 0xfe);
 
-fn run_guest(vcpus: u8, entry: EntryPoint, code: &[u8]) -> (GuestExit, String) {
+/// A VM of `vcpus` about to run `code` from `entry`, and its console.
+fn new_guest(vcpus: u8, entry: EntryPoint, code: &[u8]) -> (Vm, Capture) {
     let ram = GuestRam::new_memfd(64).unwrap();
     ram.memory()
         .write_slice(code, GuestAddress(CODE_ADDR))
@@ -29,6 +30,11 @@ fn run_guest(vcpus: u8, entry: EntryPoint, code: &[u8]) -> (GuestExit, String) {
     let out = Capture::default();
     let mut vm = Vm::create(vcpus, ram, Box::new(out.clone())).unwrap();
     vm.set_entry(entry).unwrap();
+    (vm, out)
+}
+
+fn run_guest(vcpus: u8, entry: EntryPoint, code: &[u8]) -> (GuestExit, String) {
+    let (vm, out) = new_guest(vcpus, entry, code);
     let exit = vm.run().unwrap();
     let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
     (exit, text)
@@ -129,4 +135,31 @@ fn a_dropped_vm_closes_its_vsock_socket() {
         );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
+}
+
+#[test]
+fn kvm_counts_the_guest_s_exits_by_reason() {
+    if !kvm_available() {
+        return;
+    }
+    let mut code = Vec::new();
+    print(&mut code, "counted\n");
+    out8(&mut code, POWER_OFF.0, POWER_OFF.1);
+    let (vm, _out) = new_guest(1, EntryPoint::Linux64 { rip: CODE_ADDR }, &code);
+    let running = vm.start().unwrap();
+    assert_eq!(running.wait_exit().unwrap(), GuestExit::PowerOff);
+    let Some(c) = running.kvm_counters() else {
+        println!("SKIPPED: this kernel has no KVM statistics files");
+        return;
+    };
+    println!("{c:?}");
+    // Eight bytes to the serial port and the power-off write: each leaves the guest (KVM
+    // counts them as io_exits; PVM emulates the instruction and counts insn_emulation).
+    assert!(c.get("exits") >= 9, "{c:?}");
+    assert!(c.get("exits") >= c.get("io_exits"), "{c:?}");
+    assert!(c.0.keys().any(|k| k.starts_with("vm.")), "{c:?}");
+    assert!(
+        !c.0.contains_key("halt_poll_success_hist"),
+        "histograms are left out"
+    );
 }

@@ -1,6 +1,7 @@
 # Warm interpreter driver for tine-agent. Protocol on the original stdin/stdout
 # (which are moved to private fds so user code printing cannot corrupt it):
-#   request:  op (1 byte: b'E' eval, b'R' reseed) + u32 BE length + UTF-8 payload
+#   request:  op (1 byte: b'E' eval, b'R' reseed, b'P' prepare for a snapshot)
+#             + u32 BE length + UTF-8 payload
 #   response: status (b'V' value, b'N' no value, b'X' exception)
 #             + 4 x (u32 BE length + UTF-8): repr, stdout, stderr, traceback
 import ast, contextlib, io, os, struct, sys, traceback
@@ -75,6 +76,15 @@ def _tine_reseed():
     _tine_send(b"N", ",".join(done), "", "", "")
 
 
+def _tine_prepare():
+    # Before a snapshot: collect, then move every object into the permanent generation, so
+    # a clone's collections never walk (and so write, page by page) the parent's heap.
+    import gc
+    gc.collect()
+    gc.freeze()
+    _tine_send(b"N", str(gc.get_freeze_count()), "", "", "")
+
+
 while True:
     op = _tine_read(1)
     (n,) = struct.unpack(">I", _tine_read(4))
@@ -83,5 +93,7 @@ while True:
         _tine_eval(payload)
     elif op == b"R":
         _tine_reseed()
+    elif op == b"P":
+        _tine_prepare()
     else:
         _tine_send(b"X", "", "", "", "tine driver: unknown op %r\n" % op)

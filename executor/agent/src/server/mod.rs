@@ -127,7 +127,9 @@ impl Agent {
         match req.kind {
             Some(request::Kind::Ping(_)) => reply(conn, Kind::Ping(self.ping())),
             #[cfg(feature = "hostile")]
-            Some(request::Kind::Exec(r)) if r.argv.first().map(String::as_str) == Some(hostile::ARGV0) => {
+            Some(request::Kind::Exec(r))
+                if r.argv.first().map(String::as_str) == Some(hostile::ARGV0) =>
+            {
                 hostile::exec(&r.argv, conn)
             }
             #[cfg(feature = "hostile")]
@@ -163,13 +165,36 @@ impl Agent {
                     }),
                 )
             }
+            Some(request::Kind::Wake(r)) => {
+                anyhow::ensure!(r.unix_nanos > 0, "wake: unix_nanos must be set");
+                anyhow::ensure!(!r.entropy.is_empty(), "wake: entropy must not be empty");
+                system::set_time(r.unix_nanos)?;
+                let credited = system::add_entropy(&r.entropy)?;
+                let identity_set = !r.hostname.is_empty();
+                if identity_set {
+                    system::set_identity(&r.hostname, &r.machine_id)?;
+                }
+                let python_reseed_pending = self.python.reseed_before_next_eval();
+                reply(
+                    conn,
+                    Kind::Wake(pb::WakeResponse {
+                        ping: Some(self.ping()),
+                        credited,
+                        identity_set,
+                        python_reseed_pending,
+                    }),
+                )
+            }
             Some(request::Kind::PrepareSnapshot(_)) => {
+                // First: the collection frees memory the kernel then finds free.
+                let frozen = self.python.prepare_snapshot()?.unwrap_or(0);
                 let (before, after) = system::prepare_snapshot()?;
                 reply(
                     conn,
                     Kind::PrepareSnapshot(pb::PrepareSnapshotResponse {
                         free_kib_before: before,
                         free_kib_after: after,
+                        python_objects_frozen: frozen,
                     }),
                 )
             }
@@ -177,8 +202,9 @@ impl Agent {
                 anyhow::bail!("file_chunk is only valid after write_file")
             }
             None => anyhow::bail!(
-                "unknown or missing request type (this agent, version {VERSION}, understands \
-                 ping, exec, write_file, read_file, list_dir, eval, set_time, reseed, prepare_snapshot)"
+                "{} (this agent, version {VERSION}, understands ping, exec, write_file, \
+                 read_file, list_dir, eval, set_time, reseed, prepare_snapshot, wake)",
+                crate::client::UNKNOWN_REQUEST
             ),
         }
     }

@@ -53,6 +53,9 @@ struct State {
     proc: Option<Proc>,
     /// Why the previous interpreter is gone, reported with the next eval.
     lost: Option<String>,
+    /// This clone was woken with fresh entropy and the interpreter still holds its parent's
+    /// random state: reseed it before the next eval runs.
+    reseed_pending: bool,
 }
 
 pub struct Interpreter {
@@ -84,6 +87,13 @@ impl Interpreter {
 
     pub fn eval(&self, code: &str, timeout: Option<Duration>) -> anyhow::Result<pb::EvalResponse> {
         let mut st = self.lock();
+        if std::mem::take(&mut st.reseed_pending) {
+            // A failure leaves the reason in `lost`; the interpreter started next has fresh
+            // random state of its own, and this eval reports the restart.
+            if let Err(e) = reseed_locked(&mut st) {
+                eprintln!("tine-agent: {e:#}");
+            }
+        }
         let warm = self.ensure_running(&mut st)?;
         let mut restarted = st
             .lost
@@ -141,31 +151,32 @@ impl Interpreter {
     /// ready as if it were there.
     pub fn reseed(&self) -> anyhow::Result<Vec<String>> {
         let mut st = self.lock();
-        let Some(proc) = st.proc.as_mut() else {
-            return Ok(Vec::new());
+        st.reseed_pending = false;
+        reseed_locked(&mut st)
+    }
+
+    /// Readies a running interpreter for a snapshot: a full collection, then every object moved
+    /// out of the collector's reach (`gc.freeze()`), so clones' collections do not write across
+    /// the heap they share with their parent. Returns the objects frozen (None: no
+    /// interpreter runs). An interpreter that fails meanwhile is lost, as in a reseed.
+    pub fn prepare_snapshot(&self) -> anyhow::Result<Option<u64>> {
+        let mut st = self.lock();
+        let Some(r) = request_or_lose(&mut st, b'P', "while preparing for a snapshot")? else {
+            return Ok(None);
         };
-        // A fresh clone faults its interpreter's pages in as it runs: on a loaded host (or
-        // the nested lab) that takes seconds. The host's readiness deadline bounds the wait;
-        // this one only catches an interpreter that is stuck for good.
-        match request(
-            proc,
-            b'R',
-            "",
-            Some(Instant::now() + Duration::from_secs(300)),
-        ) {
-            Ok(r) => Ok(r
-                .value
-                .split(',')
-                .filter(|s| !s.is_empty())
-                .map(str::to_owned)
-                .collect()),
-            Err(e) => {
-                let why = format!("interpreter failed during reseed ({e})");
-                st.proc = None;
-                st.lost = Some(why.clone());
-                anyhow::bail!("{why}; its warm state is lost")
-            }
-        }
+        Ok(Some(r.value.trim().parse().with_context(|| {
+            format!("the interpreter answered {:?} to a freeze", r.value)
+        })?))
+    }
+
+    /// Marks a running interpreter to be reseeded before its next eval, and returns whether
+    /// one runs. A woken clone answers without waiting for Python: the reseed makes the
+    /// interpreter run and touch its heap, which costs a fresh clone time (its pages fault in)
+    /// and memory (they become its own), so a clone that never evaluates never pays it.
+    pub fn reseed_before_next_eval(&self) -> bool {
+        let mut st = self.lock();
+        st.reseed_pending = st.proc.is_some();
+        st.reseed_pending
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -211,7 +222,48 @@ impl Interpreter {
             }
         }
         st.proc = Some(proc);
+        // A new process drew its own seeds.
+        st.reseed_pending = false;
         Ok(warm_err)
+    }
+}
+
+/// Tells a running interpreter to reseed `random`/`numpy.random`; does not start one just for
+/// that. Returns the modules reseeded. An interpreter that fails meanwhile is an error: the
+/// clone's warm state is gone (recorded in `lost`).
+fn reseed_locked(st: &mut State) -> anyhow::Result<Vec<String>> {
+    let Some(r) = request_or_lose(st, b'R', "during reseed")? else {
+        return Ok(Vec::new());
+    };
+    Ok(r.value
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Sends `op` (no payload) to a running interpreter; None if none runs. An interpreter that
+/// fails to answer is gone, and why (`what`: when it failed) is recorded in `lost`.
+fn request_or_lose(st: &mut State, op: u8, what: &str) -> anyhow::Result<Option<Reply>> {
+    let Some(proc) = st.proc.as_mut() else {
+        return Ok(None);
+    };
+    // A fresh clone faults its interpreter's pages in as it runs: on a loaded host (or the
+    // nested lab) that takes seconds. The host's deadline bounds the wait; this one only
+    // catches an interpreter that is stuck for good.
+    match request(
+        proc,
+        op,
+        "",
+        Some(Instant::now() + Duration::from_secs(300)),
+    ) {
+        Ok(r) => Ok(Some(r)),
+        Err(e) => {
+            let why = format!("interpreter failed {what} ({e})");
+            st.proc = None;
+            st.lost = Some(why.clone());
+            anyhow::bail!("{why}; its warm state is lost")
+        }
     }
 }
 
@@ -296,4 +348,66 @@ fn read_exact_by(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `random.random()` right after `random.seed(42)`.
+    const FIRST_AFTER_SEED_42: &str = "0.6394267984578837";
+
+    fn seeded() -> Interpreter {
+        let i = Interpreter::new("python3".into(), "import random; random.seed(42)".into());
+        i.warm_up().unwrap();
+        i
+    }
+
+    #[test]
+    fn a_woken_clone_s_interpreter_is_reseeded_before_its_next_eval() {
+        // The control: without the mark the parent's state carries on.
+        let parent = seeded();
+        let v = parent.eval("random.random()", None).unwrap().value;
+        assert_eq!(v.as_deref(), Some(FIRST_AFTER_SEED_42));
+
+        let clone = seeded();
+        assert!(clone.reseed_before_next_eval());
+        let r = clone.eval("random.random()", None).unwrap();
+        assert!(r.value.is_some() && r.restarted.is_empty(), "{r:?}");
+        assert_ne!(r.value.as_deref(), Some(FIRST_AFTER_SEED_42));
+        // Once: the mark is gone with that eval, and its globals are still there.
+        assert!(!clone.lock().reseed_pending);
+        let r = clone
+            .eval("random.seed(42); random.random()", None)
+            .unwrap();
+        assert_eq!(r.value.as_deref(), Some(FIRST_AFTER_SEED_42));
+    }
+
+    #[test]
+    fn a_prepared_interpreter_has_its_objects_frozen_and_keeps_its_state() {
+        let i = seeded();
+        i.eval("kept = [object() for _ in range(1000)]", None)
+            .unwrap();
+        let frozen = i.prepare_snapshot().unwrap().expect("an interpreter runs");
+        assert!(frozen >= 1000, "{frozen}");
+        let r = i
+            .eval(
+                "import gc; (gc.get_freeze_count() >= 1000, len(kept))",
+                None,
+            )
+            .unwrap();
+        assert_eq!(r.value.as_deref(), Some("(True, 1000)"));
+        assert_eq!(
+            Interpreter::new("python3".into(), String::new())
+                .prepare_snapshot()
+                .unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn no_interpreter_no_pending_reseed() {
+        let i = Interpreter::new("python3".into(), String::new());
+        assert!(!i.reseed_before_next_eval());
+    }
 }

@@ -93,6 +93,10 @@ fn check_identity(hostname: &str, machine_id: &str) -> anyhow::Result<()> {
 
 /// `<etc>/hostname` and `<etc>/machine-id`, each replaced whole (written aside, renamed).
 fn write_identity(etc: &std::path::Path, hostname: &str, machine_id: &str) -> anyhow::Result<()> {
+    // One writer at a time: a host that retries a call whose connection dropped can have two
+    // on their way, and both would write and rename the same temporary files.
+    static WRITING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = WRITING.lock().unwrap_or_else(|e| e.into_inner());
     for (name, value) in [("hostname", hostname), ("machine-id", machine_id)] {
         let path = etc.join(name);
         let tmp = etc.join(format!(".{name}.tine"));
@@ -158,5 +162,27 @@ mod tests {
             2,
             "no temp files left"
         );
+    }
+
+    #[test]
+    fn calls_that_overlap_each_write_the_identity_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        let id = "0123456789abcdef0123456789abcdef";
+        std::thread::scope(|s| {
+            for t in 0..8 {
+                let dir = tmp.path();
+                s.spawn(move || {
+                    for _ in 0..50 {
+                        write_identity(dir, &format!("child-{t}"), id).unwrap();
+                    }
+                });
+            }
+        });
+        let host = std::fs::read_to_string(tmp.path().join("hostname")).unwrap();
+        assert!(
+            host.starts_with("child-") && host.ends_with('\n'),
+            "{host:?}"
+        );
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 2);
     }
 }

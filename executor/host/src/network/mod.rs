@@ -126,12 +126,16 @@ pub struct Network {
     cfg: NetConfig,
     /// This executor's table in the host's nftables (`inet <name>`).
     host_table: String,
-    /// The pool was drained: a refill still running releases what it makes.
+    /// The pool was drained: a refill still running releases what it makes. Set under the
+    /// `idle` lock, so a refill's check and push cannot straddle the drain.
     closed: AtomicBool,
     leases: PathBuf,
     idle: Mutex<Vec<Lease>>,
     next: AtomicU32,
     refilling: AtomicBool,
+    /// The latest refill thread, joined by the drain: once the host is closed, nothing is
+    /// still being made.
+    refill: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl Network {
@@ -158,6 +162,7 @@ impl Network {
             idle: Mutex::new(Vec::new()),
             next: AtomicU32::new(0),
             refilling: AtomicBool::new(false),
+            refill: Mutex::new(None),
         });
         Ok(net)
     }
@@ -228,15 +233,21 @@ impl Network {
     /// Prepare namespaces until the pool holds `pool` of them.
     pub fn fill(&self) {
         loop {
-            if self.idle.lock().unwrap_or_else(|p| p.into_inner()).len() >= self.cfg.pool {
+            if self.closed.load(Ordering::Acquire)
+                || self.idle.lock().unwrap_or_else(|p| p.into_inner()).len() >= self.cfg.pool
+            {
                 return;
             }
             match self.prepare() {
-                Ok(l) if self.closed.load(Ordering::Acquire) => {
-                    self.release(l);
-                    return;
+                Ok(l) => {
+                    let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+                    if self.closed.load(Ordering::Acquire) {
+                        drop(idle);
+                        self.release(l);
+                        return;
+                    }
+                    idle.push(l);
                 }
-                Ok(l) => self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(l),
                 Err(e) => {
                     tracing::warn!("preparing a child network for the pool: {e}");
                     return;
@@ -248,15 +259,22 @@ impl Network {
     /// Top the pool up from a thread of lowest priority. Called once a spawn's children are
     /// ready rather than as each takes a namespace, so the refill does not compete with them.
     pub fn refill_in_background(self: &Arc<Self>) {
-        if self.cfg.pool == 0 || self.refilling.swap(true, Ordering::AcqRel) {
+        // Held while deciding and spawning, so a drain either sees this thread or stops it
+        // from starting.
+        let mut refill = self.refill.lock().unwrap_or_else(|p| p.into_inner());
+        if self.cfg.pool == 0
+            || self.closed.load(Ordering::Acquire)
+            || self.refilling.swap(true, Ordering::AcqRel)
+        {
             return;
         }
         let net = self.clone();
-        std::thread::spawn(move || {
+        // The thread before has finished (`refilling` was clear), so it needs no join.
+        *refill = Some(std::thread::spawn(move || {
             background_priority();
             net.fill();
             net.refilling.store(false, Ordering::Release);
-        });
+        }));
     }
 
     /// A new namespace with the default policy, at the first free index.
@@ -314,11 +332,19 @@ impl Network {
 
     /// Remove the pooled namespaces (the host is closing).
     pub fn drain_pool(&self) {
-        self.closed.store(true, Ordering::Release);
-        let idle: Vec<Lease> =
-            std::mem::take(&mut *self.idle.lock().unwrap_or_else(|p| p.into_inner()));
+        let idle: Vec<Lease> = {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            self.closed.store(true, Ordering::Release);
+            std::mem::take(&mut *idle)
+        };
         for l in idle {
             self.release(l);
+        }
+        // A refill making a namespace right now releases it when it sees `closed`: wait for
+        // that, so a closed host leaves no namespace behind even for a moment.
+        let refill = self.refill.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = refill {
+            let _ = t.join();
         }
     }
 }

@@ -43,6 +43,11 @@ pub(super) struct DeviceState {
     pub(super) queue_events: QueueEvents,
     /// The device was dropped: its thread lets go of guest RAM and the sockets and ends.
     pub(super) stopped: bool,
+    /// A transport reset the guest has not taken yet. Nothing goes into its receive queue
+    /// until it has (it re-posts the event buffer and notifies that queue): a connection it
+    /// accepted first would be reset by its own handling of the event, which Linux runs from
+    /// a separate work item, in no set order with received packets.
+    pub(super) reset_unacked: bool,
 }
 
 impl DeviceState {
@@ -50,6 +55,10 @@ impl DeviceState {
     pub(super) fn on_queue_notify(&mut self, queue: usize) {
         if queue == TX {
             self.process_tx();
+        }
+        if queue == EVT {
+            // The guest handled the reset and gave the buffer back.
+            self.reset_unacked = false;
         }
         // New receive buffers, or answers queued by the packets just read.
         self.process_rx();
@@ -108,7 +117,7 @@ impl DeviceState {
 
     /// Fill the guest's receive queue: control packets first, then stream data within credit.
     pub(super) fn process_rx(&mut self) {
-        if self.paused {
+        if self.paused || self.reset_unacked {
             return;
         }
         let Some(mem) = self.mem.clone() else { return };
@@ -154,6 +163,7 @@ impl DeviceState {
             .and_then(|mut w| w.write_all(&EVENT_TRANSPORT_RESET.to_le_bytes()).ok())
             .is_some();
         let _ = self.queues[EVT].add_used(&mem, head, if ok { 4 } else { 0 });
+        self.reset_unacked = ok;
         self.signal();
     }
 }
@@ -192,6 +202,7 @@ impl Vsock {
             muxer,
             queue_events: QueueEvents::default(),
             stopped: false,
+            reset_unacked: false,
         }));
         let stop = EventFd::new(libc::EFD_NONBLOCK)
             .map_err(|source| DeviceError::VsockThread { source })?;
@@ -360,6 +371,7 @@ mod tests {
             muxer: Muxer::bind(3, uds).unwrap(),
             queue_events: QueueEvents::default(),
             stopped: false,
+            reset_unacked: false,
         };
         let mut v = Vsock {
             state: Arc::new(Mutex::new(state)),
@@ -428,6 +440,67 @@ mod tests {
         assert_eq!(v.queue_states()[TX].next_avail, 1, "the packet was taken");
         assert!(host_port.accept().is_ok(), "and acted on");
         assert!(events[TX].read().is_err(), "the notification was consumed");
+    }
+
+    /// Make descriptor `desc` of queue `q` a buffer of `len` bytes at `addr`, writable by the
+    /// device, and the `nth` (from 0) entry of its available ring.
+    fn post_buffer(mem: &GuestMemoryMmap, q: usize, desc: u16, addr: u64, len: u32, nth: u16) {
+        let d = ring(q) + desc as u64 * 16;
+        mem.write_obj(addr, GuestAddress(d)).unwrap();
+        mem.write_obj(len, GuestAddress(d + 8)).unwrap();
+        mem.write_obj(2u16, GuestAddress(d + 12)).unwrap(); // VRING_DESC_F_WRITE
+        let avail = ring(q) + 0x1000;
+        mem.write_obj(desc, GuestAddress(avail + 4 + 2 * (nth as u64 % 16)))
+            .unwrap();
+        mem.write_obj(nth + 1, GuestAddress(avail + 2)).unwrap();
+    }
+
+    fn used_idx(mem: &GuestMemoryMmap, q: usize) -> u16 {
+        mem.read_obj(GuestAddress(ring(q) + 0x2000 + 2)).unwrap()
+    }
+
+    #[test]
+    fn nothing_reaches_the_guest_before_it_takes_the_transport_reset() {
+        // Seen in the lab: the host's first connection to a restored agent was accepted by
+        // the guest, then reset by the guest's own handling of the transport reset.
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let (mut v, mem) = activated_without_thread(&uds);
+        post_buffer(&mem, EVT, 0, 0x9_0000, 4, 0);
+        post_buffer(&mem, RX, 0, 0xa_0000, 4096, 0);
+        v.after_restore();
+        assert_eq!(used_idx(&mem, EVT), 1, "the reset was sent");
+        let mut client = std::os::unix::net::UnixStream::connect(&uds).unwrap();
+        client.write_all(b"CONNECT 52\n").unwrap();
+        {
+            let mut g = v.state.lock().unwrap();
+            g.muxer.accept();
+            let token = *g.muxer.conns.keys().next().unwrap();
+            g.muxer
+                .on_stream_event(token, vmm_sys_util::epoll::EventSet::IN);
+            g.process_rx();
+        }
+        assert_eq!(
+            used_idx(&mem, RX),
+            0,
+            "held back while the reset is untaken"
+        );
+        // The guest handled the event: it gives the buffer back and notifies the queue.
+        post_buffer(&mem, EVT, 0, 0x9_0000, 4, 1);
+        v.queue_notify(EVT as u16);
+        assert_eq!(used_idx(&mem, RX), 1, "then the connection request goes in");
+        let mut hb = [0u8; HDR_LEN];
+        mem.read_slice(&mut hb, GuestAddress(0xa_0000)).unwrap();
+        assert_eq!(Header::parse(&hb).op, OP_REQUEST);
+    }
+
+    #[test]
+    fn a_guest_without_an_event_buffer_is_not_held_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let (mut v, _mem) = activated_without_thread(&uds);
+        v.after_restore();
+        assert!(!v.state.lock().unwrap().reset_unacked);
     }
 
     #[test]
