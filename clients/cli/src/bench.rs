@@ -338,6 +338,10 @@ pub struct ForkBench {
     /// (needs python3 in the image; 0: none).
     #[arg(long, default_value_t = 2)]
     attribute: usize,
+    /// Hold the snapshot's memory in huge pages before the first fan-out, and restore every
+    /// child from that copy (as an executor does for a hot snapshot; see docs/performance.md).
+    #[arg(long)]
+    hold_image: bool,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -355,7 +359,7 @@ fn pss_split_kib(pid: u32) -> Option<(u64, u64)> {
     let (mut guest, mut vmm) = (0u64, 0u64);
     crate::bench_pages::for_each_smaps_field(&s, |path, field, kib| {
         if field == "Pss:" {
-            if path.ends_with("/memory.img") {
+            if tine_host::hot::is_guest_ram(path) {
                 guest += kib;
             } else {
                 vmm += kib;
@@ -473,6 +477,17 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     let mut written_rows: Vec<(usize, Written)> = Vec::new();
     let mut counter_rows: Vec<(usize, Vec<Counters>)> = Vec::new();
     let host = crate::local::cli_host(tine_host::Readiness::Agent)?;
+    if b.hold_image {
+        let t = Instant::now();
+        match host.hold_image(&b.tag)? {
+            Some(bytes) => println!(
+                "held image: {:.1} MiB of the snapshot's memory copied into huge-page shared memory in {:.1} ms (before the clock)",
+                bytes as f64 / (1u64 << 20) as f64,
+                t.elapsed().as_secs_f64() * 1e3
+            ),
+            None => println!("held image: none (a diff snapshot's children map their root's image)"),
+        }
+    }
     let opts = SpawnOptions {
         ready_timeout: Some(Duration::from_secs(300)),
         parallel: b.parallel,
@@ -560,10 +575,11 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     let written_json = print_written_table(&written_rows, b.idle_secs);
     let counters_json = print_child_counters(&counter_rows);
     let doc = format!(
-        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"idle_secs\":{},\"rows\":[{}],\"phases\":[{}],\"written\":{},\"kvm_to_ready_p50\":{}}}",
+        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"idle_secs\":{},\"hold_image\":{},\"rows\":[{}],\"phases\":[{}],\"written\":{},\"kvm_to_ready_p50\":{}}}",
         b.tag.as_str(),
         pct(&floor, 0.5),
         b.idle_secs,
+        b.hold_image,
         rows.join(","),
         phases_json.join(","),
         written_json,

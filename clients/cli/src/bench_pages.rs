@@ -31,7 +31,11 @@ pub fn written_guest_frames(pid: u32) -> Result<Vec<u64>> {
     // the VMM sees it (a confined one lives in a mount namespace of its own), so the file's
     // size, which lays guest RAM out, is where its last mapping ends.
     let mut maps_of_ram = Vec::new();
-    for line in maps.lines().filter(|l| l.ends_with("/memory.img")) {
+    let ram_path = |l: &str| {
+        l.find('/')
+            .is_some_and(|i| tine_host::hot::is_guest_ram(&l[i..]))
+    };
+    for line in maps.lines().filter(|l| ram_path(l)) {
         let mut f = line.split_whitespace();
         let parsed = (|| {
             let (a, b) = f.next()?.split_once('-')?;
@@ -197,7 +201,7 @@ fn split_private(smaps: &str) -> BTreeMap<&'static str, u64> {
             return;
         }
         let kind = match path {
-            _ if path.ends_with("/memory.img") => return,
+            _ if tine_host::hot::is_guest_ram(path) => return,
             "[heap]" => "VMM: heap",
             _ if path.starts_with("[stack") => "VMM: main stack",
             "" => "VMM: anonymous (thread stacks, allocations)",

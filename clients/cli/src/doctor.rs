@@ -149,21 +149,15 @@ fn memfd_check(out: &mut Vec<Check>) {
     });
 }
 
-/// The active value of a kernel setting listed as `a [b] c`.
-fn bracketed(setting: &str) -> Option<&str> {
-    let start = setting.find('[')? + 1;
-    let end = start + setting[start..].find(']')?;
-    Some(&setting[start..end])
-}
-
 fn huge_pages_check(out: &mut Vec<Check>) {
-    const PATH: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+    const PATH: &str = tine_host::hot::SHMEM_ENABLED;
     const FIX: &str = "as root: echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled \
         (persist it with a tmpfiles.d line `w /sys/kernel/mm/transparent_hugepage/shmem_enabled - - - - advise`); \
-        only mappings that ask are affected, and a booting guest's RAM then fills 2 MiB at a \
-        time (cold boots about a third faster in the lab, docs/performance.md)";
+        only mappings that ask are affected: a booting guest's RAM then fills 2 MiB at a \
+        time (cold boots about a third faster in the lab), and an executor holds a hot \
+        snapshot's memory in huge pages for its children (docs/performance.md)";
     let setting = std::fs::read_to_string(PATH).unwrap_or_default();
-    out.push(match bracketed(&setting) {
+    out.push(match tine_host::hot::selected(&setting) {
         Some(v @ ("advise" | "within_size" | "always" | "force")) => check(
             "huge pages (guest RAM)",
             Status::Ok,
@@ -330,18 +324,4 @@ pub fn run(a: DoctorArgs) -> Result<i32> {
         checks.len()
     );
     Ok(if worst == Status::Fail { 1 } else { 0 })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::bracketed;
-
-    #[test]
-    fn the_active_value_of_a_listed_setting_is_the_bracketed_one() {
-        let s = "always within_size [advise] never deny force\n";
-        assert_eq!(bracketed(s), Some("advise"));
-        assert_eq!(bracketed("[never] advise"), Some("never"));
-        assert_eq!(bracketed("always never"), None);
-        assert_eq!(bracketed("["), None);
-    }
 }

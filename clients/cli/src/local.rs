@@ -62,8 +62,7 @@ pub struct StoreChoice {
 pub fn executor_host(
     id: &ExecutorId,
     data_dir: PathBuf,
-    max_vms: u32,
-    pool_size: usize,
+    limits: Limits,
     store: Option<StoreChoice>,
     network: Option<NetConfig>,
     cgroups: tine_host::CgroupMode,
@@ -82,11 +81,7 @@ pub fn executor_host(
         worker_exe: std::env::current_exe()?,
         owner: Owner::executor(id),
         readiness: Readiness::Agent,
-        limits: Limits {
-            max_vms,
-            pool_size,
-            ..Limits::default()
-        },
+        limits,
         network,
         cgroups,
         // Callers with `ConfineArgs` replace it.

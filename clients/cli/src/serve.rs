@@ -96,6 +96,11 @@ pub struct UpArgs {
     /// VMM worker processes kept started for fast spawns.
     #[arg(long, default_value_t = 8)]
     pool: usize,
+    /// Most memory (MiB of image data) held as copies of hot snapshots' memory in huge
+    /// pages, which their children map 2 MiB at a time; only where shared memory may use
+    /// transparent huge pages (`tine doctor`). 0: off.
+    #[arg(long, default_value_t = 2048)]
+    hot_image_mib: u64,
     /// Start even though /dev/kvm is PVM (VM calls will fail).
     #[arg(long)]
     allow_pvm: bool,
@@ -191,8 +196,12 @@ pub fn up(a: UpArgs) -> Result<i32> {
                 ..local::executor_host(
                 &id,
                 data.clone(),
-                a.max_sandboxes,
-                a.pool,
+                tine_host::Limits {
+                    max_vms: a.max_sandboxes,
+                    pool_size: a.pool,
+                    hot_image_mib: a.hot_image_mib,
+                    ..tine_host::Limits::default()
+                },
                 // One host: its snapshots are always here.
                 Some(local::StoreChoice {
                     url: data.join("store").display().to_string(),
@@ -429,6 +438,11 @@ pub struct ExecutorArgs {
     max_sandboxes: u32,
     #[arg(long, default_value_t = 8)]
     pool: usize,
+    /// Most memory (MiB of image data) held as copies of hot snapshots' memory in huge
+    /// pages, which their children map 2 MiB at a time; only where shared memory may use
+    /// transparent huge pages (`tine doctor`). 0: off.
+    #[arg(long, default_value_t = 2048)]
+    hot_image_mib: u64,
     #[arg(long)]
     allow_plaintext_remote: bool,
     #[arg(long)]
@@ -487,8 +501,12 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
                 ..local::executor_host(
                     &id,
                     data,
-                    a.max_sandboxes,
-                    a.pool,
+                    tine_host::Limits {
+                        max_vms: a.max_sandboxes,
+                        pool_size: a.pool,
+                        hot_image_mib: a.hot_image_mib,
+                        ..tine_host::Limits::default()
+                    },
                     a.store.clone().map(|url| local::StoreChoice {
                         url,
                         fetch: a.fetch,

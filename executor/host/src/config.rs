@@ -60,6 +60,9 @@ pub struct Limits {
     pub ready_timeout: Duration,
     /// Boot + warm-up of a parent before its snapshot (minutes in the nested lab).
     pub parent_ready_timeout: Duration,
+    /// Most memory (MiB of image data) held as copies of hot snapshots' memory in huge pages
+    /// (see [`crate::hot`]); 0: none held unless asked ([`crate::Host::hold_image`]).
+    pub hot_image_mib: u64,
 }
 
 impl Default for Limits {
@@ -70,6 +73,7 @@ impl Default for Limits {
             auto_refill: true,
             ready_timeout: Duration::from_millis(DEFAULT_READY_TIMEOUT_MS as u64),
             parent_ready_timeout: Duration::from_secs(900),
+            hot_image_mib: 2048,
         }
     }
 }
@@ -81,6 +85,8 @@ impl Limits {
             max_vms: MAX_SPAWN,
             pool_size: 0,
             auto_refill: false,
+            // It exits after one spawn: a copy filled after it would serve nobody.
+            hot_image_mib: 0,
             ..Limits::default()
         }
     }

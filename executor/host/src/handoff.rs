@@ -5,14 +5,18 @@
 //!
 //! Message: `M`, a u32 range count, then per range guest address, size, image offset and
 //! host address (u64 LE each); the userfaultfd rides along as ancillary data.
+//!
+//! The other way, the host hands a worker the memory image it holds for a hot snapshot
+//! (see [`crate::hot`]): `H`, with the image's memfd as ancillary data.
 
 use std::io::IoSlice;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Ranges per message: a guest has one or two (below and above the MMIO gap).
 const MAX_RANGES: usize = 8;
 const TAG: u8 = b'M';
+const IMAGE_TAG: u8 = b'H';
 const RANGE_BYTES: usize = 32;
 
 /// One RAM range of a child's guest, as mapped in the worker process.
@@ -85,8 +89,34 @@ pub fn send(
     uffd: BorrowedFd<'_>,
     ranges: &[MappedRange],
 ) -> std::io::Result<()> {
-    let body = encode(ranges);
-    let iov = [IoSlice::new(&body)];
+    send_with_fd(sock, uffd, &encode(ranges))
+}
+
+/// Host side: hand a worker the memory image of its snapshot (a sealed memfd).
+pub fn send_image(sock: BorrowedFd<'_>, image: BorrowedFd<'_>) -> std::io::Result<()> {
+    send_with_fd(sock, image, &[IMAGE_TAG])
+}
+
+/// Worker side: the memory image the host holds for this job's snapshot. None: the host
+/// closed the socket first.
+pub fn recv_image(
+    sock: BorrowedFd<'_>,
+    timeout: Duration,
+) -> std::io::Result<Option<std::fs::File>> {
+    let Some((fd, body)) = recv_with_fd(sock, timeout, 1)? else {
+        return Ok(None);
+    };
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
+    if body != [IMAGE_TAG] {
+        return Err(bad("malformed image hand-off"));
+    }
+    let fd = fd.ok_or_else(|| bad("image hand-off without a descriptor"))?;
+    Ok(Some(std::fs::File::from(fd)))
+}
+
+/// `body`, with `fd` as ancillary data, in one message.
+fn send_with_fd(sock: BorrowedFd<'_>, fd: BorrowedFd<'_>, body: &[u8]) -> std::io::Result<()> {
+    let iov = [IoSlice::new(body)];
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
     let mut control = vec![0u8; space];
@@ -102,7 +132,7 @@ pub fn send(
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
         (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), uffd.as_raw_fd());
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd.as_raw_fd());
     }
     // SAFETY: a valid socket and a fully initialised msghdr.
     let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
@@ -110,7 +140,9 @@ pub fn send(
         return Err(std::io::Error::last_os_error());
     }
     if n as usize != body.len() {
-        return Err(std::io::Error::other("short write of the memory hand-off"));
+        return Err(std::io::Error::other(
+            "short write of a descriptor hand-off",
+        ));
     }
     Ok(())
 }
@@ -121,31 +153,36 @@ pub fn recv(
     sock: BorrowedFd<'_>,
     timeout: Duration,
 ) -> std::io::Result<Option<(OwnedFd, Vec<MappedRange>)>> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let mut pfd = libc::pollfd {
-            fd: sock.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
-        if n == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("no memory hand-off from the VMM within {timeout:?}"),
-            ));
-        }
-        if n > 0 {
-            break;
-        }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-    let mut body = vec![0u8; 5 + MAX_RANGES * RANGE_BYTES];
+    let Some((fd, body)) =
+        recv_with_fd(sock, timeout, 5 + MAX_RANGES * RANGE_BYTES).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::TimedOut {
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no memory hand-off from the VMM within {timeout:?}"),
+                )
+            } else {
+                e
+            }
+        })?
+    else {
+        return Ok(None);
+    };
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
+    let ranges = decode(&body).ok_or_else(|| bad("malformed memory hand-off"))?;
+    let fd = fd.ok_or_else(|| bad("memory hand-off without a userfaultfd"))?;
+    Ok(Some((fd, ranges)))
+}
+
+/// One message of at most `max` bytes and the descriptor riding along with it, if any,
+/// waiting up to `timeout`. Ok(None): the peer closed the socket first.
+fn recv_with_fd(
+    sock: BorrowedFd<'_>,
+    timeout: Duration,
+    max: usize,
+) -> std::io::Result<Option<(Option<OwnedFd>, Vec<u8>)>> {
+    crate::ready::wait_readable(&sock, timeout)?;
+    // One byte more than allowed, so an oversized message shows as one.
+    let mut body = vec![0u8; max + 1];
     let mut iov = libc::iovec {
         iov_base: body.as_mut_ptr().cast(),
         iov_len: body.len(),
@@ -153,7 +190,7 @@ pub fn recv(
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
     let mut control = vec![0u8; space];
-    // SAFETY: as in `send`; the buffers outlive the call.
+    // SAFETY: as in `send_with_fd`; the buffers outlive the call.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
@@ -180,13 +217,15 @@ pub fn recv(
     if n == 0 {
         return Ok(None);
     }
-    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
-    if msg.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
-        return Err(bad("memory hand-off truncated"));
+    let n = n as usize;
+    if msg.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 || n > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "descriptor hand-off truncated or too long",
+        ));
     }
-    let ranges = decode(&body[..n as usize]).ok_or_else(|| bad("malformed memory hand-off"))?;
-    let fd = fd.ok_or_else(|| bad("memory hand-off without a userfaultfd"))?;
-    Ok(Some((fd, ranges)))
+    body.truncate(n);
+    Ok(Some((fd, body)))
 }
 
 #[cfg(test)]
@@ -241,6 +280,39 @@ mod tests {
             (s.st_dev, s.st_ino)
         };
         assert_eq!(st(fd.as_raw_fd()), st(file.as_raw_fd()));
+    }
+
+    #[test]
+    fn an_image_crosses_the_socket_and_nothing_else_passes_for_one() {
+        let (a, b) = pair();
+        let file = tempfile::tempfile().unwrap();
+        send_image(a.as_fd(), file.as_fd()).unwrap();
+        let got = recv_image(b.as_fd(), Duration::from_secs(5))
+            .unwrap()
+            .unwrap();
+        let st = |fd: RawFd| {
+            // SAFETY: fstat into a zeroed stat on a valid descriptor.
+            let mut s: libc::stat = unsafe { std::mem::zeroed() };
+            assert_eq!(unsafe { libc::fstat(fd, &mut s) }, 0);
+            (s.st_dev, s.st_ino)
+        };
+        assert_eq!(st(got.as_raw_fd()), st(file.as_raw_fd()));
+        drop(a);
+        assert!(recv_image(b.as_fd(), Duration::from_secs(1))
+            .unwrap()
+            .is_none());
+        // A memory hand-off is not an image (a stream socket: one fresh pair per message).
+        let (a, b) = pair();
+        send(a.as_fd(), file.as_fd(), &[]).unwrap();
+        assert!(recv_image(b.as_fd(), Duration::from_secs(5)).is_err());
+        // Nor is an image a memory hand-off.
+        let (a, b) = pair();
+        send_image(a.as_fd(), file.as_fd()).unwrap();
+        assert!(recv(b.as_fd(), Duration::from_secs(5)).is_err());
+        // Bytes without a descriptor are not an image.
+        let (a, b) = pair();
+        std::io::Write::write_all(&mut std::fs::File::from(a), b"H").unwrap();
+        assert!(recv_image(b.as_fd(), Duration::from_secs(5)).is_err());
     }
 
     #[test]

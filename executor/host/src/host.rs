@@ -10,7 +10,7 @@ use tine_vmm::kvm_stats::Counters;
 use tine_vmm::vm::Rebase;
 
 use tine_proto::names::{SandboxId, Tag};
-use tine_vmm::snapshot::file::SnapshotHeader;
+use tine_vmm::snapshot::file::{SnapshotHeader, MEMORY_FILE};
 
 use crate::cgroup::{CgroupError, CgroupMode, Cgroups, ChildLimits, Usage};
 use crate::config::{HostConfig, Readiness};
@@ -129,6 +129,27 @@ pub struct Ended {
     pub out_of_memory: bool,
 }
 
+/// Where a child's guest RAM comes from, as the host hands it over.
+#[derive(Clone, Copy)]
+enum Memory<'a> {
+    /// The worker maps the snapshot's memory file.
+    Image,
+    /// Pages served by this host on first touch.
+    Lazy,
+    /// The image this host holds, sent to the worker with its job.
+    Held(&'a Arc<std::fs::File>),
+}
+
+impl Memory<'_> {
+    fn job(self) -> JobMemory {
+        match self {
+            Memory::Image => JobMemory::Image,
+            Memory::Lazy => JobMemory::Lazy,
+            Memory::Held(_) => JobMemory::Held,
+        }
+    }
+}
+
 /// What every child of one spawn call is made from.
 #[derive(Clone, Copy)]
 struct ChildPlan<'a> {
@@ -138,6 +159,8 @@ struct ChildPlan<'a> {
     timeout: Duration,
     /// Pages served by this host (a lazy restore).
     lazy: Option<&'a Arc<dyn Pages>>,
+    /// The snapshot's memory image held by this host (None: the worker maps the file).
+    image: Option<&'a Arc<std::fs::File>>,
     /// Its network's policy (None: no network).
     policy: Option<&'a Policy>,
     /// Its cgroup's limits (None: no cgroup).
@@ -196,6 +219,8 @@ pub struct Host {
     charged: Mutex<HashSet<String>>,
     /// Tags whose parents are being booted and snapshotted here (one attempt per tag).
     making: Mutex<HashSet<Tag>>,
+    /// Hot snapshots' memory images, held in huge pages for their children.
+    held: crate::hot::HeldImages,
     /// Held while an executor daemon owns this data directory.
     _lock: Option<crate::pidlock::PidLock>,
 }
@@ -285,6 +310,7 @@ impl Host {
             Some(n) => Some(Network::open(n.clone(), &cfg.data_dir)?),
             None => None,
         };
+        let held = crate::hot::HeldImages::new(cfg.limits.hot_image_mib);
         Ok(Host {
             cfg,
             pool,
@@ -293,6 +319,7 @@ impl Host {
             network,
             exposed: Mutex::new(HashMap::new()),
             making: Mutex::new(HashSet::new()),
+            held,
             cgroups,
             no_cgroups,
             charged: Mutex::new(HashSet::new()),
@@ -308,11 +335,9 @@ impl Host {
     /// daemon, at start-up).
     pub fn fill_pool(&self) {
         self.pool.refill();
-        if let Some(net) = self.network.clone() {
-            std::thread::spawn(move || {
-                crate::network::background_priority();
-                net.fill()
-            });
+        // The same background refill as after a spawn, so a drain joins it.
+        if let Some(net) = &self.network {
+            net.refill_in_background();
         }
     }
 
@@ -491,6 +516,31 @@ impl Host {
 
     pub fn snapshot_dir(&self, tag: &Tag) -> PathBuf {
         self.cfg.snapshots_dir().join(tag.as_str())
+    }
+
+    /// Hold snapshot `tag`'s memory image in huge pages now, for the children spawned from
+    /// it from here on, whatever the hot-image budget (a benchmark's or an operator's
+    /// choice; a host holds images on its own after a snapshot's first spawn, within its
+    /// budget, where shared memory gets huge pages). Returns the bytes held; None for a diff
+    /// snapshot, whose children map their root's image.
+    pub fn hold_image(&self, tag: &Tag) -> Result<Option<u64>> {
+        let header = self.snapshot_header(tag)?;
+        if header.diff.is_some() {
+            return Ok(None);
+        }
+        let memory = self.snapshot_dir(tag).join(MEMORY_FILE);
+        self.held
+            .hold(&memory)
+            .map(Some)
+            .map_err(HostError::io(format!(
+                "holding {} in memory",
+                memory.display()
+            )))
+    }
+
+    /// The memory images held now (by the file each copies) and their data bytes.
+    pub fn held_images(&self) -> Vec<(PathBuf, u64)> {
+        self.held.held()
     }
 
     /// The header of a snapshot held here, checked (so a broken one fails the call, not N
@@ -990,6 +1040,7 @@ impl Host {
             });
         }
         let dir = self.snapshot_dir(tag);
+        self.held.forget(&dir.join(MEMORY_FILE));
         let existed = dir.exists();
         if existed {
             std::fs::remove_dir_all(&dir)
@@ -1098,6 +1149,9 @@ impl Host {
             None => self.snapshot_dir(tag),
         };
         let pages: Option<Arc<dyn Pages>> = lazy.clone().map(|i| i as Arc<dyn Pages>);
+        // A full snapshot of this host's: its children may map a copy held in huge pages.
+        let memory = (lazy.is_none() && header.diff.is_none()).then(|| snapshot.join(MEMORY_FILE));
+        let image = memory.as_deref().and_then(|m| self.held.get(m));
         let policy = self.spawn_policy(tag, &header, opts.network.as_ref())?;
         let limits = self.child_limits(&header, &opts.resources)?;
         if lazy.is_none() {
@@ -1150,6 +1204,7 @@ impl Host {
                                 readiness,
                                 timeout,
                                 lazy: pages.as_ref(),
+                                image: image.as_ref(),
                                 policy: policy.as_ref(),
                                 limits: limits.as_ref(),
                             },
@@ -1165,6 +1220,10 @@ impl Host {
         }
         if let (Some(net), Some(_)) = (&self.network, &policy) {
             net.refill_in_background();
+        }
+        if let (Some(m), None) = (&memory, &image) {
+            // Its first children run: hold its memory for the ones to come.
+            self.held.hold_in_background(m);
         }
         Ok(())
     }
@@ -1236,6 +1295,7 @@ impl Host {
                 readiness: self.cfg.readiness,
                 timeout: self.cfg.limits.ready_timeout,
                 lazy: Some(&pages),
+                image: None,
                 policy: None,
                 limits: None,
             },
@@ -1302,6 +1362,7 @@ impl Host {
             readiness,
             timeout,
             lazy,
+            image,
             policy,
             limits,
         } = *plan;
@@ -1317,9 +1378,10 @@ impl Host {
         if let Err(e) = self.reserve(&id) {
             return fail(id, None, e);
         }
-        let memory = match lazy {
-            Some(_) => JobMemory::Lazy,
-            None => JobMemory::Image,
+        let memory = match (lazy, image) {
+            (Some(_), _) => Memory::Lazy,
+            (None, Some(image)) => Memory::Held(image),
+            (None, None) => Memory::Image,
         };
         let handed = self.hand_off(tag, snapshot, &id, memory, policy, limits);
         let (pid, restored_pipe, process, network) = match handed {
@@ -1407,7 +1469,7 @@ impl Host {
         tag: &Tag,
         snapshot: &std::path::Path,
         id: &SandboxId,
-        memory: JobMemory,
+        memory: Memory<'_>,
         policy: Option<&Policy>,
         limits: Option<&ChildLimits>,
     ) -> Result<(u32, std::fs::File, ProcessIdentity, Duration)> {
@@ -1443,7 +1505,7 @@ impl Host {
         tag: &Tag,
         snapshot: &std::path::Path,
         id: &SandboxId,
-        memory: JobMemory,
+        memory: Memory<'_>,
         policy: Option<&Policy>,
         limits: Option<&ChildLimits>,
     ) -> Result<(VmRecord, Child, std::fs::File, Duration)> {
@@ -1475,7 +1537,7 @@ impl Host {
                     .map_err(HostError::io(format!("identifying VMM worker {pid}")))?,
                 created_unix_ms: now_ms(),
                 ready: false,
-                pages_from_host: memory == JobMemory::Lazy,
+                pages_from_host: matches!(memory, Memory::Lazy),
                 dir: dir.clone(),
                 net: lease.as_ref().map(|l| l.name()),
             };
@@ -1487,15 +1549,25 @@ impl Host {
                 cg.attach(id, limits, pid)
                     .map_err(|e| HostError::Cgroup(e.to_string()))?;
             }
-            let (child, restored) = worker.run(&self.worker_job(
+            let (mut child, restored) = worker.run(&self.worker_job(
                 pid,
                 JobVm::Restore {
                     snapshot: snapshot.to_path_buf(),
-                    memory,
+                    memory: memory.job(),
                 },
                 &dir,
                 lease.as_ref().map(|l| l.path()),
             ))?;
+            if let Memory::Held(image) = memory {
+                use std::os::fd::AsFd;
+                if let Err(e) = crate::handoff::send_image(restored.as_fd(), image.as_fd()) {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(HostError::io(
+                        "handing the held memory image to a VMM worker",
+                    )(e));
+                }
+            }
             Ok((record, child, restored, network))
         })();
         if started.is_err() {

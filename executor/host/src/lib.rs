@@ -12,6 +12,7 @@ pub mod error;
 pub mod fetch;
 pub mod handoff;
 mod host;
+pub mod hot;
 pub mod layers;
 pub mod lazy;
 pub mod network;

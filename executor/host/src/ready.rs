@@ -250,13 +250,12 @@ pub(crate) fn wait_restored(f: &std::fs::File, timeout: Duration) -> Result<Opti
     Ok(Restored::decode(&buf))
 }
 
-/// One read from `fd` once it is readable, waiting at most `timeout` (then `TimedOut`);
-/// interruptions are retried. 0 is end of file.
-pub(crate) fn read_with_timeout(
+/// Wait until `fd` is readable (or at end of file), at most `timeout` (then `TimedOut`);
+/// interruptions are retried within the same deadline.
+pub(crate) fn wait_readable(
     fd: &impl std::os::fd::AsRawFd,
-    buf: &mut [u8],
     timeout: Duration,
-) -> std::io::Result<usize> {
+) -> std::io::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -267,16 +266,29 @@ pub(crate) fn read_with_timeout(
         };
         // SAFETY: one valid pollfd.
         let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+        if n > 0 {
+            return Ok(());
+        }
         if n == 0 {
             return Err(std::io::ErrorKind::TimedOut.into());
         }
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
             return Err(e);
         }
+    }
+}
+
+/// One read from `fd` once it is readable, waiting at most `timeout` (then `TimedOut`);
+/// interruptions are retried. 0 is end of file.
+pub(crate) fn read_with_timeout(
+    fd: &impl std::os::fd::AsRawFd,
+    buf: &mut [u8],
+    timeout: Duration,
+) -> std::io::Result<usize> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        wait_readable(fd, deadline.saturating_duration_since(Instant::now()))?;
         // SAFETY: reads into the buffer we own, at most its length.
         let r = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
         if r >= 0 {

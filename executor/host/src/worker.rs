@@ -113,7 +113,14 @@ pub enum JobMemory {
     /// Anonymous RAM whose pages the host supplies on first touch (userfaultfd): the
     /// snapshot directory holds only the header and state.
     Lazy,
+    /// A copy of the snapshot's memory image that the host holds in huge pages (see
+    /// [`crate::hot`]), sent over the report socket right after the job; mapped
+    /// copy-on-write as the image would be.
+    Held,
 }
+
+/// How long a worker waits for the image the host holds, once told one comes.
+const IMAGE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What a worker reports once its guest runs: `R`, then the restore and start times in
 /// microseconds (little-endian u64 each).
@@ -313,16 +320,28 @@ impl WorkerPool {
     /// Start workers until `n` are idle, each waiting for its job (a one-shot fork pre-starts
     /// exactly what it needs).
     pub fn fill_to(&self, n: usize) {
-        loop {
-            if self.idle() >= n {
-                return;
-            }
-            match Worker::start(&self.exe).and_then(|mut w| w.wait_started().map(|()| w)) {
-                Ok(w) => self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(w),
+        let missing = n.saturating_sub(self.idle());
+        // Start them all before waiting for any, so their start-ups overlap.
+        let mut started = Vec::with_capacity(missing);
+        for _ in 0..missing {
+            match Worker::start(&self.exe) {
+                Ok(w) => started.push(w),
                 Err(e) => {
                     tracing::warn!("VMM worker pool: {e}");
-                    return;
+                    break;
                 }
+            }
+        }
+        for mut w in started {
+            if let Err(e) = w.wait_started() {
+                tracing::warn!("VMM worker pool: {e}");
+                continue;
+            }
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            // Spawns may have been served from the pool meanwhile; never exceed n (a surplus
+            // worker is killed and reaped as it is dropped).
+            if idle.len() < n {
+                idle.push(w);
             }
         }
     }
@@ -351,6 +370,9 @@ impl Drop for WorkerPool {
 /// Body of `tine __vmm-worker`: wait for a job on stdin (EOF: the daemon went away, exit
 /// quietly), restore, signal, run.
 pub fn worker_main() -> anyhow::Result<i32> {
+    // Made while the worker waits, so a restore starts with it (None: the restore makes its
+    // own, and says why if that fails too).
+    let shell = tine_vmm::vm::Shell::new().ok();
     {
         let mut out = std::io::stdout().lock();
         out.write_all(&[IDLE])?;
@@ -366,6 +388,24 @@ pub fn worker_main() -> anyhow::Result<i32> {
     use std::os::fd::AsRawFd;
     // SAFETY: dup2 onto our own stderr descriptor.
     unsafe { libc::dup2(log.as_raw_fd(), 2) };
+    // Taken before any confinement: it arrives on the report socket, and is what the guest's
+    // RAM maps.
+    let held = match &job.vm {
+        JobVm::Restore {
+            memory: JobMemory::Held,
+            ..
+        } => {
+            use std::os::fd::BorrowedFd;
+            // SAFETY: fd 1 is the report socket the host gave us; it stays open for this call.
+            let sock = unsafe { BorrowedFd::borrow_raw(1) };
+            Some(
+                crate::handoff::recv_image(sock, IMAGE_TIMEOUT)
+                    .context("taking the memory image from the host")?
+                    .context("the host closed the socket before sending the memory image")?,
+            )
+        }
+        _ => None,
+    };
     // Own session: signals to the daemon's process group do not reach the VM.
     // SAFETY: setsid has no memory effects.
     unsafe { libc::setsid() };
@@ -409,8 +449,16 @@ pub fn worker_main() -> anyhow::Result<i32> {
                 tap,
             };
             match memory {
-                JobMemory::Image => Vm::restore(&snapshot, opts)?,
                 JobMemory::Lazy => restore_lazily(&snapshot, opts)?,
+                JobMemory::Image | JobMemory::Held => {
+                    let prepared = tine_vmm::vm::Prepared { image: held, shell };
+                    Vm::restore_prepared(
+                        &snapshot,
+                        prepared,
+                        opts,
+                        tine_vmm::vm::VmOptions::default(),
+                    )?
+                }
             }
         }
         JobVm::Boot(b) => boot(b, &dir, console()?, tap)?,
@@ -428,9 +476,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
     });
     // Shared with the control thread for the rest of this process's life.
     let running: &'static tine_vmm::vm::RunningVm = Box::leak(Box::new(running));
-    std::thread::Builder::new()
-        .name("control".into())
-        .spawn(move || crate::control::serve(control, running))?;
+    tine_vmm::thread_builder("control").spawn(move || crate::control::serve(control, running))?;
     let exit = running.wait_exit()?;
     Ok(exit.exit_code())
 }

@@ -952,6 +952,40 @@ fn counts_of(host: &Host, id: &SandboxId, n: usize) -> Vec<u64> {
     }
 }
 
+/// A snapshot's memory held by the host: a child restores from the copy (its guest RAM maps
+/// the memfd, not memory.img) and runs; deleting the snapshot lets go of the copy.
+fn children_restore_from_a_held_image() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tag = Tag::parse("counter").unwrap();
+    let snaps = tmp.path().join("snapshots");
+    std::fs::create_dir_all(&snaps).unwrap();
+    write_counter_guest_snapshot(&snaps.join("counter"), 32).unwrap();
+    let host = Host::open_exclusive(config(tmp.path(), 8, 1)).unwrap();
+    let bytes = host.hold_image(&tag).unwrap().expect("a full snapshot");
+    assert!(bytes > 0);
+    assert_eq!(host.held_images().len(), 1);
+    let c = spawn_of(&host, &tag);
+    let counts = counts_of(&host, &c, 5);
+    assert!(
+        counts.windows(2).all(|w| w[1] == w[0] + 1),
+        "it counts on: {counts:?}"
+    );
+    let pid = host
+        .list()
+        .into_iter()
+        .find(|v| v.record.id == c)
+        .expect("listed")
+        .record
+        .process
+        .pid;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    assert!(maps.contains("/memfd:tine-hot-image"), "{maps}");
+    assert!(!maps.contains("memory.img"), "{maps}");
+    assert!(host.kill(&c).unwrap());
+    assert!(host.delete_snapshot(&tag).unwrap());
+    assert!(host.held_images().is_empty());
+}
+
 /// Branch running children: a diff holds only what the child wrote and carries its state
 /// (its children count on from the branch, not from the root), the source runs on, a branch
 /// of a branch works, a full branch stands alone, a re-adopted child can be branched, and
@@ -1487,7 +1521,11 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 20] = [
+    let tests: [(&str, fn()); 21] = [
+        (
+            "children_restore_from_a_held_image",
+            children_restore_from_a_held_image,
+        ),
         (
             "prestarted_workers_are_waiting_for_their_job",
             prestarted_workers_are_waiting_for_their_job,

@@ -489,6 +489,15 @@ impl GuestRam {
         self.ranges[0].size
     }
 
+    /// Ask for transparent huge pages on every RAM mapping: a private mapping of a file held
+    /// in huge pages then maps 2 MiB on a read fault (a write still copies 4 KiB).
+    pub fn advise_huge_pages(&self) {
+        use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+        for region in self.memory.iter() {
+            advise_huge(region, region.len());
+        }
+    }
+
     /// Host address of a guest range, for KVM memory-slot registration.
     pub fn host_address(&self, range: &RamRange) -> Result<u64> {
         use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};

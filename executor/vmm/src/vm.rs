@@ -97,6 +97,51 @@ pub struct RestoreOptions {
     pub tap: Option<Tap>,
 }
 
+/// The parts of a VM that do not depend on what will run in it: the KVM VM with its irqchip
+/// and PIT, and its first vCPU. A pre-started VMM worker makes one while it waits for its job,
+/// so a restore starts with them done.
+pub struct Shell {
+    kvm: Kvm,
+    vm: VmFd,
+    vcpus: Vec<VcpuFd>,
+}
+
+impl Shell {
+    pub fn new() -> Result<Shell> {
+        let kvm = host::open_kvm()?;
+        let vm = kvm.create_vm().map_err(Error::kvm("KVM_CREATE_VM"))?;
+        vm.set_tss_address(KVM_TSS_ADDR as usize)
+            .map_err(Error::kvm("KVM_SET_TSS_ADDR"))?;
+        vm.set_identity_map_address(KVM_IDENTITY_MAP_ADDR)
+            .map_err(Error::kvm("KVM_SET_IDENTITY_MAP_ADDR"))?;
+        vm.create_irq_chip()
+            .map_err(Error::kvm("KVM_CREATE_IRQCHIP"))?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        vm.create_pit2(pit).map_err(Error::kvm("KVM_CREATE_PIT2"))?;
+        // Every VM has a vCPU 0; more are added once the count is known.
+        let vcpu0 = vm.create_vcpu(0).map_err(Error::kvm("KVM_CREATE_VCPU"))?;
+        Ok(Shell {
+            kvm,
+            vm,
+            vcpus: vec![vcpu0],
+        })
+    }
+}
+
+/// What a restore may be handed ready-made (see [`Vm::restore_prepared`]).
+#[derive(Default)]
+pub struct Prepared {
+    /// A copy of the root snapshot's `memory.img` to map instead of that file: one the host
+    /// holds in memory (huge pages, so a child's first touches map 2 MiB at a time). The
+    /// caller vouches that it is that file's copy; only its size is checked.
+    pub image: Option<std::fs::File>,
+    /// A VM shell made ahead of the restore.
+    pub shell: Option<Shell>,
+}
+
 pub struct Vm {
     kvm: Kvm,
     vm: VmFd,
@@ -137,9 +182,17 @@ impl Vm {
         console: Box<dyn Write + Send>,
         serial_state: Option<&SerialSnapshot>,
         options: VmOptions,
+        shell: Option<Shell>,
     ) -> Result<Self> {
         let vcpus = validate_vcpus(vcpus)?;
-        let kvm = host::open_kvm()?;
+        let Shell {
+            kvm,
+            vm,
+            vcpus: mut fds,
+        } = match shell {
+            Some(shell) => shell,
+            None => Shell::new()?,
+        };
         let max = kvm.get_max_vcpus();
         if vcpus as usize > max {
             return Err(ConfigError::VcpusOverHostLimit {
@@ -148,19 +201,6 @@ impl Vm {
             }
             .into());
         }
-        let vm = kvm.create_vm().map_err(Error::kvm("KVM_CREATE_VM"))?;
-        vm.set_tss_address(KVM_TSS_ADDR as usize)
-            .map_err(Error::kvm("KVM_SET_TSS_ADDR"))?;
-        vm.set_identity_map_address(KVM_IDENTITY_MAP_ADDR)
-            .map_err(Error::kvm("KVM_SET_IDENTITY_MAP_ADDR"))?;
-        vm.create_irq_chip()
-            .map_err(Error::kvm("KVM_CREATE_IRQCHIP"))?;
-        let pit = kvm_pit_config {
-            flags: KVM_PIT_SPEAKER_DUMMY,
-            ..Default::default()
-        };
-        vm.create_pit2(pit).map_err(Error::kvm("KVM_CREATE_PIT2"))?;
-
         for (slot, r) in ram.ranges().iter().enumerate() {
             let region = kvm_userspace_memory_region {
                 slot: slot as u32,
@@ -187,14 +227,14 @@ impl Vm {
         pio.insert(I8042_CMD_PORT, 1, Arc::new(Mutex::new(I8042)))?;
         pio.insert(ACPI_PM_PORT, 3, Arc::new(Mutex::new(AcpiPm)))?;
 
-        let mut fds = Vec::with_capacity(vcpus as usize);
-        for i in 0..vcpus {
+        for i in fds.len() as u8..vcpus {
             fds.push(
                 vm.create_vcpu(i as u64)
                     .map_err(Error::kvm("KVM_CREATE_VCPU"))?,
             );
         }
-        // Opened now: a confined VMM may no longer make the ioctl later.
+        // Opened now, before the vCPUs run: an ioctl on a vCPU descriptor waits for that
+        // vCPU's KVM_RUN to return, which a halted guest may not do for a long time.
         let stats = VmStats::open(&vm, &fds)
             .map_err(|e| tracing::debug!("no KVM counters: {e}"))
             .ok();
@@ -228,7 +268,7 @@ impl Vm {
         console: Box<dyn Write + Send>,
         options: VmOptions,
     ) -> Result<Self> {
-        let vm = Self::build(vcpus.into(), ram, console, None, options)?;
+        let vm = Self::build(vcpus.into(), ram, console, None, options, None)?;
         let base_cpuid: CpuId = cpuid::supported(&vm.kvm)?;
         let tsc_deadline = vm.kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer);
         for (i, fd) in vm.vcpus.iter().enumerate() {
@@ -250,6 +290,18 @@ impl Vm {
     /// [`restore`](Self::restore) with `options`. Devices are created anew, so host-side
     /// wiring such as queue-notification eventfds belongs to this VM alone.
     pub fn restore_with(dir: &Path, opts: RestoreOptions, options: VmOptions) -> Result<Self> {
+        Self::restore_prepared(dir, Prepared::default(), opts, options)
+    }
+
+    /// [`restore_with`](Self::restore_with), using what was made ahead: guest RAM mapped
+    /// copy-on-write from a held copy of the image, and a VM shell.
+    pub fn restore_prepared(
+        dir: &Path,
+        prepared: Prepared,
+        opts: RestoreOptions,
+        options: VmOptions,
+    ) -> Result<Self> {
+        let Prepared { image, shell } = prepared;
         let t0 = Instant::now();
         let snap = snapfile::load(dir)?;
         let state = snap.state;
@@ -257,9 +309,19 @@ impl Vm {
             dir: dir.to_path_buf(),
             state_sha256: snap.header.state_sha256,
         };
-        let ram = GuestRam::from_chain(snap.memory, state.mem_size, snap.overlays, origin)?;
-        let vm = Self::restore_state(dir, state, ram, opts, options)?;
-        tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), "restored");
+        let held = image.is_some();
+        let ram = GuestRam::from_chain(
+            image.unwrap_or(snap.memory),
+            state.mem_size,
+            snap.overlays,
+            origin,
+        )?;
+        if held {
+            // The copy sits in huge pages; a private mapping gets them only when advised.
+            ram.advise_huge_pages();
+        }
+        let vm = Self::restore_state(dir, state, ram, opts, options, shell)?;
+        tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), held, "restored");
         Ok(vm)
     }
 
@@ -281,7 +343,7 @@ impl Vm {
             }
             .into());
         }
-        let vm = Self::restore_state(dir, state, ram, opts, options)?;
+        let vm = Self::restore_state(dir, state, ram, opts, options, None)?;
         tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), "restored onto supplied RAM");
         Ok(vm)
     }
@@ -292,6 +354,7 @@ impl Vm {
         ram: GuestRam,
         mut opts: RestoreOptions,
         options: VmOptions,
+        shell: Option<Shell>,
     ) -> Result<Self> {
         let mut vm = Self::build(
             state.vcpus.len(),
@@ -299,6 +362,7 @@ impl Vm {
             opts.console,
             Some(&state.serial),
             options,
+            shell,
         )?;
         for v in &state.virtio {
             let dev: Box<dyn VirtioDevice> = match v.kind {
@@ -497,12 +561,10 @@ impl Vm {
                 msrs: msrs.clone(),
             };
             let tx = tx.clone();
-            let t = std::thread::Builder::new()
-                .name(format!("vcpu{index}"))
-                .spawn(move || {
-                    let r = runner.run();
-                    let _ = tx.send((index, r));
-                })?;
+            let t = crate::thread_builder(format!("vcpu{index}")).spawn(move || {
+                let r = runner.run();
+                let _ = tx.send((index, r));
+            })?;
             threads.push(t);
         }
         Ok(RunningVm {

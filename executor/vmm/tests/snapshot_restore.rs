@@ -9,7 +9,7 @@ mod common;
 use common::{boot_guest, kvm_available, out8, wait_for, Capture, POWER_OFF};
 
 use tine_vmm::boot::EntryPoint;
-use tine_vmm::vm::RestoreOptions;
+use tine_vmm::vm::{Prepared, RestoreOptions, Shell, VmOptions};
 use tine_vmm::{GuestExit, GuestRam, Vm};
 use vm_memory::{Bytes, GuestAddress};
 
@@ -98,6 +98,69 @@ fn restored_children_continue_where_the_parent_paused() {
     // The image never saw the children's writes.
     let image = std::fs::read(dir.join("memory.img")).unwrap();
     assert_eq!(&image[FLAG as usize..FLAG as usize + 8], &[0u8; 8]);
+}
+
+#[test]
+fn a_child_restores_onto_a_shell_made_ahead_from_a_copy_of_the_image() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("snap");
+    make_snapshot(&dir, 2);
+    let opts = |out: &Capture| RestoreOptions {
+        console: Box::new(out.clone()),
+        vsock_uds: None,
+        tap: None,
+    };
+    // The host's copy: marked where the guest never looks, so the mapping shows which file
+    // the child's RAM comes from.
+    let copy_path = tmp.path().join("copy.img");
+    std::fs::copy(dir.join("memory.img"), &copy_path).unwrap();
+    let copy = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&copy_path)
+        .unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&copy, &[0xab], 0x5000).unwrap();
+
+    let out = Capture::default();
+    let prepared = Prepared {
+        image: Some(copy),
+        shell: Some(Shell::new().unwrap()),
+    };
+    let vm = Vm::restore_prepared(&dir, prepared, opts(&out), VmOptions::default()).unwrap();
+    assert_eq!(
+        vm.ram()
+            .memory()
+            .read_obj::<u8>(GuestAddress(0x5000))
+            .unwrap(),
+        0xab,
+        "guest RAM maps the copy"
+    );
+    vm.ram()
+        .memory()
+        .write_obj(1u64, GuestAddress(FLAG))
+        .unwrap();
+    let child = vm.start().unwrap();
+    assert_eq!(child.wait().unwrap(), GuestExit::PowerOff);
+    assert_eq!(out.text(), "2", "two vCPUs: one from the shell, one added");
+
+    // A copy of another size is not this snapshot's image.
+    let short = tempfile::tempfile().unwrap();
+    short.set_len(32 << 20).unwrap();
+    let err = Vm::restore_prepared(
+        &dir,
+        Prepared {
+            image: Some(short),
+            shell: None,
+        },
+        opts(&Capture::default()),
+        VmOptions::default(),
+    )
+    .err()
+    .expect("refused");
+    assert!(err.to_string().contains("wrong file"), "{err}");
 }
 
 #[test]

@@ -210,7 +210,14 @@ pub fn lock_down(c: &WorkerConfinement) -> Result<(), ConfineError> {
     }
     // glibc installs its own signal handlers when the process makes its first thread: make
     // one now, while rt_sigaction is still allowed (a VM without devices has none yet).
-    std::thread::spawn(|| {})
+    // Its stack is the VMM's size too: glibc keeps it for the next thread, which it would
+    // otherwise give a 2 MiB stack (see `tine_vmm::THREAD_STACK_BYTES`).
+    tine_vmm::thread_builder("setup")
+        .spawn(|| {})
+        .map_err(|source| ConfineError::Sys {
+            what: "starting a thread",
+            source,
+        })?
         .join()
         .map_err(|_| ConfineError::Sys {
             what: "starting a thread",

@@ -96,14 +96,25 @@ pub fn write_memory(src: &File, len: u64, dst: &Path) -> Result<()> {
 }
 
 pub(crate) fn copy_sparse(src: &File, len: u64, dst: &Path) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
     let out = File::create(dst)?;
     out.set_len(len)?;
-    let sfd = src.as_raw_fd();
+    for (start, end) in data_extents(src, len)? {
+        copy_range(src, &out, start, end)?;
+    }
+    out.sync_all()?;
+    Ok(())
+}
+
+/// The ranges `[start, end)` of `f`'s first `len` bytes that hold data, as SEEK_DATA and
+/// SEEK_HOLE report them (a file system without holes reports it all as data).
+pub fn data_extents(f: &File, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
+    use std::os::fd::AsRawFd;
+    let fd = f.as_raw_fd();
+    let mut out = Vec::new();
     let mut pos: i64 = 0;
     while (pos as u64) < len {
         // SAFETY: plain lseek on a valid fd.
-        let data = unsafe { libc::lseek(sfd, pos, libc::SEEK_DATA) };
+        let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
         if data < 0 {
             let e = std::io::Error::last_os_error();
             if e.raw_os_error() == Some(libc::ENXIO) {
@@ -111,18 +122,23 @@ pub(crate) fn copy_sparse(src: &File, len: u64, dst: &Path) -> std::io::Result<(
             }
             return Err(e);
         }
+        if data as u64 >= len {
+            break;
+        }
         // SAFETY: as above.
-        let hole = unsafe { libc::lseek(sfd, data, libc::SEEK_HOLE) };
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
         let end = if hole < 0 {
-            len as i64
+            len
         } else {
-            (hole as u64).min(len) as i64
+            (hole as u64).min(len)
         };
-        copy_range(src, &out, data as u64, end as u64)?;
-        pos = end;
+        if end <= data as u64 {
+            break;
+        }
+        out.push((data as u64, end));
+        pos = end as i64;
     }
-    out.sync_all()?;
-    Ok(())
+    Ok(out)
 }
 
 /// Copy `[start, end)` between files: in the kernel when it can (same filesystem), else

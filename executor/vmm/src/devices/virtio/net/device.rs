@@ -281,8 +281,7 @@ impl Net {
             stats: NetStats::default(),
         }));
         let (worker, ep) = (state.clone(), epoll.clone());
-        let thread = std::thread::Builder::new()
-            .name("net".into())
+        let thread = crate::thread_builder("net")
             .spawn(move || event_loop::run(worker, ep))
             .map_err(thread_err)?;
         Ok(Self {

@@ -3,6 +3,7 @@
 //! a restore. The device thread lives in `event_loop`.
 
 use std::io::{Read, Write};
+use std::num::Wrapping;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -47,7 +48,10 @@ pub(super) struct DeviceState {
     /// until it has (it re-posts the event buffer and notifies that queue): a connection it
     /// accepted first would be reset by its own handling of the event, which Linux runs from
     /// a separate work item, in no set order with received packets.
-    pub(super) reset_unacked: bool,
+    /// Holds the event queue's available index as the reset was sent: only a notification that
+    /// finds the guest has moved it past that counts (one already pending from before the
+    /// snapshot does not).
+    pub(super) reset_unacked: Option<Wrapping<u16>>,
 }
 
 impl DeviceState {
@@ -57,8 +61,13 @@ impl DeviceState {
             self.process_tx();
         }
         if queue == EVT {
-            // The guest handled the reset and gave the buffer back.
-            self.reset_unacked = false;
+            if let (Some(sent_at), Some(mem)) = (self.reset_unacked, &self.mem) {
+                // The guest handled the reset and gave the buffer back.
+                let now = self.queues[EVT].avail_idx(mem, std::sync::atomic::Ordering::Acquire);
+                if now.is_ok_and(|now| now != sent_at) {
+                    self.reset_unacked = None;
+                }
+            }
         }
         // New receive buffers, or answers queued by the packets just read.
         self.process_rx();
@@ -117,7 +126,7 @@ impl DeviceState {
 
     /// Fill the guest's receive queue: control packets first, then stream data within credit.
     pub(super) fn process_rx(&mut self) {
-        if self.paused || self.reset_unacked {
+        if self.paused || self.reset_unacked.is_some() {
             return;
         }
         let Some(mem) = self.mem.clone() else { return };
@@ -157,13 +166,14 @@ impl DeviceState {
             return;
         };
         let head = chain.head_index();
+        let avail = self.queues[EVT].avail_idx(&mem, std::sync::atomic::Ordering::Acquire);
         let ok = chain
             .writer(&mem)
             .ok()
             .and_then(|mut w| w.write_all(&EVENT_TRANSPORT_RESET.to_le_bytes()).ok())
             .is_some();
         let _ = self.queues[EVT].add_used(&mem, head, if ok { 4 } else { 0 });
-        self.reset_unacked = ok;
+        self.reset_unacked = if ok { avail.ok() } else { None };
         self.signal();
     }
 }
@@ -202,7 +212,7 @@ impl Vsock {
             muxer,
             queue_events: QueueEvents::default(),
             stopped: false,
-            reset_unacked: false,
+            reset_unacked: None,
         }));
         let stop = EventFd::new(libc::EFD_NONBLOCK)
             .map_err(|source| DeviceError::VsockThread { source })?;
@@ -214,8 +224,7 @@ impl Vsock {
             )
             .map_err(|source| DeviceError::VsockThread { source })?;
         let worker = state.clone();
-        let thread = std::thread::Builder::new()
-            .name("vsock".into())
+        let thread = crate::thread_builder("vsock")
             .spawn(move || event_loop::run(worker, epoll))
             .map_err(|source| DeviceError::VsockThread { source })?;
         Ok(Self {
@@ -324,6 +333,7 @@ impl VirtioDevice for Vsock {
         g.mem = None;
         g.queues.clear();
         g.irq = None;
+        g.reset_unacked = None;
     }
 }
 
@@ -371,7 +381,7 @@ mod tests {
             muxer: Muxer::bind(3, uds).unwrap(),
             queue_events: QueueEvents::default(),
             stopped: false,
-            reset_unacked: false,
+            reset_unacked: None,
         };
         let mut v = Vsock {
             state: Arc::new(Mutex::new(state)),
@@ -495,12 +505,31 @@ mod tests {
     }
 
     #[test]
+    fn a_kick_pending_from_before_the_snapshot_does_not_count_as_taking_the_reset() {
+        // The snapshot can hold an event-queue notification the guest made before it was
+        // paused; delivered after the restore, it says nothing about the new reset.
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let (mut v, mem) = activated_without_thread(&uds);
+        post_buffer(&mem, EVT, 0, 0x9_0000, 4, 0);
+        v.after_restore();
+        v.queue_notify(EVT as u16);
+        assert!(
+            v.state.lock().unwrap().reset_unacked.is_some(),
+            "the guest has not given the buffer back yet"
+        );
+        post_buffer(&mem, EVT, 0, 0x9_0000, 4, 1);
+        v.queue_notify(EVT as u16);
+        assert!(v.state.lock().unwrap().reset_unacked.is_none());
+    }
+
+    #[test]
     fn a_guest_without_an_event_buffer_is_not_held_back() {
         let dir = tempfile::tempdir().unwrap();
         let uds = dir.path().join("v.sock");
         let (mut v, _mem) = activated_without_thread(&uds);
         v.after_restore();
-        assert!(!v.state.lock().unwrap().reset_unacked);
+        assert!(v.state.lock().unwrap().reset_unacked.is_none());
     }
 
     #[test]
