@@ -479,14 +479,12 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     let host = crate::local::cli_host(tine_host::Readiness::Agent)?;
     if b.hold_image {
         let t = Instant::now();
-        match host.hold_image(&b.tag)? {
-            Some(bytes) => println!(
-                "held image: {:.1} MiB of the snapshot's memory copied into huge-page shared memory in {:.1} ms (before the clock)",
-                bytes as f64 / (1u64 << 20) as f64,
-                t.elapsed().as_secs_f64() * 1e3
-            ),
-            None => println!("held image: none (a diff snapshot's children map their root's image)"),
-        }
+        let bytes = host.hold_image(&b.tag)?;
+        println!(
+            "held image: {:.1} MiB of the snapshot's memory copied into huge-page shared memory in {:.1} ms (before the clock)",
+            bytes as f64 / (1u64 << 20) as f64,
+            t.elapsed().as_secs_f64() * 1e3
+        );
     }
     let opts = SpawnOptions {
         ready_timeout: Some(Duration::from_secs(300)),

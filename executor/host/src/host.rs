@@ -518,27 +518,20 @@ impl Host {
         self.cfg.snapshots_dir().join(tag.as_str())
     }
 
-    /// Hold snapshot `tag`'s memory image in huge pages now, for the children spawned from
-    /// it from here on, whatever the hot-image budget (a benchmark's or an operator's
-    /// choice; a host holds images on its own after a snapshot's first spawn, within its
-    /// budget, where shared memory gets huge pages). Returns the bytes held; None for a diff
-    /// snapshot, whose children map their root's image.
-    pub fn hold_image(&self, tag: &Tag) -> Result<Option<u64>> {
-        let header = self.snapshot_header(tag)?;
-        if header.diff.is_some() {
-            return Ok(None);
-        }
-        let memory = self.snapshot_dir(tag).join(MEMORY_FILE);
-        self.held
-            .hold(&memory)
-            .map(Some)
-            .map_err(HostError::io(format!(
-                "holding {} in memory",
-                memory.display()
-            )))
+    /// Hold snapshot `tag`'s memory image (for a diff: its root's) in huge pages now, for the
+    /// children spawned from it from here on, whatever the hot-image budget (a benchmark's or
+    /// an operator's choice; a host holds images on its own after a snapshot's first spawn,
+    /// within its budget, where shared memory gets huge pages). Returns the memory it holds.
+    pub fn hold_image(&self, tag: &Tag) -> Result<u64> {
+        self.snapshot_header(tag)?;
+        let memory = root_memory(&self.snapshot_dir(tag))?;
+        self.held.hold(&memory).map_err(HostError::io(format!(
+            "holding {} in memory",
+            memory.display()
+        )))
     }
 
-    /// The memory images held now (by the file each copies) and their data bytes.
+    /// The memory images held now (by the file each copies) and the memory each holds.
     pub fn held_images(&self) -> Vec<(PathBuf, u64)> {
         self.held.held()
     }
@@ -1149,8 +1142,12 @@ impl Host {
             None => self.snapshot_dir(tag),
         };
         let pages: Option<Arc<dyn Pages>> = lazy.clone().map(|i| i as Arc<dyn Pages>);
-        // A full snapshot of this host's: its children may map a copy held in huge pages.
-        let memory = (lazy.is_none() && header.diff.is_none()).then(|| snapshot.join(MEMORY_FILE));
+        // A snapshot of this host's: its children may map a copy of its root's image held in
+        // huge pages.
+        let memory = match lazy {
+            None => root_memory(&snapshot).ok(),
+            Some(_) => None,
+        };
         let image = memory.as_deref().and_then(|m| self.held.get(m));
         let policy = self.spawn_policy(tag, &header, opts.network.as_ref())?;
         let limits = self.child_limits(&header, &opts.resources)?;
@@ -1960,6 +1957,11 @@ fn lock_dir(dir: &std::path::Path) -> Result<crate::pidlock::PidLock> {
             HostError::io(format!("locking {}", path.display()))(source)
         }
     })
+}
+
+/// The memory image the children of the snapshot in `dir` map under its diffs: its root's.
+fn root_memory(dir: &std::path::Path) -> Result<PathBuf> {
+    Ok(tine_vmm::snapshot::file::root_of(dir)?.join(MEMORY_FILE))
 }
 
 #[cfg(test)]

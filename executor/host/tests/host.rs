@@ -961,7 +961,7 @@ fn children_restore_from_a_held_image() {
     std::fs::create_dir_all(&snaps).unwrap();
     write_counter_guest_snapshot(&snaps.join("counter"), 32).unwrap();
     let host = Host::open_exclusive(config(tmp.path(), 8, 1)).unwrap();
-    let bytes = host.hold_image(&tag).unwrap().expect("a full snapshot");
+    let bytes = host.hold_image(&tag).unwrap();
     assert!(bytes > 0);
     assert_eq!(host.held_images().len(), 1);
     let c = spawn_of(&host, &tag);
@@ -970,20 +970,45 @@ fn children_restore_from_a_held_image() {
         counts.windows(2).all(|w| w[1] == w[0] + 1),
         "it counts on: {counts:?}"
     );
-    let pid = host
-        .list()
-        .into_iter()
-        .find(|v| v.record.id == c)
-        .expect("listed")
-        .record
-        .process
-        .pid;
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let maps_of = |id: &SandboxId| {
+        let pid = host
+            .list()
+            .into_iter()
+            .find(|v| v.record.id == *id)
+            .expect("listed")
+            .record
+            .process
+            .pid;
+        std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap()
+    };
+    let maps = maps_of(&c);
     assert!(maps.contains("/memfd:tine-hot-image"), "{maps}");
     assert!(!maps.contains("memory.img"), "{maps}");
-    assert!(host.kill(&c).unwrap());
+
+    // Such a child branches like any other, as a diff and in full; children of the diff map
+    // the same held copy of the root under it, and carry on from the branch.
+    let d = Tag::parse("d").unwrap();
+    host.branch(&c, &d, BranchKind::Diff).unwrap();
+    let f = Tag::parse("f").unwrap();
+    host.branch(&c, &f, BranchKind::Full).unwrap();
+    let from_d = spawn_of(&host, &d);
+    assert!(counts_of(&host, &from_d, 1)[0] > counts[0]);
+    let maps = maps_of(&from_d);
+    assert!(maps.contains("/memfd:tine-hot-image"), "{maps}");
+    let from_f = spawn_of(&host, &f);
+    assert!(counts_of(&host, &from_f, 1)[0] > counts[0]);
+    host.kill_all();
+    assert!(host.delete_snapshot(&d).unwrap());
+    assert!(host.delete_snapshot(&f).unwrap());
     assert!(host.delete_snapshot(&tag).unwrap());
-    assert!(host.held_images().is_empty());
+    assert!(
+        !host
+            .held_images()
+            .iter()
+            .any(|(p, _)| p.ends_with("counter/memory.img")),
+        "{:?}",
+        host.held_images()
+    );
 }
 
 /// Branch running children: a diff holds only what the child wrote and carries its state

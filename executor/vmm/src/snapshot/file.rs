@@ -508,6 +508,26 @@ pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
     })
 }
 
+/// The directory of the full snapshot at the root of `dir`'s diff chain (`dir` itself for a
+/// full snapshot): its `memory.img` is what every child of `dir` maps under the diffs.
+pub fn root_of(dir: &Path) -> Result<PathBuf> {
+    let mut here = dir.to_path_buf();
+    let mut at = load_header(dir)?;
+    for _ in 0..=MAX_CHAIN {
+        let Some(d) = at.diff.clone() else {
+            return Ok(here);
+        };
+        let parent = parent_of(&here, &d)?;
+        at = load_header(&parent)?;
+        here = parent;
+    }
+    Err(RestoreError::ChainTooDeep {
+        dir: dir.to_path_buf(),
+        max: MAX_CHAIN,
+    }
+    .into())
+}
+
 /// The parent directory a diff in `dir` names, refusing names that leave the directory.
 fn parent_of(dir: &Path, d: &DiffInfo) -> Result<PathBuf> {
     let ok = !d.parent.is_empty()
