@@ -523,8 +523,8 @@ impl Host {
     /// an operator's choice; a host holds images on its own after a snapshot's first spawn,
     /// within its budget, where shared memory gets huge pages). Returns the memory it holds.
     pub fn hold_image(&self, tag: &Tag) -> Result<u64> {
-        self.snapshot_header(tag)?;
-        let memory = root_memory(&self.snapshot_dir(tag))?;
+        let header = self.snapshot_header(tag)?;
+        let memory = root_memory(&self.snapshot_dir(tag), &header)?;
         self.held.hold(&memory).map_err(HostError::io(format!(
             "holding {} in memory",
             memory.display()
@@ -1145,7 +1145,7 @@ impl Host {
         // A snapshot of this host's: its children may map a copy of its root's image held in
         // huge pages.
         let memory = match lazy {
-            None => root_memory(&snapshot).ok(),
+            None => root_memory(&snapshot, &header).ok(),
             Some(_) => None,
         };
         let image = memory.as_deref().and_then(|m| self.held.get(m));
@@ -1959,9 +1959,10 @@ fn lock_dir(dir: &std::path::Path) -> Result<crate::pidlock::PidLock> {
     })
 }
 
-/// The memory image the children of the snapshot in `dir` map under its diffs: its root's.
-fn root_memory(dir: &std::path::Path) -> Result<PathBuf> {
-    Ok(tine_vmm::snapshot::file::root_of(dir)?.join(MEMORY_FILE))
+/// The memory image the children of the snapshot in `dir` (its checked `header`) map under
+/// its diffs: its root's. Only a diff's parents are read.
+fn root_memory(dir: &std::path::Path, header: &SnapshotHeader) -> Result<PathBuf> {
+    Ok(tine_vmm::snapshot::file::root_of(dir, header)?.join(MEMORY_FILE))
 }
 
 #[cfg(test)]

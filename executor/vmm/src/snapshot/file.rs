@@ -509,10 +509,11 @@ pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
 }
 
 /// The directory of the full snapshot at the root of `dir`'s diff chain (`dir` itself for a
-/// full snapshot): its `memory.img` is what every child of `dir` maps under the diffs.
-pub fn root_of(dir: &Path) -> Result<PathBuf> {
+/// full snapshot), given `dir`'s checked `header`: its `memory.img` is what every child of
+/// `dir` maps under the diffs.
+pub fn root_of(dir: &Path, header: &SnapshotHeader) -> Result<PathBuf> {
     let mut here = dir.to_path_buf();
-    let mut at = load_header(dir)?;
+    let mut at = header.clone();
     for _ in 0..=MAX_CHAIN {
         let Some(d) = at.diff.clone() else {
             return Ok(here);
