@@ -256,12 +256,13 @@ fn scenario_args_on(
     let mut argv = vec!["sh", path.as_str(), TINE, image, work.as_str()];
     argv.extend_from_slice(extra);
     let (mut code, mut out) = where_linux_boots_on(lab_cpus, &argv);
-    // A guest that died while booting under the lab's emulated CPU (seen rarely, only under
-    // load, and never on the same run twice) is retried once, loudly; any other failure and a
-    // second death are reported as they are. (A scenario past the lab's limit was already
-    // retried by `where_linux_boots_on`.)
+    // A guest that died under the lab's emulated CPU (while booting, or a triple fault the VMM
+    // logged; seen rarely, and never on the same run twice) is retried once, loudly; any other
+    // failure and a second death are reported as they are. (A scenario past the lab's limit
+    // was already retried by `where_linux_boots_on`.)
     if out.contains("CHECK ready FAIL VM exited")
         || out.contains("CHECK ready FAIL not ready after")
+        || out.contains("guest triple fault")
     {
         eprintln!("NOTE: the guest VM died (an open lab issue, see docs/fork.md); retrying the scenario once:\n{out}");
         (code, out) = where_linux_boots_on(lab_cpus, &argv);
@@ -372,9 +373,14 @@ fn forked_children_get_a_new_vm_generation_id() {
 #[ignore = "boots Linux: needs VMX/SVM or the nested lab; builds a Debian root filesystem (slow)"]
 fn warm_numpy_eval_in_the_python_image() {
     build_image("python-numpy");
-    let out = scenario(
+    // One emulated CPU for L1, as for the fork scenario: with two, a cold-booted guest here
+    // triple-faulted once during the agent bench (CI, stop 22), the same unexplained SMP-path
+    // fault docs/fork.md describes for restored guests.
+    let out = scenario_args_on(
+        1,
         "eval.sh",
         "python-numpy",
+        &[],
         &[
             "ready",
             "numpy-zeros",
