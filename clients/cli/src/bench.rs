@@ -369,6 +369,23 @@ fn pss_split_kib(pid: u32) -> Option<(u64, u64)> {
     Some((guest, vmm))
 }
 
+/// Busy CPU time of the whole machine so far, in ms, from /proc/stat (every CPU: user, nice,
+/// system, irq, softirq, steal; a guest's time is inside user). None where it cannot be read.
+fn machine_busy_ms() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal ...
+    let busy = f.first()? + f.get(1)? + f.get(2)? + f.get(5)? + f.get(6)? + f.get(7)?;
+    // SAFETY: sysconf has no memory effects.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| busy as f64 * 1e3 / hz as f64)
+}
+
 /// Cold boot of the image to agent-ready, in a separate `tine run` process.
 fn cold_boot(image: &str) -> Result<Duration> {
     let exe = std::env::current_exe()?;
@@ -435,9 +452,10 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     println!("     per-child time runs from handing its worker the snapshot; total = wall time until all N are ready (--parallel {}: at most that many restoring at once, 0 = all);", b.parallel);
     println!("     cold = `tine run --image` to agent ready;");
     println!(
-        "     memory = PSS of the child VMM processes after all are ready and idle for {} s, divided by N, split into guest RAM (the memory.img mapping: shared pages by share, pages the guest wrote in full) and the VMM process itself.",
+        "     memory = PSS of the child VMM processes after all are ready and idle for {} s, divided by N, split into guest RAM (the memory.img mapping: shared pages by share, pages the guest wrote in full) and the VMM process itself;",
         b.idle_secs
     );
+    println!("     CPU/child = the whole machine's busy CPU time (/proc/stat, all CPUs, in clock ticks) from the clock until all N are ready, divided by N.");
     let mut cold: Vec<f64> = Vec::new();
     for i in 0..b.cold_runs {
         let d = cold_boot(&b.image)?;
@@ -460,13 +478,14 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     );
     println!("KVM VM-creation floor (VM + irqchip + PIT + 1 vCPU + memory slot, in-process): p50 {:.3} ms", pct(&floor, 0.5));
     println!(
-        "\n{:>6} {:>12} {:>10} {:>10} {:>10} {:>12} {:>10} {:>10} {:>10} {:>8}",
+        "\n{:>6} {:>12} {:>10} {:>10} {:>10} {:>12} {:>12} {:>10} {:>10} {:>10} {:>8}",
         "N",
         "total ms",
         "p50 ms",
         "p90 ms",
         "max ms",
         "vs cold p50",
+        "CPU/child ms",
         "MiB/child",
         "guest RAM",
         "VMM",
@@ -499,6 +518,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         // Workers up and waiting before the clock (fork_children finds them there).
         host.prestart_workers(n);
         let t0 = Instant::now();
+        let busy0 = machine_busy_ms();
         let collected = std::sync::Mutex::new(Vec::new());
         // KVM's counters of the first children ready, read as each becomes ready: what its
         // VM did from creation to ready (one control-socket call each, after its clock).
@@ -518,6 +538,9 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         let reports: Vec<SpawnOutcome> = collected.into_inner().unwrap();
         counter_rows.push((n, counted.into_inner().unwrap()));
         let total = t0.elapsed().as_secs_f64() * 1e3;
+        let cpu_per_child = busy0
+            .zip(machine_busy_ms())
+            .map(|(a, b)| (b - a) / n as f64);
         let phases: Vec<SpawnPhases> = reports
             .iter()
             .filter_map(|r| r.result.as_ref().ok().copied())
@@ -555,17 +578,19 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         }
         if ready.is_empty() {
             println!(
-                "{n:>6} {total:>12.1} {:>10} {:>10} {:>10} {:>12} {:>10} {:>10} {:>10} {failed:>8}",
-                "-", "-", "-", "-", "-", "-", "-"
+                "{n:>6} {total:>12.1} {:>10} {:>10} {:>10} {:>12} {:>12} {:>10} {:>10} {:>10} {failed:>8}",
+                "-", "-", "-", "-", "-", "-", "-", "-"
             );
             continue;
         }
         let (p50, p90, max) = (pct(&ready, 0.5), pct(&ready, 0.9), ready[ready.len() - 1]);
         // Spawning N from a snapshot vs cold-booting N (one at a time, as measured).
         let ratio = (cold_p50 * n as f64) / total;
-        println!("{n:>6} {total:>12.1} {p50:>10.1} {p90:>10.1} {max:>10.1} {ratio:>11.1}x {mib_per_child:>10.2} {guest_mib:>10.2} {vmm_mib:>10.2} {failed:>8}");
+        let cpu_cell = cpu_per_child.map_or("-".to_string(), |c| format!("{c:.1}"));
+        let cpu_json = cpu_per_child.map_or("null".to_string(), |c| format!("{c:.1}"));
+        println!("{n:>6} {total:>12.1} {p50:>10.1} {p90:>10.1} {max:>10.1} {ratio:>11.1}x {cpu_cell:>12} {mib_per_child:>10.2} {guest_mib:>10.2} {vmm_mib:>10.2} {failed:>8}");
         rows.push(format!(
-            "{{\"n\":{n},\"total_ms\":{total:.3},\"p50_ms\":{p50:.3},\"p90_ms\":{p90:.3},\"max_ms\":{max:.3},\"ratio_vs_cold\":{ratio:.2},\"mib_per_child\":{mib_per_child:.3},\"guest_ram_mib_per_child\":{guest_mib:.3},\"vmm_mib_per_child\":{vmm_mib:.3},\"failed\":{failed}}}"
+            "{{\"n\":{n},\"total_ms\":{total:.3},\"p50_ms\":{p50:.3},\"p90_ms\":{p90:.3},\"max_ms\":{max:.3},\"ratio_vs_cold\":{ratio:.2},\"cpu_ms_per_child\":{cpu_json},\"mib_per_child\":{mib_per_child:.3},\"guest_ram_mib_per_child\":{guest_mib:.3},\"vmm_mib_per_child\":{vmm_mib:.3},\"failed\":{failed}}}"
         ));
     }
     println!("\n`vs cold p50` = N x (cold boot p50) / (wall time to get all N children ready).");

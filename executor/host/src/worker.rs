@@ -449,7 +449,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
                 tap,
             };
             match memory {
-                JobMemory::Lazy => restore_lazily(&snapshot, opts)?,
+                JobMemory::Lazy => restore_lazily(&snapshot, opts, shell)?,
                 JobMemory::Image | JobMemory::Held => {
                     let prepared = tine_vmm::vm::Prepared { image: held, shell };
                     Vm::restore_prepared(
@@ -461,7 +461,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
                 }
             }
         }
-        JobVm::Boot(b) => boot(b, &dir, console()?, tap)?,
+        JobVm::Boot(b) => boot(b, &dir, console()?, tap, shell)?,
     };
     let restore = t0.elapsed();
     let control = crate::control::bind(&dir).context("binding the control socket")?;
@@ -526,8 +526,15 @@ fn boot(
     dir: &Path,
     console: Box<dyn Write + Send>,
     tap: Option<tine_vmm::devices::virtio::net::Tap>,
+    shell: Option<tine_vmm::vm::Shell>,
 ) -> anyhow::Result<Vm> {
-    let mut vm = Vm::create(b.vcpus, tine_vmm::GuestRam::new_memfd(b.mem_mib)?, console)?;
+    let mut vm = Vm::create_prepared(
+        b.vcpus,
+        tine_vmm::GuestRam::new_memfd(b.mem_mib)?,
+        console,
+        tine_vmm::vm::VmOptions::default(),
+        shell,
+    )?;
     vm.add_vsock(3, &dir.join("vsock.sock"))?;
     if let Some(tap) = tap {
         // After vsock: the device order is part of every snapshot of this parent.
@@ -544,7 +551,11 @@ fn boot(
 /// Restore onto anonymous RAM registered with a userfaultfd that goes to the host before
 /// anything touches guest memory: every first touch, by the guest or by this VMM, waits for
 /// the host to supply the page.
-fn restore_lazily(dir: &Path, opts: RestoreOptions) -> anyhow::Result<Vm> {
+fn restore_lazily(
+    dir: &Path,
+    opts: RestoreOptions,
+    shell: Option<tine_vmm::vm::Shell>,
+) -> anyhow::Result<Vm> {
     use std::os::fd::{AsFd, BorrowedFd};
     let loaded = tine_vmm::snapshot::file::load_state(dir)?;
     let ram = tine_vmm::memory::GuestRam::new_anonymous(loaded.header.mem_size)?;
@@ -586,5 +597,6 @@ fn restore_lazily(dir: &Path, opts: RestoreOptions) -> anyhow::Result<Vm> {
         ram,
         opts,
         tine_vmm::vm::VmOptions::default(),
+        shell,
     )?)
 }

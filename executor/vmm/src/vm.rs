@@ -268,7 +268,18 @@ impl Vm {
         console: Box<dyn Write + Send>,
         options: VmOptions,
     ) -> Result<Self> {
-        let vm = Self::build(vcpus.into(), ram, console, None, options, None)?;
+        Self::create_prepared(vcpus, ram, console, options, None)
+    }
+
+    /// [`create_with`](Self::create_with) on a VM shell made ahead (None: made here).
+    pub fn create_prepared(
+        vcpus: u8,
+        ram: GuestRam,
+        console: Box<dyn Write + Send>,
+        options: VmOptions,
+        shell: Option<Shell>,
+    ) -> Result<Self> {
+        let vm = Self::build(vcpus.into(), ram, console, None, options, shell)?;
         let base_cpuid: CpuId = cpuid::supported(&vm.kvm)?;
         let tsc_deadline = vm.kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer);
         for (i, fd) in vm.vcpus.iter().enumerate() {
@@ -328,12 +339,14 @@ impl Vm {
     /// Restore the checked `state` of snapshot `dir` onto `ram` that the caller prepared, e.g.
     /// anonymous RAM registered with a userfaultfd whose pages are supplied on first touch
     /// (see [`GuestRam::new_anonymous`]). `ram` must be exactly the snapshot's memory size.
+    /// `shell` is a VM shell made ahead (None: made here).
     pub fn restore_onto(
         dir: &Path,
         state: MachineState,
         ram: GuestRam,
         opts: RestoreOptions,
         options: VmOptions,
+        shell: Option<Shell>,
     ) -> Result<Self> {
         let t0 = Instant::now();
         if ram.size() != state.mem_size {
@@ -343,7 +356,7 @@ impl Vm {
             }
             .into());
         }
-        let vm = Self::restore_state(dir, state, ram, opts, options, None)?;
+        let vm = Self::restore_state(dir, state, ram, opts, options, shell)?;
         tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), "restored onto supplied RAM");
         Ok(vm)
     }
