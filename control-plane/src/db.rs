@@ -296,9 +296,48 @@ const SNAPSHOT_COLUMNS: &str = "s.tag, s.parent_tag, s.image, s.vcpus, s.mem_mib
      s.state, s.error, s.writing_until_ms, s.writer, \
      (SELECT group_concat(executor_id, ',') FROM snapshot_copies c WHERE c.tag = s.tag) AS executors";
 
+/// How often the background checkpointer copies committed WAL frames into the database file.
+/// Commits themselves never checkpoint (`wal_autocheckpoint=0`): SQLite would otherwise run the
+/// checkpoint, with its two fsyncs, inside whichever request's commit crossed 1000 frames.
+pub const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+
 #[derive(Clone)]
 pub struct Db {
     pool: SqlitePool,
+    checkpointer: std::sync::Arc<Checkpointer>,
+}
+
+/// The task that checkpoints the WAL on its own connection, off the request path; it stops
+/// when the last handle to the database goes.
+struct Checkpointer(tokio::task::JoinHandle<()>);
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Checkpointer {
+    async fn start(opts: &SqliteConnectOptions) -> Result<Checkpointer> {
+        use sqlx::Connection;
+        let mut conn = sqlx::SqliteConnection::connect_with(opts).await?;
+        Ok(Checkpointer(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                // PASSIVE: copies what it can without waiting on readers or blocking writers;
+                // frames a reader still needs are copied on a later tick.
+                let r: Result<(i64, i64, i64), _> =
+                    sqlx::query_as("PRAGMA wal_checkpoint(PASSIVE)")
+                        .fetch_one(&mut conn)
+                        .await;
+                if let Err(e) = r {
+                    tracing::warn!("WAL checkpoint failed (retried in {CHECKPOINT_EVERY:?}): {e}");
+                }
+            }
+        })))
+    }
 }
 
 impl Db {
@@ -325,13 +364,16 @@ impl Db {
             .foreign_keys(true)
             // Read pages through a mapping rather than a read(2) per page.
             .pragma("mmap_size", "268435456")
+            // Checkpoints run in the background (`Checkpointer`), never inside a commit.
+            .pragma("wal_autocheckpoint", "0")
             .busy_timeout(Duration::from_secs(5));
         let pool = SqlitePoolOptions::new()
             .max_connections(8)
-            .connect_with(opts)
+            .connect_with(opts.clone())
             .await?;
         sqlx::migrate!("./migrations").run(&pool).await?;
-        Ok(Db { pool })
+        let checkpointer = std::sync::Arc::new(Checkpointer::start(&opts).await?);
+        Ok(Db { pool, checkpointer })
     }
 
     /// A transaction that writes: it takes the write lock when it begins (BEGIN IMMEDIATE), so
@@ -342,6 +384,7 @@ impl Db {
     }
 
     pub async fn close(&self) {
+        self.checkpointer.0.abort();
         self.pool.close().await;
     }
 
@@ -1003,6 +1046,37 @@ mod tests {
                 .mode();
             assert_eq!(mode & 0o077, 0, "{f}: {:o}", mode & 0o777);
         }
+    }
+
+    /// Commits leave the WAL alone; the background checkpointer copies them into the database
+    /// file on its own.
+    #[tokio::test]
+    async fn the_wal_is_checkpointed_in_the_background_not_by_commits() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cp.db");
+        let db = Db::open(&path).await.unwrap();
+        let auto: i64 = sqlx::query_scalar("PRAGMA wal_autocheckpoint")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(auto, 0, "a commit could checkpoint on the request path");
+        let tag = "checkpointed-by-the-background-task";
+        db.insert_snapshot(&writing(tag, i64::MAX)).await.unwrap();
+        let in_file = |f: &str| {
+            let bytes = std::fs::read(dir.path().join(f)).unwrap();
+            bytes.windows(tag.len()).any(|w| w == tag.as_bytes())
+        };
+        assert!(in_file("cp.db-wal"), "the commit went to the WAL");
+        let deadline = std::time::Instant::now() + CHECKPOINT_EVERY * 10;
+        while !in_file("cp.db") {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no checkpoint within {:?}",
+                CHECKPOINT_EVERY * 10
+            );
+            tokio::time::sleep(CHECKPOINT_EVERY / 4).await;
+        }
+        db.close().await;
     }
 
     #[tokio::test]
