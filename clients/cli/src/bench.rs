@@ -455,7 +455,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         "     memory = PSS of the child VMM processes after all are ready and idle for {} s, divided by N, split into guest RAM (the memory.img mapping: shared pages by share, pages the guest wrote in full) and the VMM process itself;",
         b.idle_secs
     );
-    println!("     CPU/child = the whole machine's busy CPU time (/proc/stat, all CPUs, in clock ticks) from the clock until all N are ready, divided by N.");
+    println!("     CPU/child = the whole machine's busy CPU time in ms (/proc/stat, all CPUs, counted at clock-tick resolution) from the clock until all N are ready, divided by N.");
     let mut cold: Vec<f64> = Vec::new();
     for i in 0..b.cold_runs {
         let d = cold_boot(&b.image)?;
