@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use serde_json::json;
@@ -22,6 +22,7 @@ use crate::db::{
     SandboxState, SnapshotLayers, SnapshotRow, SnapshotStatus,
 };
 use crate::executors::ExecClient;
+use crate::metrics::SpawnPhase;
 use crate::now_ms;
 use crate::paging::{self, Cursor};
 use crate::scheduler::{self, Candidate, Policy};
@@ -765,6 +766,7 @@ impl Api {
             Ok(_) => Policy::Spread,
             Err(_) => return Err(Status::invalid_argument("placement.policy: unknown value")),
         };
+        let placing = Instant::now();
         let mut loads = self.ctx.db.executor_loads(&r.tag).await?;
         // Held or in the store means it exists and is complete; only otherwise is a second
         // look needed (it may not exist, have failed, or still be written).
@@ -809,6 +811,9 @@ impl Api {
             .collect();
         let plan = scheduler::place(r.count, &candidates, policy);
         let ids: Vec<String> = (0..r.count).map(|_| new_sandbox_id()).collect();
+        let metrics = &self.ctx.metrics;
+        metrics.spawn_phase(SpawnPhase::Place, placing.elapsed());
+        let inserting = Instant::now();
         let rows: Vec<(String, String, String)> = plan
             .iter()
             .zip(&ids)
@@ -822,6 +827,7 @@ impl Api {
                 lifetime,
             )
             .await?;
+        metrics.spawn_phase(SpawnPhase::Insert, inserting.elapsed());
 
         let (tx, rx) = mpsc::channel(r.count as usize + 1);
         let placed = rows.len();
@@ -895,9 +901,12 @@ impl Api {
             children.iter().map(|(i, id)| (id.clone(), *i)).collect();
         let tag = req.tag.clone();
         let result: Result<(), Status> = async {
+            let called = Instant::now();
+            let metrics = &self.ctx.metrics;
             let mut client = self.ctx.executors.client(&executor.id, &executor.addr)?;
             let mut stream = client.spawn(req).await?.into_inner();
             while let Some(ev) = stream.message().await? {
+                metrics.spawn_phase(SpawnPhase::Executor, called.elapsed());
                 let Some(index) = pending.remove(&ev.id) else {
                     tracing::warn!(executor = %executor.id, id = %ev.id, "executor reported a child it was not asked for");
                     continue;
@@ -905,8 +914,10 @@ impl Api {
                 // The executor's code and message reach the client unchanged.
                 let failed = match ev.result {
                     Some(xpb::spawn_event::Result::ReadyUs(us)) => {
+                        let updating = Instant::now();
                         let row = self.ctx.db.set_sandbox_ready(&ev.id, us).await?;
-                        self.ctx.metrics.spawn_to_ready.observe(us as f64 / 1e6);
+                        metrics.spawn_phase(SpawnPhase::Ready, updating.elapsed());
+                        metrics.spawn_to_ready.observe(us as f64 / 1e6);
                         let msg = pb::SpawnEvent {
                             index,
                             result: row.map(|r| pb::spawn_event::Result::Ready(sandbox_msg(&r))),
@@ -1176,7 +1187,11 @@ impl Sandboxes for Api {
                           "ready_timeout_ms": r.ready_timeout_ms, "no_wait": r.no_wait,
                           "memory_limit_mib": res.memory_limit_mib, "cpu_millis": res.cpu_millis,
                           "sandbox_timeout_s": r.sandbox_timeout_s});
+        let admitted = Instant::now();
         let call = self.ctx.begin(Rpc::Spawn, &req, args)?;
+        self.ctx
+            .metrics
+            .spawn_phase(SpawnPhase::Admit, admitted.elapsed());
         let deadline = call_deadline(&req);
         let res = self.start_spawn(req.into_inner(), deadline).await;
         self.ctx.finish(call, res.map(Response::new))

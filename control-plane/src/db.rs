@@ -324,6 +324,7 @@ impl Checkpointer {
         Ok(Checkpointer(tokio::spawn(async move {
             let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut lag = CheckpointLag::default();
             loop {
                 tick.tick().await;
                 // PASSIVE: copies what it can without waiting on readers or blocking writers;
@@ -332,11 +333,50 @@ impl Checkpointer {
                     sqlx::query_as("PRAGMA wal_checkpoint(PASSIVE)")
                         .fetch_one(&mut conn)
                         .await;
-                if let Err(e) = r {
-                    tracing::warn!("WAL checkpoint failed (retried in {CHECKPOINT_EVERY:?}): {e}");
+                match r {
+                    Ok((_, log, copied)) => {
+                        if let Some(behind) = lag.saw(log, copied, std::time::Instant::now()) {
+                            tracing::warn!(
+                                frames_behind = log - copied,
+                                "WAL checkpoints have not caught up for {behind:?}: a long-lived \
+                                 reader keeps the WAL from being copied back, so it keeps growing"
+                            );
+                        }
+                    }
+                    Err(e) => tracing::warn!(
+                        "WAL checkpoint failed (retried in {CHECKPOINT_EVERY:?}): {e}"
+                    ),
                 }
             }
         })))
+    }
+}
+
+/// How long checkpoints may stay incomplete before it is worth a warning.
+const LAG_WARN_AFTER: Duration = Duration::from_secs(60);
+
+/// Tracks how long the WAL has had frames no checkpoint could copy.
+#[derive(Default)]
+struct CheckpointLag {
+    behind_since: Option<std::time::Instant>,
+    warned: bool,
+}
+
+impl CheckpointLag {
+    /// Record one checkpoint's result (frames in the log, frames copied); returns how long it
+    /// has been behind the first time that passes [`LAG_WARN_AFTER`] in one stretch.
+    fn saw(&mut self, log: i64, copied: i64, now: std::time::Instant) -> Option<Duration> {
+        if copied >= log {
+            *self = CheckpointLag::default();
+            return None;
+        }
+        let since = *self.behind_since.get_or_insert(now);
+        let behind = now.duration_since(since);
+        if behind >= LAG_WARN_AFTER && !self.warned {
+            self.warned = true;
+            return Some(behind);
+        }
+        None
     }
 }
 
@@ -366,9 +406,12 @@ impl Db {
             .pragma("mmap_size", "268435456")
             // Checkpoints run in the background (`Checkpointer`), never inside a commit.
             .pragma("wal_autocheckpoint", "0")
+            // A WAL that grew under a burst is cut back to this size once checkpointed.
+            .pragma("journal_size_limit", "67108864")
             .busy_timeout(Duration::from_secs(5));
         let pool = SqlitePoolOptions::new()
             .max_connections(8)
+            .after_connect(|conn, _| Box::pin(crate::lock_wait::install(conn)))
             .connect_with(opts.clone())
             .await?;
         sqlx::migrate!("./migrations").run(&pool).await?;
@@ -1050,6 +1093,22 @@ mod tests {
 
     /// Commits leave the WAL alone; the background checkpointer copies them into the database
     /// file on its own.
+    #[test]
+    fn checkpoint_lag_warns_once_per_stretch_behind() {
+        let t0 = std::time::Instant::now();
+        let mut lag = CheckpointLag::default();
+        assert_eq!(lag.saw(10, 10, t0), None);
+        assert_eq!(lag.saw(20, 5, t0), None);
+        assert_eq!(lag.saw(30, 5, t0 + Duration::from_secs(59)), None);
+        assert_eq!(lag.saw(40, 5, t0 + LAG_WARN_AFTER), Some(LAG_WARN_AFTER));
+        assert_eq!(lag.saw(50, 5, t0 + Duration::from_secs(120)), None);
+        // Caught up: a new stretch behind warns again after its own minute.
+        assert_eq!(lag.saw(50, 50, t0 + Duration::from_secs(121)), None);
+        let t1 = t0 + Duration::from_secs(122);
+        assert_eq!(lag.saw(5, 1, t1), None);
+        assert!(lag.saw(6, 1, t1 + LAG_WARN_AFTER).is_some());
+    }
+
     #[tokio::test]
     async fn the_wal_is_checkpointed_in_the_background_not_by_commits() {
         let dir = tempfile::tempdir().unwrap();

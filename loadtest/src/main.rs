@@ -192,7 +192,15 @@ async fn main() -> Result<()> {
         "rate_per_client": a.rate_per_client,
         "null_executors": embedded.as_ref().map(|_| a.null_executors),
     });
-    let json = stats.json(wall, params);
+    let mut json = stats.json(wall, params);
+    if let Some(cp) = &embedded {
+        let phases = cp.ctx.metrics.spawn_phases();
+        print!("{}", tine_loadtest::report::phase_table(&phases));
+        let waits = tine_control_plane::lock_wait::waits();
+        println!("SQLite write-lock waits (a writer found the lock held): {waits}");
+        json["spawn_phases"] = tine_loadtest::report::phase_json(&phases);
+        json["write_lock_waits"] = waits.into();
+    }
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_vec_pretty(&json)?)?;
         eprintln!("tine-loadtest: JSON written to {}", p.display());

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
+use tine_control_plane::metrics::PhaseSummary;
 
 #[derive(Default)]
 pub struct Stats {
@@ -93,4 +94,44 @@ impl Stats {
             "errors": self.errors,
         })
     }
+}
+
+/// The control plane's side of each spawn, by phase. Quantiles are bucket upper bounds
+/// (within a factor of √2), the mean is exact.
+pub fn phase_table(phases: &[PhaseSummary]) -> String {
+    let mut out = format!(
+        "\nspawn phases inside the control plane (quantiles: histogram bucket upper bounds, within x1.41)\n{:<9} {:>9} {:>9} {:>9} {:>9} {:>9}\n",
+        "phase", "count", "mean ms", "p50 ≤ms", "p90 ≤ms", "p99 ≤ms"
+    );
+    for p in phases {
+        out += &format!(
+            "{:<9} {:>9} {:>9.3} {:>9.3} {:>9.3} {:>9.3}\n",
+            p.phase.name(),
+            p.count,
+            p.mean_s * 1e3,
+            p.p50_s * 1e3,
+            p.p90_s * 1e3,
+            p.p99_s * 1e3
+        );
+    }
+    out
+}
+
+pub fn phase_json(phases: &[PhaseSummary]) -> serde_json::Value {
+    phases
+        .iter()
+        .map(|p| {
+            (
+                p.phase.name().to_string(),
+                serde_json::json!({
+                    "count": p.count,
+                    "mean_ms": p.mean_s * 1e3,
+                    "p50_le_ms": p.p50_s * 1e3,
+                    "p90_le_ms": p.p90_s * 1e3,
+                    "p99_le_ms": p.p99_s * 1e3,
+                }),
+            )
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
 }

@@ -464,17 +464,49 @@ pub fn load_state(dir: &Path) -> Result<LoadedState> {
 pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
     let LoadedState { header, state } = load_state(dir)?;
     let mut overlays = Vec::new();
+    let root = walk_chain(dir, &header, |here, d| {
+        overlays.push(load_overlay(here, d, header.mem_size)?);
+        Ok(())
+    })?;
+    overlays.reverse();
+    let memory = open_image(&root, header.mem_size)?;
+    Ok(LoadedSnapshot {
+        header,
+        state,
+        memory,
+        overlays,
+    })
+}
+
+/// The directory of the full snapshot at the root of `dir`'s diff chain (`dir` itself for a
+/// full snapshot), given `dir`'s checked `header`: its `memory.img` is what every child of
+/// `dir` maps under the diffs. The chain is checked as a restore checks it.
+pub fn root_of(dir: &Path, header: &SnapshotHeader) -> Result<PathBuf> {
+    walk_chain(dir, header, |_, _| Ok(()))
+}
+
+/// Walk `dir`'s diff chain from `dir` (whose checked header is `header`) to its root, calling
+/// `step` with each diff snapshot's directory and diff, child first; returns the root's
+/// directory. Each parent must be the one the diff was taken on (same state, same size), and
+/// the chain at most [`MAX_CHAIN`] diffs deep.
+fn walk_chain(
+    dir: &Path,
+    header: &SnapshotHeader,
+    mut step: impl FnMut(&Path, &DiffInfo) -> Result<()>,
+) -> Result<PathBuf> {
     let mut here = dir.to_path_buf();
     let mut at = header.clone();
+    let mut depth = 0;
     while let Some(d) = at.diff.clone() {
-        if overlays.len() >= MAX_CHAIN {
+        if depth >= MAX_CHAIN {
             return Err(RestoreError::ChainTooDeep {
                 dir: dir.to_path_buf(),
                 max: MAX_CHAIN,
             }
             .into());
         }
-        overlays.push(load_overlay(&here, &d, header.mem_size)?);
+        depth += 1;
+        step(&here, &d)?;
         let parent = parent_of(&here, &d)?;
         let ph = load_header(&parent)?;
         if ph.state_sha256 != d.parent_state_sha256 {
@@ -498,35 +530,7 @@ pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
         here = parent;
         at = ph;
     }
-    overlays.reverse();
-    let memory = open_image(&here, header.mem_size)?;
-    Ok(LoadedSnapshot {
-        header,
-        state,
-        memory,
-        overlays,
-    })
-}
-
-/// The directory of the full snapshot at the root of `dir`'s diff chain (`dir` itself for a
-/// full snapshot), given `dir`'s checked `header`: its `memory.img` is what every child of
-/// `dir` maps under the diffs.
-pub fn root_of(dir: &Path, header: &SnapshotHeader) -> Result<PathBuf> {
-    let mut here = dir.to_path_buf();
-    let mut at = header.clone();
-    for _ in 0..=MAX_CHAIN {
-        let Some(d) = at.diff.clone() else {
-            return Ok(here);
-        };
-        let parent = parent_of(&here, &d)?;
-        at = load_header(&parent)?;
-        here = parent;
-    }
-    Err(RestoreError::ChainTooDeep {
-        dir: dir.to_path_buf(),
-        max: MAX_CHAIN,
-    }
-    .into())
+    Ok(here)
 }
 
 /// The parent directory a diff in `dir` names, refusing names that leave the directory.
