@@ -22,7 +22,7 @@ use crate::db::{
     SandboxState, SnapshotLayers, SnapshotRow, SnapshotStatus,
 };
 use crate::executors::ExecClient;
-use crate::metrics::SpawnPhase;
+use crate::metrics::{SpawnPhase, SpawnTimer};
 use crate::now_ms;
 use crate::paging::{self, Cursor};
 use crate::scheduler::{self, Candidate, Policy};
@@ -45,7 +45,7 @@ impl From<DbError> for Status {
                 Status::failed_precondition(e.to_string())
             }
             DbError::ExecutorClaimed { .. } => Status::permission_denied(e.to_string()),
-            DbError::Sql(_) | DbError::Migrate(_) | DbError::Create(_) => {
+            DbError::Sql(_) | DbError::Inline(_) | DbError::Migrate(_) | DbError::Create(_) => {
                 tracing::error!("{e}");
                 Status::internal(e.to_string())
             }
@@ -747,6 +747,7 @@ impl Api {
         &self,
         r: pb::SpawnRequest,
         deadline: Option<Duration>,
+        started: Instant,
     ) -> Result<ReceiverStream<Result<pb::SpawnEvent, Status>>, Status> {
         validate::name("tag", &r.tag)?;
         validate::spawn_count(r.count)?;
@@ -867,7 +868,9 @@ impl Api {
         } else {
             r.ready_timeout_ms
         };
+        let total = SpawnTimer::start(self.ctx.metrics.clone(), started);
         for (i, children) in groups {
+            let total = total.clone();
             let executor = usable[i].clone();
             let api = self.clone();
             let tx = tx.clone();
@@ -882,8 +885,11 @@ impl Api {
             // The executor call continues this request's trace.
             let span = tracing::Span::current();
             tokio::spawn(
-                async move { api.run_spawn_group(executor, req, children, tx).await }
-                    .instrument(span),
+                async move {
+                    api.run_spawn_group(executor, req, children, tx).await;
+                    drop(total);
+                }
+                .instrument(span),
             );
         }
         Ok(ReceiverStream::new(rx))
@@ -1193,7 +1199,7 @@ impl Sandboxes for Api {
             .metrics
             .spawn_phase(SpawnPhase::Admit, admitted.elapsed());
         let deadline = call_deadline(&req);
-        let res = self.start_spawn(req.into_inner(), deadline).await;
+        let res = self.start_spawn(req.into_inner(), deadline, admitted).await;
         self.ctx.finish(call, res.map(Response::new))
     }
 

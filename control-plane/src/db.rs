@@ -10,10 +10,31 @@ use sqlx::SqlitePool;
 
 use crate::now_ms;
 
+mod hot;
+use hot::{Hot, Ran};
+
+// The statements `hot` runs too: one text for both paths.
+const EXECUTOR_LOADS: &str =
+    "SELECT e.*, (SELECT count(*) FROM sandboxes s WHERE s.executor_id = e.id \
+     AND s.state IN ('starting', 'ready')) AS live, \
+     EXISTS (SELECT 1 FROM snapshot_copies c WHERE c.tag = ?1 AND c.executor_id = e.id) AS holds, \
+     (SELECT head_digest FROM snapshots WHERE tag = ?1) AS head_digest \
+     FROM executors e ORDER BY e.id";
+const INSERT_SANDBOX: &str = "INSERT INTO sandboxes (id, tag, executor_id, state, created_ms, \
+     memory_limit_mib, cpu_millis, expires_ms) VALUES (?, ?, ?, 'starting', ?, ?, ?, ?)";
+const SET_SANDBOX_READY: &str = "UPDATE sandboxes SET state = 'ready', ready_us = ? \
+     WHERE id = ? AND state = 'starting' RETURNING *";
+const END_SANDBOX: &str = "UPDATE sandboxes SET state = ?, error = ? WHERE id = ? \
+     AND state IN ('starting', 'ready') RETURNING *";
+const SANDBOX_AT: &str =
+    "SELECT s.*, e.addr FROM sandboxes s JOIN executors e ON e.id = s.executor_id WHERE s.id = ?";
+
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
     #[error("database: {0}")]
     Sql(#[from] sqlx::Error),
+    #[error("database: {0}")]
+    Inline(#[from] rusqlite::Error),
     #[error("database migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("creating the database file: {0}")]
@@ -304,6 +325,8 @@ pub const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 #[derive(Clone)]
 pub struct Db {
     pool: SqlitePool,
+    /// The hot statements, inline (see `hot`); the pool is their fallback.
+    hot: std::sync::Arc<Hot>,
     checkpointer: std::sync::Arc<Checkpointer>,
 }
 
@@ -416,7 +439,12 @@ impl Db {
             .await?;
         sqlx::migrate!("./migrations").run(&pool).await?;
         let checkpointer = std::sync::Arc::new(Checkpointer::start(&opts).await?);
-        Ok(Db { pool, checkpointer })
+        let hot = std::sync::Arc::new(Hot::new(path));
+        Ok(Db {
+            pool,
+            hot,
+            checkpointer,
+        })
     }
 
     /// A transaction that writes: it takes the write lock when it begins (BEGIN IMMEDIATE), so
@@ -428,6 +456,7 @@ impl Db {
 
     pub async fn close(&self) {
         self.checkpointer.0.abort();
+        self.hot.close();
         self.pool.close().await;
     }
 
@@ -631,16 +660,13 @@ impl Db {
     /// snapshot `tag`, and the snapshot's head layer, in one query (the spawn path's only
     /// read while executors are registered).
     pub async fn executor_loads(&self, tag: &str) -> Result<Vec<ExecutorLoad>> {
-        Ok(sqlx::query_as(
-            "SELECT e.*, (SELECT count(*) FROM sandboxes s WHERE s.executor_id = e.id \
-             AND s.state IN ('starting', 'ready')) AS live, \
-             EXISTS (SELECT 1 FROM snapshot_copies c WHERE c.tag = ?1 AND c.executor_id = e.id) AS holds, \
-             (SELECT head_digest FROM snapshots WHERE tag = ?1) AS head_digest \
-             FROM executors e ORDER BY e.id",
-        )
-        .bind(tag)
-        .fetch_all(&self.pool)
-        .await?)
+        if let Ran::Done(v) = self.hot.executor_loads(tag)? {
+            return Ok(v);
+        }
+        Ok(sqlx::query_as(EXECUTOR_LOADS)
+            .bind(tag)
+            .fetch_all(&self.pool)
+            .await?)
     }
 
     /// (executor, tag) for every held snapshot copy.
@@ -873,13 +899,15 @@ impl Db {
         resources: (u64, u32),
         timeout_s: Option<u32>,
     ) -> Result<()> {
-        const INSERT: &str = "INSERT INTO sandboxes (id, tag, executor_id, state, created_ms, \
-             memory_limit_mib, cpu_millis, expires_ms) VALUES (?, ?, ?, 'starting', ?, ?, ?, ?)";
+        const INSERT: &str = INSERT_SANDBOX;
         let now = now_ms();
         let (mem, cpu) = (resources.0 as i64, i64::from(resources.1));
         let expires = timeout_s.map(|s| now + i64::from(s) * 1000);
-        if let [(id, tag, executor)] = rows {
-            // One row: a single autocommit statement (no BEGIN/COMMIT round trips).
+        if let [row @ (id, tag, executor)] = rows {
+            // One row: a single autocommit statement (no BEGIN/COMMIT round trips), inline.
+            if let Ran::Done(()) = self.hot.insert_sandbox(row, now, (mem, cpu), expires)? {
+                return Ok(());
+            }
             sqlx::query(INSERT)
                 .bind(id)
                 .bind(tag)
@@ -911,13 +939,14 @@ impl Db {
 
     /// Mark a starting sandbox ready; returns its row (None if it was not starting any more).
     pub async fn set_sandbox_ready(&self, id: &str, ready_us: u64) -> Result<Option<SandboxRow>> {
-        Ok(sqlx::query_as(
-            "UPDATE sandboxes SET state = 'ready', ready_us = ? WHERE id = ? AND state = 'starting' RETURNING *",
-        )
-        .bind(ready_us as i64)
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await?)
+        if let Ran::Done(row) = self.hot.set_sandbox_ready(id, ready_us as i64)? {
+            return Ok(row);
+        }
+        Ok(sqlx::query_as(SET_SANDBOX_READY)
+            .bind(ready_us as i64)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?)
     }
 
     pub async fn sandbox(&self, id: &str) -> Result<Option<SandboxRow>> {
@@ -952,12 +981,13 @@ impl Db {
     }
 
     pub async fn sandbox_at(&self, id: &str) -> Result<Option<SandboxAt>> {
-        Ok(sqlx::query_as(
-            "SELECT s.*, e.addr FROM sandboxes s JOIN executors e ON e.id = s.executor_id WHERE s.id = ?",
-        )
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await?)
+        if let Ran::Done(at) = self.hot.sandbox_at(id)? {
+            return Ok(at);
+        }
+        Ok(sqlx::query_as(SANDBOX_AT)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?)
     }
 
     /// End a sandbox that is still live (starting or ready); returns its row if this call
@@ -969,15 +999,15 @@ impl Db {
         state: SandboxState,
         error: Option<&str>,
     ) -> Result<Option<SandboxRow>> {
-        Ok(sqlx::query_as(
-            "UPDATE sandboxes SET state = ?, error = ? WHERE id = ? \
-             AND state IN ('starting', 'ready') RETURNING *",
-        )
-        .bind(state.as_str())
-        .bind(error)
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await?)
+        if let Ran::Done(row) = self.hot.end_sandbox(id, state.as_str(), error)? {
+            return Ok(row);
+        }
+        Ok(sqlx::query_as(END_SANDBOX)
+            .bind(state.as_str())
+            .bind(error)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?)
     }
 
     /// Sandboxes (of snapshot `tag`; with `include_ended`, also ended ones), oldest first.
@@ -1135,6 +1165,116 @@ mod tests {
             );
             tokio::time::sleep(CHECKPOINT_EVERY / 4).await;
         }
+        db.close().await;
+    }
+
+    /// The inline statements and the pooled ones read and write the same rows.
+    #[tokio::test]
+    async fn inline_statements_agree_with_the_pooled_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("hot.db")).await.unwrap();
+        let report = ExecutorReport {
+            max_sandboxes: 7,
+            cached_tags: vec!["base".into()],
+            ..Default::default()
+        };
+        db.upsert_executor("ex-a", "http://127.0.0.1:1", &report, "p")
+            .await
+            .unwrap();
+        db.upsert_executor("ex-b", "http://127.0.0.1:2", &report, "p")
+            .await
+            .unwrap();
+        db.insert_snapshot(&NewSnapshot {
+            state: NewState::Ready,
+            executor_id: "ex-a".into(),
+            ..writing("base", 0)
+        })
+        .await
+        .unwrap();
+        let rows = [("sb-1".to_string(), "base".to_string(), "ex-a".to_string())];
+        db.insert_sandboxes(&rows, (256, 500), Some(60))
+            .await
+            .unwrap();
+        let pooled_loads: Vec<ExecutorLoad> = sqlx::query_as(EXECUTOR_LOADS)
+            .bind("base")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+        // Nothing holds a lock here, so these ran inline, not on the pool.
+        assert!(matches!(db.hot.executor_loads("base"), Ok(Ran::Done(_))));
+        assert!(matches!(db.hot.sandbox_at("sb-1"), Ok(Ran::Done(Some(_)))));
+        let loads = db.executor_loads("base").await.unwrap();
+        assert_eq!(loads, pooled_loads);
+        assert_eq!(loads.len(), 2);
+        assert_eq!((loads[0].live, loads[1].live), (1, 0));
+        let pooled_at: Option<SandboxAt> = sqlx::query_as(SANDBOX_AT)
+            .bind("sb-1")
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap();
+        let at = db.sandbox_at("sb-1").await.unwrap();
+        assert_eq!(at, pooled_at);
+        let at = at.unwrap();
+        assert_eq!(at.addr, "http://127.0.0.1:1");
+        assert_eq!(
+            (at.sandbox.memory_limit_mib, at.sandbox.cpu_millis),
+            (256, 500)
+        );
+        assert!(at.sandbox.expires_ms.is_some());
+        let ready = db.set_sandbox_ready("sb-1", 1234).await.unwrap().unwrap();
+        assert_eq!(
+            (ready.state(), ready.ready_us),
+            (SandboxState::Ready, Some(1234))
+        );
+        assert_eq!(Some(&ready), db.sandbox("sb-1").await.unwrap().as_ref());
+        // Only a starting sandbox becomes ready, only a live one ends, and only once.
+        assert_eq!(db.set_sandbox_ready("sb-1", 1).await.unwrap(), None);
+        let ended = db
+            .end_sandbox("sb-1", SandboxState::Failed, Some("why"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(ended.error.as_deref(), Some("why"));
+        assert_eq!(
+            db.end_sandbox("sb-1", SandboxState::Killed, None)
+                .await
+                .unwrap(),
+            None
+        );
+        assert_eq!(db.sandbox_at("nope").await.unwrap(), None);
+        // A constraint still fails the call: the same id twice.
+        assert!(db.insert_sandboxes(&rows, (0, 0), None).await.is_err());
+        db.close().await;
+    }
+
+    /// A write that finds the lock held neither fails nor holds the (single) runtime thread:
+    /// it waits on the pool's connection and lands once the lock is released.
+    #[tokio::test]
+    async fn an_inline_write_that_finds_the_lock_held_waits_on_the_pool() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("busy.db")).await.unwrap();
+        let report = ExecutorReport::default();
+        db.upsert_executor("ex", "http://127.0.0.1:1", &report, "p")
+            .await
+            .unwrap();
+        let mut holder = db.write_tx().await.unwrap();
+        sqlx::query("UPDATE executors SET draining = 0")
+            .execute(&mut *holder)
+            .await
+            .unwrap();
+        let waiting = tokio::spawn({
+            let db = db.clone();
+            async move {
+                let rows = [("sb-w".to_string(), "t".to_string(), "ex".to_string())];
+                db.insert_sandboxes(&rows, (0, 0), None).await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!waiting.is_finished(), "the insert went past a held lock");
+        assert_eq!(db.sandbox("sb-w").await.unwrap(), None);
+        holder.commit().await.unwrap();
+        waiting.await.unwrap().unwrap();
+        assert!(db.sandbox("sb-w").await.unwrap().is_some());
         db.close().await;
     }
 

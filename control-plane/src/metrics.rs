@@ -143,6 +143,29 @@ impl Metrics {
     }
 }
 
+/// Records [`SpawnPhase::Total`] when the last clone of it is dropped (held by each task
+/// that still sends on a spawn's stream).
+pub struct SpawnTimer {
+    metrics: std::sync::Arc<Metrics>,
+    start: std::time::Instant,
+}
+
+impl SpawnTimer {
+    pub fn start(
+        metrics: std::sync::Arc<Metrics>,
+        start: std::time::Instant,
+    ) -> std::sync::Arc<SpawnTimer> {
+        std::sync::Arc::new(SpawnTimer { metrics, start })
+    }
+}
+
+impl Drop for SpawnTimer {
+    fn drop(&mut self) {
+        self.metrics
+            .spawn_phase(SpawnPhase::Total, self.start.elapsed());
+    }
+}
+
 /// One spawn phase's distribution (seconds), from its histogram.
 #[derive(Clone, Debug)]
 pub struct PhaseSummary {
@@ -167,15 +190,19 @@ pub enum SpawnPhase {
     Executor,
     /// The update to READY.
     Ready,
+    /// The whole call on the control plane: from the handler's start to the end of the
+    /// response stream (the last child reported, every executor's stream closed).
+    Total,
 }
 
 impl SpawnPhase {
-    pub const ALL: [SpawnPhase; 5] = [
+    pub const ALL: [SpawnPhase; 6] = [
         SpawnPhase::Admit,
         SpawnPhase::Place,
         SpawnPhase::Insert,
         SpawnPhase::Executor,
         SpawnPhase::Ready,
+        SpawnPhase::Total,
     ];
 
     pub fn name(self) -> &'static str {
@@ -185,6 +212,7 @@ impl SpawnPhase {
             SpawnPhase::Insert => "insert",
             SpawnPhase::Executor => "executor",
             SpawnPhase::Ready => "ready",
+            SpawnPhase::Total => "total",
         }
     }
 }
