@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The release build: `tine` and the static guest agent `tine-agent`, side by side in OUTDIR
+# The release build: `tine`, its VMM worker `tine-vmm` and the static guest agent `tine-agent`,
+# side by side in OUTDIR
 # (default: target/dist in the checkout). `tine image build` takes the agent from beside the
 # running `tine`, so the two files copied together build images on a machine with no checkout
 # and no Rust toolchain.
@@ -24,7 +25,7 @@ target_dir=$(cd "$root" && realpath -m "${CARGO_TARGET_DIR:-target}")
 cd "$root"
 
 if [ $agent_only = 0 ]; then
-  "$cargo" build --release -p tine-cli --bin tine
+  "$cargo" build --release -p tine-cli --bin tine --bin tine-vmm
 fi
 # The guest has no dynamic loader, so glibc is linked in statically. With an explicit --target,
 # RUSTFLAGS reach only the target's crates, not build scripts and proc macros (which must stay
@@ -45,5 +46,9 @@ place() {
   printf '  %s (%s KiB)\n' "$out/$2" $(( $(stat -c %s "$out/$2") / 1024 ))
 }
 echo "deploy/build.sh: built"
-[ $agent_only = 1 ] || place "$target_dir/release/tine" tine
+if [ $agent_only = 0 ]; then
+  place "$target_dir/release/tine" tine
+  # Executors start their VMM workers from it (else from `tine` itself).
+  place "$target_dir/release/tine-vmm" tine-vmm
+fi
 place "$target_dir/x86_64-unknown-linux-gnu/release/tine-agent" "$name"

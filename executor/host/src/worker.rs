@@ -382,7 +382,9 @@ pub fn worker_main() -> anyhow::Result<i32> {
     if std::io::stdin().lock().read_line(&mut line)? == 0 {
         return Ok(0);
     }
-    let job: WorkerJob = serde_json::from_str(&line).context("bad job from the executor")?;
+    let job: WorkerJob = serde_json::from_str(&line).context(
+        "bad job from the executor (a worker binary from another build than the executor's?)",
+    )?;
     // From here on our stderr is the child's vmm.log.
     let log = std::fs::File::create(job.dir.join("vmm.log"))?;
     use std::os::fd::AsRawFd;
