@@ -447,7 +447,12 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         b.tag.as_str(),
         b.image
     );
-    println!("how: each child = one VMM process (a `tine __vmm-worker` pre-started before the clock) handed the snapshot, restoring it (guest RAM mapped MAP_PRIVATE);");
+    let worker = crate::local::worker_exe()?;
+    let worker = worker.file_name().map_or_else(
+        || worker.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    println!("how: each child = one VMM process (a `{worker} __vmm-worker` pre-started before the clock) handed the snapshot, restoring it (guest RAM mapped MAP_PRIVATE);");
     println!("     ready = its guest agent answered a ping over vsock and took the host's clock and fresh entropy;");
     println!("     per-child time runs from handing its worker the snapshot; total = wall time until all N are ready (--parallel {}: at most that many restoring at once, 0 = all);", b.parallel);
     println!("     cold = `tine run --image` to agent ready;");
