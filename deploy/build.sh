@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The release build: `tine`, its VMM worker `tine-vmm` and the static guest agent `tine-agent`,
+# The release build: `tine`, its VMM worker `tine-vmm-worker` and the static guest agent `tine-agent`,
 # side by side in OUTDIR
 # (default: target/dist in the checkout). `tine image build` takes the agent from beside the
 # running `tine`, so the two files copied together build images on a machine with no checkout
@@ -25,7 +25,7 @@ target_dir=$(cd "$root" && realpath -m "${CARGO_TARGET_DIR:-target}")
 cd "$root"
 
 if [ $agent_only = 0 ]; then
-  "$cargo" build --release -p tine-cli --bin tine --bin tine-vmm
+  "$cargo" build --release -p tine-cli --bin tine --bin tine-vmm-worker
 fi
 # The guest has no dynamic loader, so glibc is linked in statically. With an explicit --target,
 # RUSTFLAGS reach only the target's crates, not build scripts and proc macros (which must stay
@@ -49,6 +49,6 @@ echo "deploy/build.sh: built"
 if [ $agent_only = 0 ]; then
   place "$target_dir/release/tine" tine
   # Executors start their VMM workers from it (else from `tine` itself).
-  place "$target_dir/release/tine-vmm" tine-vmm
+  place "$target_dir/release/tine-vmm-worker" tine-vmm-worker
 fi
 place "$target_dir/x86_64-unknown-linux-gnu/release/tine-agent" "$name"

@@ -767,12 +767,14 @@ impl Api {
             Ok(_) => Policy::Spread,
             Err(_) => return Err(Status::invalid_argument("placement.policy: unknown value")),
         };
-        let placing = Instant::now();
+        let mut placing = Instant::now();
         let mut loads = self.ctx.db.executor_loads(&r.tag).await?;
         // Held or in the store means it exists and is complete; only otherwise is a second
         // look needed (it may not exist, have failed, or still be written).
         if !loads.iter().any(|l| l.holds) && loads.first().is_none_or(|l| l.head_digest.is_none()) {
             self.await_snapshot(&r.tag, r.no_wait, deadline).await?;
+            // `place` is the read and the placement, not the wait for a snapshot being written.
+            placing = Instant::now();
             loads = self.ctx.db.executor_loads(&r.tag).await?;
         }
         let holders: Vec<String> = loads

@@ -13,6 +13,11 @@ use crate::now_ms;
 mod hot;
 use hot::{Hot, Ran};
 
+/// How many of the inline statements (see `hot`) found SQLite busy and ran on the pool.
+pub fn inline_fallbacks() -> u64 {
+    hot::fallbacks()
+}
+
 // The statements `hot` runs too: one text for both paths.
 const EXECUTOR_LOADS: &str =
     "SELECT e.*, (SELECT count(*) FROM sandboxes s WHERE s.executor_id = e.id \
@@ -1121,8 +1126,7 @@ mod tests {
         }
     }
 
-    /// Commits leave the WAL alone; the background checkpointer copies them into the database
-    /// file on its own.
+    /// A checkpointer that stays behind warns once per stretch, after a minute of it.
     #[test]
     fn checkpoint_lag_warns_once_per_stretch_behind() {
         let t0 = std::time::Instant::now();
@@ -1139,6 +1143,8 @@ mod tests {
         assert!(lag.saw(6, 1, t1 + LAG_WARN_AFTER).is_some());
     }
 
+    /// Commits leave the WAL alone; the background checkpointer copies them into the database
+    /// file on its own.
     #[tokio::test]
     async fn the_wal_is_checkpointed_in_the_background_not_by_commits() {
         let dir = tempfile::tempdir().unwrap();

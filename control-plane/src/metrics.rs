@@ -45,10 +45,12 @@ impl Metrics {
         let spawn_phase_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "tine_spawn_phase_seconds",
-                "The control plane's time in each phase of a spawn (executor: call to the child's event)",
+                "The control plane's time in each phase of a spawn (executor: call to the child's event; \
+                 total: handler start to stream end, for calls that got as far as placing children)",
             )
-            // 25 µs to 72 ms in steps of √2: fine enough to tell which phase holds a tail.
-            .buckets(prometheus::exponential_buckets(25e-6, std::f64::consts::SQRT_2, 24).expect("buckets")),
+            // 25 µs to 11.6 s in steps of √2: fine enough to tell which phase holds a tail, and
+            // wide enough for a real executor's restore.
+            .buckets(prometheus::exponential_buckets(25e-6, std::f64::consts::SQRT_2, 38).expect("buckets")),
             &["phase"],
         )
         .expect("metric");
@@ -112,12 +114,13 @@ impl Metrics {
                     .metric();
                 let h = m.get_histogram();
                 let count = h.get_sample_count();
+                // None without samples, or past the last bucket.
                 let bound = |q: f64| {
                     let want = (q * count as f64).ceil().max(1.0) as u64;
                     h.get_bucket()
                         .iter()
-                        .find(|b| b.cumulative_count() >= want)
-                        .map_or(f64::INFINITY, |b| b.upper_bound())
+                        .find(|b| count > 0 && b.cumulative_count() >= want)
+                        .map(|b| b.upper_bound())
                 };
                 PhaseSummary {
                     phase,
@@ -172,9 +175,10 @@ pub struct PhaseSummary {
     pub phase: SpawnPhase,
     pub count: u64,
     pub mean_s: f64,
-    pub p50_s: f64,
-    pub p90_s: f64,
-    pub p99_s: f64,
+    /// Bucket upper bounds; None without samples or beyond the last bucket.
+    pub p50_s: Option<f64>,
+    pub p90_s: Option<f64>,
+    pub p99_s: Option<f64>,
 }
 
 /// The steps of a spawn on the control plane, in order.
@@ -241,11 +245,20 @@ mod tests {
         assert_eq!(all.len(), SpawnPhase::ALL.len());
         let insert = all.iter().find(|p| p.phase == SpawnPhase::Insert).unwrap();
         assert_eq!(insert.count, 100);
-        assert!((100e-6..100e-6 * std::f64::consts::SQRT_2 + 1e-9).contains(&insert.p50_s));
-        assert!((5e-3..5e-3 * std::f64::consts::SQRT_2).contains(&insert.p99_s));
+        assert!((100e-6..100e-6 * std::f64::consts::SQRT_2 + 1e-9).contains(&insert.p50_s.unwrap()));
+        assert!((5e-3..5e-3 * std::f64::consts::SQRT_2).contains(&insert.p99_s.unwrap()));
+        // A real executor's seconds still land in a bucket.
+        m.spawn_phase(SpawnPhase::Executor, Duration::from_secs(3));
+        let executor = m
+            .spawn_phases()
+            .into_iter()
+            .find(|p| p.phase == SpawnPhase::Executor)
+            .unwrap();
+        assert!((3.0..3.0 * std::f64::consts::SQRT_2).contains(&executor.p99_s.unwrap()));
         assert!((insert.mean_s - (98.0 * 100e-6 + 2.0 * 5e-3) / 100.0).abs() < 1e-9);
         let admit = all.iter().find(|p| p.phase == SpawnPhase::Admit).unwrap();
         assert_eq!(admit.count, 0);
         assert_eq!(admit.mean_s, 0.0);
+        assert_eq!(admit.p50_s, None);
     }
 }

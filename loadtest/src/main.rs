@@ -197,9 +197,11 @@ async fn main() -> Result<()> {
         let phases = cp.ctx.metrics.spawn_phases();
         print!("{}", tine_loadtest::report::phase_table(&phases));
         let waits = tine_control_plane::lock_wait::waits();
-        println!("SQLite write-lock waits (a writer found the lock held): {waits}");
+        let fallbacks = tine_control_plane::db::inline_fallbacks();
+        println!("SQLite busy: {fallbacks} inline statements found a lock held and went to the pool; {waits} pooled statements waited for the write lock");
         json["spawn_phases"] = tine_loadtest::report::phase_json(&phases);
         json["write_lock_waits"] = waits.into();
+        json["inline_busy_fallbacks"] = fallbacks.into();
     }
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_vec_pretty(&json)?)?;

@@ -104,14 +104,15 @@ pub fn phase_table(phases: &[PhaseSummary]) -> String {
         "phase", "count", "mean ms", "p50 ≤ms", "p90 ≤ms", "p99 ≤ms"
     );
     for p in phases {
+        let ms = |q: Option<f64>| q.map_or_else(|| "-".to_string(), |s| format!("{:.3}", s * 1e3));
         out += &format!(
-            "{:<9} {:>9} {:>9.3} {:>9.3} {:>9.3} {:>9.3}\n",
+            "{:<9} {:>9} {:>9.3} {:>9} {:>9} {:>9}\n",
             p.phase.name(),
             p.count,
             p.mean_s * 1e3,
-            p.p50_s * 1e3,
-            p.p90_s * 1e3,
-            p.p99_s * 1e3
+            ms(p.p50_s),
+            ms(p.p90_s),
+            ms(p.p99_s)
         );
     }
     out
@@ -126,9 +127,9 @@ pub fn phase_json(phases: &[PhaseSummary]) -> serde_json::Value {
                 serde_json::json!({
                     "count": p.count,
                     "mean_ms": p.mean_s * 1e3,
-                    "p50_le_ms": p.p50_s * 1e3,
-                    "p90_le_ms": p.p90_s * 1e3,
-                    "p99_le_ms": p.p99_s * 1e3,
+                    "p50_le_ms": p.p50_s.map(|s| s * 1e3),
+                    "p90_le_ms": p.p90_s.map(|s| s * 1e3),
+                    "p99_le_ms": p.p99_s.map(|s| s * 1e3),
                 }),
             )
         })

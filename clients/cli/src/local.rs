@@ -23,18 +23,20 @@ pub fn image_cache() -> PathBuf {
     tine_image::default_cache_dir()
 }
 
-/// The binary of the VMM workers: `tine-vmm` beside this `tine` (`deploy/build.sh` and
+/// The binary of the VMM workers: `tine-vmm-worker` beside this `tine` (`deploy/build.sh` and
 /// `cargo build -p tine-cli` put it there), else `tine` itself, which runs the same worker.
-/// `tine-vmm` holds the worker alone, so each child's private copy of the binary's relocated
+/// `tine-vmm-worker` holds the worker alone, so each child's private copy of the binary's relocated
 /// data is about 0.1 MiB instead of 0.65 (docs/performance.md).
 pub fn worker_exe() -> Result<PathBuf> {
     let me = std::env::current_exe()?;
     let beside = me.with_file_name(WORKER_BINARY);
-    Ok(if is_executable(&beside) { beside } else { me })
+    let exe = if is_executable(&beside) { beside } else { me };
+    tracing::info!(worker = %exe.display(), "VMM workers run from this executable");
+    Ok(exe)
 }
 
-/// The VMM worker's own binary (`clients/cli/src/bin/tine-vmm.rs`).
-pub const WORKER_BINARY: &str = "tine-vmm";
+/// The VMM worker's own binary (`clients/cli/src/bin/tine-vmm-worker.rs`).
+pub const WORKER_BINARY: &str = "tine-vmm-worker";
 
 fn is_executable(p: &std::path::Path) -> bool {
     use std::os::unix::fs::PermissionsExt;

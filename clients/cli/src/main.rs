@@ -13,6 +13,7 @@ mod remote;
 mod restore;
 mod run;
 mod serve;
+mod stderr_log;
 
 use std::process::ExitCode;
 
@@ -91,13 +92,7 @@ fn main() -> ExitCode {
         cli.command,
         Command::Up(_) | Command::ControlPlane(_) | Command::Executor(_)
     ) {
-        tracing_subscriber::fmt()
-            .with_env_filter(
-                tracing_subscriber::EnvFilter::try_from_default_env()
-                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-            )
-            .with_writer(std::io::stderr)
-            .init();
+        stderr_log::init();
     }
     let result = match cli.command {
         Command::Doctor(a) => doctor::run(a),

@@ -8,20 +8,30 @@
 //! hop waits for a thread to be scheduled.
 //!
 //! A statement here never waits: the connections have no busy handler, so a write that finds
-//! the write lock held (or anything else SQLite calls busy) comes back as [`Hot::Busy`] without
+//! the write lock held (or anything else SQLite calls busy) comes back as [`Ran::Busy`] without
 //! having changed anything, and the caller runs the pooled version, which waits its turn on
 //! its own thread. So a tokio worker is held for the tens of microseconds a statement takes,
 //! never for a lock wait. Other errors are returned as they are.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, Row};
 
 use super::{ExecutorLoad, ExecutorRow, SandboxAt, SandboxRow};
 
-/// Connections kept open between calls; more are opened when more calls run at once.
-const KEEP: usize = 8;
+/// Connections kept open between calls (at most one per thread running a statement at
+/// once, so this covers large runtimes); more are opened when more calls run at once.
+const KEEP: usize = 64;
+
+/// Statements that found SQLite busy and went to the pool instead.
+static FALLBACKS: AtomicU64 = AtomicU64::new(0);
+
+/// How many statements, in this process, found SQLite busy and ran on the pool instead.
+pub fn fallbacks() -> u64 {
+    FALLBACKS.load(Ordering::Relaxed)
+}
 
 /// What a statement here came to.
 pub(super) enum Ran<T> {
@@ -73,7 +83,10 @@ impl Hot {
             Some(c) => c,
             None => match self.open() {
                 Ok(c) => c,
-                Err(e) if is_busy(&e) => return Ok(Ran::Busy),
+                Err(e) if is_busy(&e) => {
+                    FALLBACKS.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Ran::Busy);
+                }
                 Err(e) => return Err(e),
             },
         };
@@ -86,7 +99,10 @@ impl Hot {
         }
         match out {
             Ok(v) => Ok(Ran::Done(v)),
-            Err(e) if is_busy(&e) => Ok(Ran::Busy),
+            Err(e) if is_busy(&e) => {
+                FALLBACKS.fetch_add(1, Ordering::Relaxed);
+                Ok(Ran::Busy)
+            }
             Err(e) => Err(e),
         }
     }
@@ -128,9 +144,9 @@ impl Hot {
         ready_us: i64,
     ) -> rusqlite::Result<Ran<Option<SandboxRow>>> {
         self.run(|c| {
-            c.prepare_cached(super::SET_SANDBOX_READY)?
-                .query_row(rusqlite::params![ready_us, id], sandbox_row)
-                .optional()
+            let mut st = c.prepare_cached(super::SET_SANDBOX_READY)?;
+            let row = first_returned(st.query_map(rusqlite::params![ready_us, id], sandbox_row)?);
+            row
         })
     }
 
@@ -141,9 +157,10 @@ impl Hot {
         error: Option<&str>,
     ) -> rusqlite::Result<Ran<Option<SandboxRow>>> {
         self.run(|c| {
-            c.prepare_cached(super::END_SANDBOX)?
-                .query_row(rusqlite::params![state, error, id], sandbox_row)
-                .optional()
+            let mut st = c.prepare_cached(super::END_SANDBOX)?;
+            let row =
+                first_returned(st.query_map(rusqlite::params![state, error, id], sandbox_row)?);
+            row
         })
     }
 
@@ -159,6 +176,20 @@ impl Hot {
                 .optional()
         })
     }
+}
+
+/// The row an `UPDATE ... RETURNING` on a key returned, if any. The statement is stepped to
+/// its end: an autocommit write commits on that last step, so an error committing is returned
+/// here rather than lost in the statement's reset.
+fn first_returned<T>(
+    rows: impl Iterator<Item = rusqlite::Result<T>>,
+) -> rusqlite::Result<Option<T>> {
+    let mut first = None;
+    for row in rows {
+        let row = row?;
+        first.get_or_insert(row);
+    }
+    Ok(first)
 }
 
 fn is_busy(e: &rusqlite::Error) -> bool {

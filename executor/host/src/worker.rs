@@ -1,5 +1,6 @@
 //! Pre-started VMM worker processes. The daemon is multi-threaded, so it must not fork(2)
-//! VMMs itself; instead it keeps a few `tine __vmm-worker` processes started and waiting,
+//! VMMs itself; instead it keeps a few worker processes (`tine-vmm-worker __vmm-worker`, or
+//! `tine __vmm-worker`: the executable is `HostConfig::worker_exe`) started and waiting,
 //! and hands one a snapshot when a child is asked for: process creation, exec and dynamic
 //! loading are off the spawn critical path. Each child is still its own process.
 //!
@@ -30,7 +31,11 @@ use crate::error::{HostError, Result};
 /// The hidden subcommand that runs `worker_main`.
 pub const WORKER_SUBCOMMAND: &str = "__vmm-worker";
 
+/// The job an executor hands a worker. A field the worker does not know fails the job
+/// (`deny_unknown_fields` here and in what it holds): a worker from another build must never
+/// drop something it was asked to do, such as a confinement setting.
 #[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct WorkerJob {
     pub vm: JobVm,
     /// The VM's directory: console.log, vmm.log, vsock.sock, control.sock.
@@ -44,13 +49,13 @@ pub struct WorkerJob {
     pub confine: crate::confine::WorkerConfinement,
     /// Tests only: once confined, make a system call outside the allow-list.
     #[cfg(feature = "testing")]
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub trip_seccomp: bool,
 }
 
 /// The VM a worker runs.
 #[derive(Debug, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum JobVm {
     /// A child: restore the snapshot in `snapshot`.
     Restore {
@@ -68,6 +73,7 @@ pub enum JobVm {
 
 /// A parent to boot. Paths are the host's, absolute.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct BootJob {
     pub kernel: PathBuf,
     pub initrd: Option<PathBuf>,
@@ -367,7 +373,7 @@ impl Drop for WorkerPool {
     }
 }
 
-/// Body of `tine __vmm-worker`: wait for a job on stdin (EOF: the daemon went away, exit
+/// Body of `<worker_exe> __vmm-worker`: wait for a job on stdin (EOF: the daemon went away, exit
 /// quietly), restore, signal, run.
 pub fn worker_main() -> anyhow::Result<i32> {
     // Made while the worker waits, so a restore starts with it (None: the restore makes its

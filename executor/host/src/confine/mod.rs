@@ -91,6 +91,7 @@ impl Confinement {
 
 /// One worker's confinement, sent with its job.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct WorkerConfinement {
     pub seccomp: SeccompMode,
     /// User and group to switch to.

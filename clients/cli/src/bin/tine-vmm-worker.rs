@@ -1,4 +1,4 @@
-//! `tine-vmm __vmm-worker`: the VMM worker on its own, which executors start instead of
+//! `tine-vmm-worker __vmm-worker`: the VMM worker on its own, which executors start instead of
 //! `tine __vmm-worker` when it is installed beside `tine`.
 //!
 //! The same code, in a binary that holds only it. A position-independent executable's
@@ -8,27 +8,27 @@
 
 use std::process::ExitCode;
 
+#[path = "../stderr_log.rs"]
+mod stderr_log;
+
 fn main() -> ExitCode {
     if std::env::args().nth(1).as_deref() != Some(tine_host::worker::WORKER_SUBCOMMAND) {
         eprintln!(
-            "usage: tine-vmm {}  (started by a Tine executor, which hands it a job on stdin)",
+            "usage: tine-vmm-worker {}  (started by a Tine executor, which hands it a job on stdin)",
             tine_host::worker::WORKER_SUBCOMMAND
         );
         return ExitCode::from(2);
     }
     // Warnings go to stderr, which is the child's vmm.log once a job is read (as with `tine`).
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    stderr_log::init();
     match tine_host::worker_main() {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
             // One line, control characters escaped: the log is read by people and tools.
-            eprintln!("tine-vmm: error: {}", format!("{e:#}").escape_default());
+            eprintln!(
+                "tine-vmm-worker: error: {}",
+                format!("{e:#}").escape_default()
+            );
             ExitCode::from(1)
         }
     }
