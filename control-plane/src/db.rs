@@ -5,7 +5,7 @@ use std::path::Path;
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::SqlitePool;
 
 use crate::now_ms;
@@ -17,6 +17,19 @@ use hot::{Hot, Ran};
 pub fn inline_fallbacks() -> u64 {
     hot::fallbacks()
 }
+
+/// What every connection sets, the pool's and `hot`'s (WAL is the database file's own, set once
+/// by the pool).
+const CONNECTION_PRAGMAS: &[(&str, &str)] = &[
+    ("synchronous", "NORMAL"),
+    ("foreign_keys", "ON"),
+    // Read pages through a mapping rather than a read(2) per page.
+    ("mmap_size", "268435456"),
+    // Checkpoints run in the background (`Checkpointer`), never inside a commit.
+    ("wal_autocheckpoint", "0"),
+    // A WAL that grew under a burst is cut back to this size once checkpointed.
+    ("journal_size_limit", "67108864"),
+];
 
 // The statements `hot` runs too: one text for both paths.
 const EXECUTOR_LOADS: &str =
@@ -424,19 +437,14 @@ impl Db {
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(e.into()),
         }
-        let opts = SqliteConnectOptions::new()
-            .filename(path)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
-            .foreign_keys(true)
-            // Read pages through a mapping rather than a read(2) per page.
-            .pragma("mmap_size", "268435456")
-            // Checkpoints run in the background (`Checkpointer`), never inside a commit.
-            .pragma("wal_autocheckpoint", "0")
-            // A WAL that grew under a burst is cut back to this size once checkpointed.
-            .pragma("journal_size_limit", "67108864")
-            .busy_timeout(Duration::from_secs(5));
+        let opts = CONNECTION_PRAGMAS.iter().fold(
+            SqliteConnectOptions::new()
+                .filename(path)
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal),
+            |opts, (key, value)| opts.pragma(*key, *value),
+        );
+        let opts = opts.busy_timeout(Duration::from_secs(5));
         let pool = SqlitePoolOptions::new()
             .max_connections(8)
             .after_connect(|conn, _| Box::pin(crate::lock_wait::install(conn)))
@@ -904,7 +912,6 @@ impl Db {
         resources: (u64, u32),
         timeout_s: Option<u32>,
     ) -> Result<()> {
-        const INSERT: &str = INSERT_SANDBOX;
         let now = now_ms();
         let (mem, cpu) = (resources.0 as i64, i64::from(resources.1));
         let expires = timeout_s.map(|s| now + i64::from(s) * 1000);
@@ -913,7 +920,7 @@ impl Db {
             if let Ran::Done(()) = self.hot.insert_sandbox(row, now, (mem, cpu), expires)? {
                 return Ok(());
             }
-            sqlx::query(INSERT)
+            sqlx::query(INSERT_SANDBOX)
                 .bind(id)
                 .bind(tag)
                 .bind(executor)
@@ -927,7 +934,7 @@ impl Db {
         }
         let mut tx = self.write_tx().await?;
         for (id, tag, executor) in rows {
-            sqlx::query(INSERT)
+            sqlx::query(INSERT_SANDBOX)
                 .bind(id)
                 .bind(tag)
                 .bind(executor)

@@ -59,13 +59,13 @@ impl Hot {
             &self.path,
             OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
         )?;
-        // The same settings as the pool's (see `Db::open`), but no busy handler: see above.
+        // The same settings as the pool's, but no busy handler: see above.
         conn.busy_timeout(std::time::Duration::ZERO)?;
-        conn.execute_batch(
-            "PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; \
-             PRAGMA mmap_size = 268435456; PRAGMA wal_autocheckpoint = 0; \
-             PRAGMA journal_size_limit = 67108864;",
-        )?;
+        let pragmas: String = super::CONNECTION_PRAGMAS
+            .iter()
+            .map(|(key, value)| format!("PRAGMA {key} = {value};"))
+            .collect();
+        conn.execute_batch(&pragmas)?;
         Ok(conn)
     }
 
@@ -145,6 +145,7 @@ impl Hot {
     ) -> rusqlite::Result<Ran<Option<SandboxRow>>> {
         self.run(|c| {
             let mut st = c.prepare_cached(super::SET_SANDBOX_READY)?;
+            // Bound first: the rows borrow `st`, which must outlive them.
             let row = first_returned(st.query_map(rusqlite::params![ready_us, id], sandbox_row)?);
             row
         })
