@@ -4,3 +4,4 @@
 pub mod null_executor;
 pub mod report;
 pub mod run;
+pub mod split;

@@ -1,8 +1,10 @@
 //! `tine-loadtest`: concurrent gRPC clients against a control plane.
 //!
-//! Without --addr it measures the control plane's own overhead: it starts one in this process
-//! (real SQLite file, real audit log, real auth) with null executors behind it (loopback gRPC
-//! servers that do no VM work), so each latency is everything except an executor's work.
+//! Without --addr it measures the control plane's own overhead: it starts one (real SQLite
+//! file, real audit log, real auth) with null executors behind it (loopback gRPC servers that
+//! do no VM work), so each latency is everything except an executor's work. By default that
+//! control plane runs in this process; with --split (or --cp-cpus) in a process of its own,
+//! optionally pinned to CPUs apart from the load's (see split.rs).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -11,9 +13,10 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use tine_control_plane::calls::Auth;
 use tine_control_plane::db::{ExecutorReport, NewSnapshot};
-use tine_control_plane::server::{self, ServerConfig};
+use tine_control_plane::server::{self, RunningServer, ServerConfig};
 use tine_loadtest::null_executor;
 use tine_loadtest::run::{run, Load};
+use tine_loadtest::split::{self, ControlPlaneChild, CpuList};
 use tine_rpc::auth::{generate_token, Role, TokenEntry, TokenSet};
 
 #[derive(Parser)]
@@ -50,14 +53,169 @@ struct Args {
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Run the in-process control plane in a process of its own instead (the clients and the
+    /// null executors stay in this one).
+    #[arg(long, conflicts_with = "addr")]
+    split: bool,
+    /// Pin the control-plane process to these CPUs (e.g. `0` or `0-1`); implies --split.
+    #[arg(long, conflicts_with = "addr")]
+    cp_cpus: Option<CpuList>,
+    /// Pin the load (clients and null executors) to these CPUs.
+    #[arg(long)]
+    load_cpus: Option<CpuList>,
+    /// Internal: be the control-plane process of --split.
+    #[arg(long, hide = true)]
+    serve_control_plane: bool,
+    /// Internal: a null executor for --serve-control-plane to register.
+    #[arg(long, hide = true)]
+    null_executor_addr: Vec<String>,
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
     let a = Args::parse();
-    let _dir;
-    let mut embedded = None;
-    let (addr, token, tag) = match &a.addr {
+    // Pin before the runtime exists, so its worker threads (and their count) follow the set.
+    let cpus = if a.serve_control_plane {
+        a.cp_cpus.as_ref()
+    } else {
+        a.load_cpus.as_ref()
+    };
+    if let Some(cpus) = cpus {
+        split::pin(cpus).with_context(|| format!("pinning to CPUs {cpus}"))?;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    if a.serve_control_plane {
+        rt.block_on(serve_control_plane(&a))
+    } else {
+        rt.block_on(load(a))
+    }
+}
+
+/// The control plane the load runs against when no --addr is given, behind `null_executors`
+/// (their gRPC addresses); returns it with a user token for the clients.
+async fn embedded_control_plane(
+    dir: &std::path::Path,
+    null_executors: &[String],
+) -> Result<(RunningServer, String)> {
+    let (user, exec) = (generate_token(), generate_token());
+    let cp = server::start(ServerConfig {
+        listen: "127.0.0.1:0".parse()?,
+        db_path: dir.join("tine.db"),
+        auth: Auth::Tokens(TokenSet::new(&[
+            TokenEntry {
+                name: "load".into(),
+                role: Role::User,
+                token: user.clone(),
+            },
+            TokenEntry {
+                name: "executors".into(),
+                role: Role::Executor,
+                token: exec.clone(),
+            },
+        ])?),
+        audit_path: dir.join("audit.log"),
+        metrics_listen: None,
+        tls: None,
+        executor_token: Some(exec),
+        executor_tokens: Default::default(),
+        executor_ca: None,
+        heartbeat_interval_s: 5,
+        lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,
+        allow_plaintext_remote: false,
+        sandbox_timeouts: Default::default(),
+    })
+    .await?;
+    let report = ExecutorReport {
+        max_sandboxes: 1_000_000,
+        cached_tags: vec!["load".into()],
+        ..Default::default()
+    };
+    for (i, ex) in null_executors.iter().enumerate() {
+        cp.ctx
+            .db
+            .upsert_executor(&format!("null-{i}"), ex, &report, "loadtest")
+            .await?;
+        if i == 0 {
+            cp.ctx
+                .db
+                .insert_snapshot(&NewSnapshot {
+                    tag: "load".into(),
+                    parent_tag: None,
+                    image: "none".into(),
+                    vcpus: 1,
+                    mem_mib: 0,
+                    source_sandbox: None,
+                    executor_id: "null-0".into(),
+                    layers: None,
+                    state: tine_control_plane::db::NewState::Ready,
+                })
+                .await?;
+        }
+    }
+    for i in 0..null_executors.len() {
+        cp.ctx
+            .db
+            .heartbeat(&format!("null-{i}"), &report, "loadtest")
+            .await?;
+    }
+    // Keep the null executors "up" (heartbeats within three periods) for the whole run.
+    let db = cp.ctx.db.clone();
+    let n = null_executors.len();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            for i in 0..n {
+                let _ = db
+                    .heartbeat(&format!("null-{i}"), &report, "loadtest")
+                    .await;
+            }
+        }
+    });
+    Ok((cp, user))
+}
+
+/// The control plane's own counters for the report: phase table text and JSON fields.
+fn control_plane_report(cp: &RunningServer) -> serde_json::Value {
+    let phases = cp.ctx.metrics.spawn_phases();
+    serde_json::json!({
+        "table": tine_loadtest::report::phase_table(&phases),
+        "spawn_phases": tine_loadtest::report::phase_json(&phases),
+        "write_lock_waits": tine_control_plane::lock_wait::waits(),
+        "inline_busy_fallbacks": tine_control_plane::db::inline_fallbacks(),
+    })
+}
+
+async fn serve_control_plane(a: &Args) -> Result<()> {
+    if a.null_executor_addr.is_empty() {
+        anyhow::bail!("--serve-control-plane needs at least one --null-executor-addr");
+    }
+    let dir = tempfile::tempdir()?;
+    let (cp, token) = embedded_control_plane(dir.path(), &a.null_executor_addr).await?;
+    split::announce(&format!("http://{}", cp.addr), &token)?;
+    split::until_stdin_closes().await;
+    println!("{}", control_plane_report(&cp));
+    cp.shutdown().await?;
+    Ok(())
+}
+
+async fn null_executors(n: usize) -> Result<Vec<String>> {
+    let mut addrs = Vec::new();
+    for _ in 0..n.max(1) {
+        addrs.push(format!("http://{}", null_executor::serve().await?));
+    }
+    Ok(addrs)
+}
+
+enum ControlPlane {
+    External,
+    InProcess(RunningServer, tempfile::TempDir),
+    Child(ControlPlaneChild),
+}
+
+async fn load(a: Args) -> Result<()> {
+    let split = a.split || a.cp_cpus.is_some();
+    let (cp, addr, token, tag) = match &a.addr {
         Some(addr) => {
             let token = match &a.token_file {
                 Some(p) => Some(
@@ -68,94 +226,33 @@ async fn main() -> Result<()> {
                 ),
                 None => std::env::var("TINE_TOKEN").ok(),
             };
-            (addr.clone(), token, a.tag.clone())
+            (ControlPlane::External, addr.clone(), token, a.tag.clone())
+        }
+        None if split => {
+            let execs = null_executors(a.null_executors).await?;
+            let cpus = a.cp_cpus.clone();
+            let (child, serving) = tokio::task::spawn_blocking(move || {
+                ControlPlaneChild::start(&execs, cpus.as_ref())
+            })
+            .await??;
+            (
+                ControlPlane::Child(child),
+                serving.addr,
+                Some(serving.token),
+                "load".to_string(),
+            )
         }
         None => {
-            _dir = tempfile::tempdir()?;
-            let (user, exec) = (generate_token(), generate_token());
-            let cp = server::start(ServerConfig {
-                listen: "127.0.0.1:0".parse()?,
-                db_path: _dir.path().join("tine.db"),
-                auth: Auth::Tokens(TokenSet::new(&[
-                    TokenEntry {
-                        name: "load".into(),
-                        role: Role::User,
-                        token: user.clone(),
-                    },
-                    TokenEntry {
-                        name: "executors".into(),
-                        role: Role::Executor,
-                        token: exec.clone(),
-                    },
-                ])?),
-                audit_path: _dir.path().join("audit.log"),
-                metrics_listen: None,
-                tls: None,
-                executor_token: Some(exec),
-                executor_tokens: Default::default(),
-                executor_ca: None,
-                heartbeat_interval_s: 5,
-                lost_grace_ms: tine_control_plane::db::LOST_GRACE_MS,
-                allow_plaintext_remote: false,
-                sandbox_timeouts: Default::default(),
-            })
-            .await?;
-            let report = ExecutorReport {
-                max_sandboxes: 1_000_000,
-                cached_tags: vec!["load".into()],
-                ..Default::default()
-            };
-            for i in 0..a.null_executors.max(1) {
-                let ex = null_executor::serve().await?;
-                cp.ctx
-                    .db
-                    .upsert_executor(
-                        &format!("null-{i}"),
-                        &format!("http://{ex}"),
-                        &report,
-                        "loadtest",
-                    )
-                    .await?;
-                if i == 0 {
-                    cp.ctx
-                        .db
-                        .insert_snapshot(&NewSnapshot {
-                            tag: "load".into(),
-                            parent_tag: None,
-                            image: "none".into(),
-                            vcpus: 1,
-                            mem_mib: 0,
-                            source_sandbox: None,
-                            executor_id: "null-0".into(),
-                            layers: None,
-                            state: tine_control_plane::db::NewState::Ready,
-                        })
-                        .await?;
-                }
-            }
-            for i in 0..a.null_executors.max(1) {
-                cp.ctx
-                    .db
-                    .heartbeat(&format!("null-{i}"), &report, "loadtest")
-                    .await?;
-            }
-            let report = report.clone();
-            // Keep the null executors "up" (heartbeats within three periods) for the whole run.
-            let db = cp.ctx.db.clone();
-            let n = a.null_executors.max(1);
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_secs(2)).await;
-                    for i in 0..n {
-                        let _ = db
-                            .heartbeat(&format!("null-{i}"), &report, "loadtest")
-                            .await;
-                    }
-                }
-            });
+            let dir = tempfile::tempdir()?;
+            let execs = null_executors(a.null_executors).await?;
+            let (cp, user) = embedded_control_plane(dir.path(), &execs).await?;
             let addr = format!("http://{}", cp.addr);
-            embedded = Some(cp);
-            (addr, Some(user), "load".to_string())
+            (
+                ControlPlane::InProcess(cp, dir),
+                addr,
+                Some(user),
+                "load".to_string(),
+            )
         }
     };
     let load = Load {
@@ -169,6 +266,23 @@ async fn main() -> Result<()> {
         execs_per_child: a.execs_per_child,
         rate_per_client: a.rate_per_client,
     };
+    let pinned = |c: &Option<CpuList>| {
+        c.as_ref()
+            .map_or("unpinned".to_string(), |c| format!("CPUs {c}"))
+    };
+    let placement = match &cp {
+        ControlPlane::External => "external control plane".to_string(),
+        ControlPlane::InProcess(..) => format!(
+            "in-process control plane, SQLite + audit log on disk, {} null executors: latencies are control-plane overhead",
+            a.null_executors
+        ),
+        ControlPlane::Child(_) => format!(
+            "control plane in its own process ({}), SQLite + audit log on disk; {} null executors with the load ({}): latencies are control-plane overhead",
+            pinned(&a.cp_cpus),
+            a.null_executors,
+            pinned(&a.load_cpus)
+        ),
+    };
     eprintln!(
         "tine-loadtest: {} clients ({}) over {} connections for {} s against {} ({}); each loop: spawn {} child(ren), exec `true` {}x in each, kill each",
         a.clients,
@@ -176,11 +290,7 @@ async fn main() -> Result<()> {
         a.connections,
         a.duration_secs,
         addr,
-        if embedded.is_some() {
-            format!("in-process control plane, SQLite + audit log on disk, {} null executors: latencies are control-plane overhead", a.null_executors)
-        } else {
-            "external control plane".into()
-        },
+        placement,
         a.children_per_spawn,
         a.execs_per_child,
     );
@@ -190,25 +300,40 @@ async fn main() -> Result<()> {
         "addr": addr, "clients": a.clients, "connections": a.connections, "duration_s": a.duration_secs,
         "children_per_spawn": a.children_per_spawn, "execs_per_child": a.execs_per_child,
         "rate_per_client": a.rate_per_client,
-        "null_executors": embedded.as_ref().map(|_| a.null_executors),
+        "null_executors": (!matches!(cp, ControlPlane::External)).then_some(a.null_executors),
+        "control_plane": match &cp {
+            ControlPlane::External => "external",
+            ControlPlane::InProcess(..) => "in-process",
+            ControlPlane::Child(_) => "own process",
+        },
+        "cp_cpus": a.cp_cpus.as_ref().map(|c| c.to_string()),
+        "load_cpus": a.load_cpus.as_ref().map(|c| c.to_string()),
     });
     let mut json = stats.json(wall, params);
-    if let Some(cp) = &embedded {
-        let phases = cp.ctx.metrics.spawn_phases();
-        print!("{}", tine_loadtest::report::phase_table(&phases));
-        let waits = tine_control_plane::lock_wait::waits();
-        let fallbacks = tine_control_plane::db::inline_fallbacks();
-        println!("SQLite busy: {fallbacks} inline statements found a lock held and went to the pool; {waits} pooled statements waited for the write lock");
-        json["spawn_phases"] = tine_loadtest::report::phase_json(&phases);
-        json["write_lock_waits"] = waits.into();
-        json["inline_busy_fallbacks"] = fallbacks.into();
+    let report = match cp {
+        ControlPlane::External => None,
+        ControlPlane::InProcess(cp, _dir) => {
+            let r = control_plane_report(&cp);
+            cp.shutdown().await?;
+            Some(r)
+        }
+        ControlPlane::Child(child) => {
+            Some(tokio::task::spawn_blocking(move || child.finish()).await??)
+        }
+    };
+    if let Some(r) = report {
+        print!("{}", r["table"].as_str().unwrap_or_default());
+        println!(
+            "SQLite busy: {} inline statements found a lock held and went to the pool; {} pooled statements waited for the write lock",
+            r["inline_busy_fallbacks"], r["write_lock_waits"]
+        );
+        for k in ["spawn_phases", "write_lock_waits", "inline_busy_fallbacks"] {
+            json[k] = r[k].clone();
+        }
     }
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_vec_pretty(&json)?)?;
         eprintln!("tine-loadtest: JSON written to {}", p.display());
-    }
-    if let Some(cp) = embedded {
-        cp.shutdown().await?;
     }
     Ok(())
 }

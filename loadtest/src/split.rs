@@ -1,0 +1,185 @@
+//! The control plane in a process of its own, optionally pinned to CPUs apart from the load.
+//!
+//! In one process the load's clients, the null executors and the control plane share one
+//! tokio runtime, so every latency also carries the load's own scheduling. With `--split`
+//! the load process re-runs this binary as `--serve-control-plane`: the child holds only the
+//! control plane (SQLite, audit log, auth); the clients and the null executors stay in the
+//! parent, so the executor hop crosses processes as it does in a deployment. The child
+//! reports its address and token as one JSON line on stdout, serves until its stdin closes,
+//! then writes its spawn phases and lock counters as a second JSON line.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+/// A set of CPUs, from a list such as `0`, `0,2` or `1-3`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuList(pub Vec<usize>);
+
+impl std::str::FromStr for CpuList {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut cpus = Vec::new();
+        for part in s.split(',') {
+            let (a, b) = part.split_once('-').unwrap_or((part, part));
+            let parse = |x: &str| {
+                x.trim()
+                    .parse::<usize>()
+                    .map_err(|_| format!("bad CPU {x:?} in {s:?} (want e.g. 0, 0,2 or 1-3)"))
+            };
+            let (a, b) = (parse(a)?, parse(b)?);
+            if a > b || b >= libc::CPU_SETSIZE as usize {
+                return Err(format!("bad CPU range {part:?} in {s:?}"));
+            }
+            cpus.extend(a..=b);
+        }
+        cpus.sort_unstable();
+        cpus.dedup();
+        Ok(CpuList(cpus))
+    }
+}
+
+impl std::fmt::Display for CpuList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s: Vec<String> = self.0.iter().map(|c| c.to_string()).collect();
+        f.write_str(&s.join(","))
+    }
+}
+
+/// Pin the calling thread (and the threads it starts later) to `cpus`.
+pub fn pin(cpus: &CpuList) -> std::io::Result<()> {
+    // SAFETY: cpu_set_t is plain data; CPU_SET stays inside it (checked against CPU_SETSIZE
+    // when parsed); sched_setaffinity only reads the set.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in &cpus.0 {
+            libc::CPU_SET(c, &mut set);
+        }
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// What the serving child reports once it listens.
+pub struct Serving {
+    pub addr: String,
+    pub token: String,
+}
+
+pub struct ControlPlaneChild {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+}
+
+fn read_json_line(r: &mut impl BufRead, what: &str) -> Result<Value> {
+    let mut line = String::new();
+    if r.read_line(&mut line)? == 0 {
+        bail!("the control-plane process exited before reporting {what} (see its stderr above)");
+    }
+    serde_json::from_str(&line).with_context(|| format!("control-plane process: {what}: {line:?}"))
+}
+
+impl ControlPlaneChild {
+    /// Start this binary as the control plane behind `null_executors`, pinned to `cpus`.
+    pub fn start(
+        null_executors: &[String],
+        cpus: Option<&CpuList>,
+    ) -> Result<(ControlPlaneChild, Serving)> {
+        let exe = std::env::current_exe().context("finding tine-loadtest's own binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("--serve-control-plane")
+            .args(
+                null_executors
+                    .iter()
+                    .flat_map(|a| ["--null-executor-addr", a.as_str()]),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(cpus) = cpus {
+            cmd.args(["--cp-cpus", &cpus.to_string()]);
+        }
+        let mut child = cmd.spawn().context("starting the control-plane process")?;
+        let stdin = child.stdin.take();
+        let mut stdout = BufReader::new(child.stdout.take().context("child stdout")?);
+        let hello = read_json_line(&mut stdout, "its address")?;
+        let field = |k: &str| {
+            hello[k]
+                .as_str()
+                .map(str::to_string)
+                .with_context(|| format!("control-plane process: no {k} in {hello}"))
+        };
+        let serving = Serving {
+            addr: field("addr")?,
+            token: field("token")?,
+        };
+        Ok((
+            ControlPlaneChild {
+                child,
+                stdin,
+                stdout,
+            },
+            serving,
+        ))
+    }
+
+    /// Tell the child to stop and collect its report (spawn phases, lock counters).
+    pub fn finish(mut self) -> Result<Value> {
+        drop(self.stdin.take());
+        let report = read_json_line(&mut self.stdout, "its spawn phases")?;
+        let status = self.child.wait()?;
+        if !status.success() {
+            bail!("the control-plane process exited with {status}");
+        }
+        Ok(report)
+    }
+}
+
+impl Drop for ControlPlaneChild {
+    fn drop(&mut self) {
+        if self.stdin.is_some() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// In the child: announce where the control plane listens.
+pub fn announce(addr: &str, token: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", serde_json::json!({"addr": addr, "token": token}))?;
+    out.flush()?;
+    Ok(())
+}
+
+/// In the child: wait until the parent closes our stdin.
+pub async fn until_stdin_closes() {
+    let _ = tokio::task::spawn_blocking(|| {
+        let mut sink = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+    })
+    .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!("0".parse::<CpuList>().unwrap(), CpuList(vec![0]));
+        assert_eq!(
+            "3,1-2,1".parse::<CpuList>().unwrap(),
+            CpuList(vec![1, 2, 3])
+        );
+        assert!("2-1".parse::<CpuList>().is_err());
+        assert!("x".parse::<CpuList>().is_err());
+        assert!("99999".parse::<CpuList>().is_err());
+        assert_eq!(CpuList(vec![0, 2]).to_string(), "0,2");
+    }
+}
