@@ -52,6 +52,10 @@ pub(super) struct DeviceState {
     /// finds the guest has moved it past that counts (one already pending from before the
     /// snapshot does not).
     pub(super) reset_unacked: Option<Wrapping<u16>>,
+    /// Where host stream data is read before it is copied into a guest buffer. Kept, and only
+    /// as long as the largest guest buffer seen (Linux posts 4 KiB ones): a fresh 64 KiB
+    /// buffer per fill made its pages private in every child and was zeroed each time.
+    pub(super) rx_scratch: Vec<u8>,
 }
 
 impl DeviceState {
@@ -131,7 +135,6 @@ impl DeviceState {
         }
         let Some(mem) = self.mem.clone() else { return };
         let mut used = false;
-        let mut buf = vec![0u8; MAX_PKT as usize];
         while let Some(chain) = self.queues[RX].pop_descriptor_chain(&mem) {
             let head = chain.head_index();
             let Ok(mut w) = chain.writer(&mem) else {
@@ -139,8 +142,15 @@ impl DeviceState {
                 used = true;
                 continue;
             };
-            let room = w.available_bytes().saturating_sub(HDR_LEN);
-            let Some((h, n)) = self.muxer.next_for_guest(room, &mut buf) else {
+            let room = w
+                .available_bytes()
+                .saturating_sub(HDR_LEN)
+                .min(MAX_PKT as usize);
+            if self.rx_scratch.len() < room {
+                self.rx_scratch.resize(room, 0);
+            }
+            let buf = &mut self.rx_scratch[..room];
+            let Some((h, n)) = self.muxer.next_for_guest(room, buf) else {
                 // Nothing to send: give the buffer back for later.
                 self.queues[RX].go_to_previous_position();
                 break;
@@ -213,6 +223,7 @@ impl Vsock {
             queue_events: QueueEvents::default(),
             stopped: false,
             reset_unacked: None,
+            rx_scratch: Vec::new(),
         }));
         let stop = EventFd::new(libc::EFD_NONBLOCK)
             .map_err(|source| DeviceError::VsockThread { source })?;
@@ -382,6 +393,7 @@ mod tests {
             queue_events: QueueEvents::default(),
             stopped: false,
             reset_unacked: None,
+            rx_scratch: Vec::new(),
         };
         let mut v = Vsock {
             state: Arc::new(Mutex::new(state)),
