@@ -392,6 +392,8 @@ pub fn worker_main() -> anyhow::Result<i32> {
     // Made while the worker waits, so a restore starts with it (None: the restore makes its
     // own, and says why if that fails too).
     let shell = tine_vmm::vm::Shell::new().ok();
+    // Likewise the seccomp filters, so a spawn does not compile them.
+    let ahead = crate::confine::Ahead::prepare();
     {
         let mut out = std::io::stdout().lock();
         out.write_all(&[IDLE])?;
@@ -461,7 +463,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
     };
     let console = || open_console(Some(&dir.join("console.log")));
     let vm = match &job.vm {
-        JobVm::Probe { .. } => return probe(&job, t0),
+        JobVm::Probe { .. } => return probe(&job, t0, ahead),
         JobVm::Restore { snapshot, memory } => {
             let snapshot = crate::confine::view::translate(snapshot)?;
             let opts = RestoreOptions {
@@ -489,7 +491,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
     let t1 = Instant::now();
     // Everything the VM needs is open: from here on no guest code runs unconfined.
     tine_vmm::vm::install_signal_handlers()?;
-    lock_down(&job)?;
+    lock_down(&job, ahead)?;
     let running = vm.start()?;
     report(Restored {
         restore,
@@ -504,8 +506,8 @@ pub fn worker_main() -> anyhow::Result<i32> {
 
 /// Confine the worker (see [`crate::confine`]). Tests only: then make a call outside the
 /// allow-list if the job says so.
-fn lock_down(job: &WorkerJob) -> anyhow::Result<()> {
-    crate::confine::lock_down(&job.confine).context("confining the VMM")?;
+fn lock_down(job: &WorkerJob, ahead: crate::confine::Ahead) -> anyhow::Result<()> {
+    crate::confine::lock_down(&job.confine, ahead).context("confining the VMM")?;
     #[cfg(feature = "testing")]
     if job.trip_seccomp {
         // SAFETY: a call that is refused before it does anything.
@@ -516,13 +518,13 @@ fn lock_down(job: &WorkerJob) -> anyhow::Result<()> {
 
 /// A probe's end: confined as a VMM would be, with /dev/kvm usable in its view, it reports and
 /// exits.
-fn probe(job: &WorkerJob, t0: Instant) -> anyhow::Result<i32> {
+fn probe(job: &WorkerJob, t0: Instant, ahead: crate::confine::Ahead) -> anyhow::Result<i32> {
     std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open("/dev/kvm")
         .context("opening /dev/kvm in its view")?;
-    lock_down(job)?;
+    lock_down(job, ahead)?;
     report(Restored {
         restore: t0.elapsed(),
         start: Duration::ZERO,

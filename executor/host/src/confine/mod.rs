@@ -165,9 +165,35 @@ pub fn before_restore(c: &WorkerConfinement) -> Result<(), ConfineError> {
     Ok(())
 }
 
+/// What confinement needs that no job decides, made by an idle worker while it waits: the
+/// filters of the default mode ([`SeccompMode::Enforce`]), compiled. A failure is kept and
+/// reported by [`lock_down`], in the job's log.
+pub struct Ahead {
+    enforce: Result<Option<seccomp::Filters>, ConfineError>,
+}
+
+impl Ahead {
+    pub fn prepare() -> Ahead {
+        Ahead {
+            enforce: seccomp::Filters::compile(SeccompMode::Enforce),
+        }
+    }
+
+    /// The filters for `mode`: the ones made ahead if they are that mode's, else compiled now.
+    fn filters(self, mode: SeccompMode) -> Result<Option<seccomp::Filters>, ConfineError> {
+        match self.enforce {
+            Ok(Some(f)) if f.mode() == mode => Ok(Some(f)),
+            Err(e) if mode == SeccompMode::Enforce => Err(e),
+            _ => seccomp::Filters::compile(mode),
+        }
+    }
+}
+
 /// Switch users, then install the filter on every thread. After this the process can open
-/// only what its new user may, and call only what the allow-list holds.
-pub fn lock_down(c: &WorkerConfinement) -> Result<(), ConfineError> {
+/// only what its new user may, and call only what the allow-list holds. `ahead`: what the
+/// worker prepared while it waited.
+pub fn lock_down(c: &WorkerConfinement, ahead: Ahead) -> Result<(), ConfineError> {
+    let filters = ahead.filters(c.seccomp)?;
     seccomp::install_sigsys_reporter()?;
     if let Some(uid) = c.user {
         // SAFETY: plain system calls on integers; glibc applies the id changes to every
@@ -224,7 +250,10 @@ pub fn lock_down(c: &WorkerConfinement) -> Result<(), ConfineError> {
             what: "starting a thread",
             source: std::io::Error::other("it panicked"),
         })?;
-    seccomp::install(c.seccomp)
+    match filters {
+        Some(f) => f.install(),
+        None => Ok(()),
+    }
 }
 
 /// Every capability set of this thread, from /proc/thread-self/status.

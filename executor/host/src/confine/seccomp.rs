@@ -9,31 +9,55 @@ use seccompiler::{
 
 use super::{sys, ConfineError, SeccompMode};
 
-/// Install the filter on every thread of the process (TSYNC).
-pub(super) fn install(mode: SeccompMode) -> Result<(), ConfineError> {
-    let action = match mode {
-        SeccompMode::Off => return Ok(()),
-        SeccompMode::Enforce => SeccompAction::Trap,
-        SeccompMode::Log => SeccompAction::Log,
-    };
-    // Installed first, so the allow-list need not allow `seccomp` itself.
-    let refused: BpfProgram = SeccompFilter::new(
-        REFUSED.iter().map(|nr| (*nr, Vec::new())).collect(),
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::ENOSYS as u32),
-        TargetArch::x86_64,
-    )?
-    .try_into()?;
-    let allow: BpfProgram = SeccompFilter::new(
-        allow_list()?,
-        action,
-        SeccompAction::Allow,
-        TargetArch::x86_64,
-    )?
-    .try_into()?;
-    seccompiler::apply_filter_all_threads(&refused)?;
-    seccompiler::apply_filter_all_threads(&allow)?;
-    Ok(())
+/// The two filters of one [`SeccompMode`], compiled: the refusals, then the allow-list.
+/// Compiling is most of confinement's own CPU time, and depends on no job, so an idle worker
+/// does it for the default mode while it waits (see `confine::Ahead`).
+pub struct Filters {
+    mode: SeccompMode,
+    refused: BpfProgram,
+    allow: BpfProgram,
+}
+
+impl Filters {
+    /// None for [`SeccompMode::Off`].
+    pub(super) fn compile(mode: SeccompMode) -> Result<Option<Filters>, ConfineError> {
+        let action = match mode {
+            SeccompMode::Off => return Ok(None),
+            SeccompMode::Enforce => SeccompAction::Trap,
+            SeccompMode::Log => SeccompAction::Log,
+        };
+        // Installed first, so the allow-list need not allow `seccomp` itself.
+        let refused: BpfProgram = SeccompFilter::new(
+            REFUSED.iter().map(|nr| (*nr, Vec::new())).collect(),
+            SeccompAction::Allow,
+            SeccompAction::Errno(libc::ENOSYS as u32),
+            TargetArch::x86_64,
+        )?
+        .try_into()?;
+        let allow: BpfProgram = SeccompFilter::new(
+            allow_list()?,
+            action,
+            SeccompAction::Allow,
+            TargetArch::x86_64,
+        )?
+        .try_into()?;
+        Ok(Some(Filters {
+            mode,
+            refused,
+            allow,
+        }))
+    }
+
+    pub(super) fn mode(&self) -> SeccompMode {
+        self.mode
+    }
+
+    /// Install both on every thread of the process (TSYNC).
+    pub(super) fn install(&self) -> Result<(), ConfineError> {
+        seccompiler::apply_filter_all_threads(&self.refused)?;
+        seccompiler::apply_filter_all_threads(&self.allow)?;
+        Ok(())
+    }
 }
 
 /// Calls answered ENOSYS rather than trapped (the allow-list lets them through to this
@@ -300,5 +324,30 @@ mod tests {
         .try_into()
         .unwrap();
         assert!(prog.len() > 50, "{} instructions", prog.len());
+    }
+
+    #[test]
+    fn filters_compile_per_mode_and_off_has_none() {
+        assert!(Filters::compile(SeccompMode::Off).unwrap().is_none());
+        for mode in [SeccompMode::Enforce, SeccompMode::Log] {
+            let f = Filters::compile(mode).unwrap().unwrap();
+            assert_eq!(f.mode(), mode);
+            assert_eq!(
+                f.refused.len(),
+                Filters::compile(mode).unwrap().unwrap().refused.len()
+            );
+            assert!(f.allow.len() > 50);
+        }
+        // The action for a call outside the list is what differs between the modes.
+        let (e, l) = (
+            Filters::compile(SeccompMode::Enforce).unwrap().unwrap(),
+            Filters::compile(SeccompMode::Log).unwrap().unwrap(),
+        );
+        let code = |p: &BpfProgram| {
+            p.iter()
+                .map(|i| (i.code, i.jt, i.jf, i.k))
+                .collect::<Vec<_>>()
+        };
+        assert_ne!(code(&e.allow), code(&l.allow));
     }
 }
