@@ -60,7 +60,8 @@ struct Args {
     /// Pin the control-plane process to these CPUs (e.g. `0` or `0-1`); implies --split.
     #[arg(long, conflicts_with = "addr")]
     cp_cpus: Option<CpuList>,
-    /// Pin the load (clients and null executors) to these CPUs.
+    /// Pin this process to these CPUs: the clients and null executors, and the control plane
+    /// too unless it runs apart (--split, --cp-cpus), where it keeps the CPUs allowed before.
     #[arg(long)]
     load_cpus: Option<CpuList>,
     /// Internal: be the control-plane process of --split.
@@ -72,15 +73,19 @@ struct Args {
 }
 
 fn main() -> Result<()> {
-    let a = Args::parse();
+    let mut a = Args::parse();
     // Pin before the runtime exists, so its worker threads (and their count) follow the set.
-    let cpus = if a.serve_control_plane {
-        a.cp_cpus.as_ref()
-    } else {
-        a.load_cpus.as_ref()
-    };
-    if let Some(cpus) = cpus {
-        split::pin(cpus).with_context(|| format!("pinning to CPUs {cpus}"))?;
+    if a.serve_control_plane {
+        if let Some(cpus) = &a.cp_cpus {
+            split::pin(cpus)?;
+        }
+    } else if let Some(cpus) = &a.load_cpus {
+        // A control plane apart runs where this process could before: name those CPUs, so
+        // the child does not inherit the load's pinning unsaid.
+        if a.split && a.cp_cpus.is_none() {
+            a.cp_cpus = Some(split::allowed()?);
+        }
+        split::pin(cpus)?;
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -192,9 +197,11 @@ async fn serve_control_plane(a: &Args) -> Result<()> {
     }
     let dir = tempfile::tempdir()?;
     let (cp, token) = embedded_control_plane(dir.path(), &a.null_executor_addr).await?;
-    split::announce(&format!("http://{}", cp.addr), &token)?;
+    split::tell_parent(
+        &serde_json::json!({"addr": format!("http://{}", cp.addr), "token": token}),
+    )?;
     split::until_stdin_closes().await;
-    println!("{}", control_plane_report(&cp));
+    split::tell_parent(&control_plane_report(&cp))?;
     cp.shutdown().await?;
     Ok(())
 }
@@ -273,8 +280,9 @@ async fn load(a: Args) -> Result<()> {
     let placement = match &cp {
         ControlPlane::External => "external control plane".to_string(),
         ControlPlane::InProcess(..) => format!(
-            "in-process control plane, SQLite + audit log on disk, {} null executors: latencies are control-plane overhead",
-            a.null_executors
+            "in-process control plane, SQLite + audit log on disk, {} null executors ({}): latencies are control-plane overhead",
+            a.null_executors,
+            pinned(&a.load_cpus)
         ),
         ControlPlane::Child(_) => format!(
             "control plane in its own process ({}), SQLite + audit log on disk; {} null executors with the load ({}): latencies are control-plane overhead",

@@ -14,9 +14,15 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-/// A set of CPUs, from a list such as `0`, `0,2` or `1-3`.
+/// A set of CPUs, from a list such as `0`, `0,2` or `1-3`; each below `CPU_SETSIZE`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CpuList(pub Vec<usize>);
+pub struct CpuList(Vec<usize>);
+
+impl CpuList {
+    pub fn cpus(&self) -> &[usize] {
+        &self.0
+    }
+}
 
 impl std::str::FromStr for CpuList {
     type Err = String;
@@ -31,7 +37,10 @@ impl std::str::FromStr for CpuList {
             };
             let (a, b) = (parse(a)?, parse(b)?);
             if a > b || b >= libc::CPU_SETSIZE as usize {
-                return Err(format!("bad CPU range {part:?} in {s:?}"));
+                return Err(format!(
+                    "bad CPU range {part:?} in {s:?} (want low-high, low <= high < {})",
+                    libc::CPU_SETSIZE
+                ));
             }
             cpus.extend(a..=b);
         }
@@ -49,19 +58,42 @@ impl std::fmt::Display for CpuList {
 }
 
 /// Pin the calling thread (and the threads it starts later) to `cpus`.
-pub fn pin(cpus: &CpuList) -> std::io::Result<()> {
-    // SAFETY: cpu_set_t is plain data; CPU_SET stays inside it (checked against CPU_SETSIZE
-    // when parsed); sched_setaffinity only reads the set.
-    unsafe {
+pub fn pin(cpus: &CpuList) -> Result<()> {
+    // SAFETY: cpu_set_t is plain data; every CPU is below CPU_SETSIZE (checked when parsed,
+    // and the list is built nowhere else); sched_setaffinity only reads the set.
+    let r = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         for &c in &cpus.0 {
             libc::CPU_SET(c, &mut set);
         }
-        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error()).with_context(|| {
+            format!(
+                "pinning to CPUs {cpus} (allowed here: {})",
+                allowed().map_or_else(|e| e.to_string(), |a| a.to_string())
+            )
+        });
     }
     Ok(())
+}
+
+/// The CPUs this thread may run on.
+pub fn allowed() -> Result<CpuList> {
+    // SAFETY: sched_getaffinity writes at most the size we pass into the set; CPU_ISSET
+    // reads inside it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Err(std::io::Error::last_os_error()).context("reading this process's CPUs");
+        }
+        Ok(CpuList(
+            (0..libc::CPU_SETSIZE as usize)
+                .filter(|&c| libc::CPU_ISSET(c, &set))
+                .collect(),
+        ))
+    }
 }
 
 /// What the serving child reports once it listens.
@@ -106,8 +138,14 @@ impl ControlPlaneChild {
         }
         let mut child = cmd.spawn().context("starting the control-plane process")?;
         let stdin = child.stdin.take();
-        let mut stdout = BufReader::new(child.stdout.take().context("child stdout")?);
-        let hello = read_json_line(&mut stdout, "its address")?;
+        let stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+        // Made before anything can fail, so Drop stops a child that fails its announcement.
+        let mut cp = ControlPlaneChild {
+            child,
+            stdin,
+            stdout,
+        };
+        let hello = read_json_line(&mut cp.stdout, "its address")?;
         let field = |k: &str| {
             hello[k]
                 .as_str()
@@ -118,14 +156,7 @@ impl ControlPlaneChild {
             addr: field("addr")?,
             token: field("token")?,
         };
-        Ok((
-            ControlPlaneChild {
-                child,
-                stdin,
-                stdout,
-            },
-            serving,
-        ))
+        Ok((cp, serving))
     }
 
     /// Tell the child to stop and collect its report (spawn phases, lock counters).
@@ -141,19 +172,28 @@ impl ControlPlaneChild {
 }
 
 impl Drop for ControlPlaneChild {
+    /// On an error path: close its stdin so it shuts down and removes its temporary
+    /// directory; kill it only if it has not within a few seconds.
     fn drop(&mut self) {
-        if self.stdin.is_some() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+        if self.stdin.take().is_none() {
+            return;
         }
+        for _ in 0..50 {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
-/// In the child: announce where the control plane listens.
-pub fn announce(addr: &str, token: &str) -> Result<()> {
+/// In the child: one JSON line to the parent (its address first, its report last).
+pub fn tell_parent(v: &Value) -> Result<()> {
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", serde_json::json!({"addr": addr, "token": token}))?;
-    out.flush()?;
+    writeln!(out, "{v}").context("writing to the load process")?;
+    out.flush().context("writing to the load process")?;
     Ok(())
 }
 
@@ -181,5 +221,8 @@ mod tests {
         assert!("x".parse::<CpuList>().is_err());
         assert!("99999".parse::<CpuList>().is_err());
         assert_eq!(CpuList(vec![0, 2]).to_string(), "0,2");
+        let here = allowed().unwrap();
+        assert!(!here.cpus().is_empty());
+        assert_eq!(here.to_string().parse::<CpuList>().unwrap(), here);
     }
 }

@@ -75,6 +75,21 @@ fn control_plane_in_its_own_pinned_process() {
 }
 
 #[test]
+fn a_control_plane_apart_keeps_the_cpus_the_load_gave_up() {
+    let allowed: tine_loadtest::split::CpuList = std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let v = run(&["--split", "--load-cpus", &first_allowed_cpu()]);
+    check(&v, "own process");
+    assert_eq!(v["params"]["cp_cpus"], allowed.to_string().as_str());
+}
+
+#[test]
 fn bad_cpu_lists_and_conflicts_are_refused() {
     for (args, why) in [
         (&["--cp-cpus", "x"][..], "bad CPU"),

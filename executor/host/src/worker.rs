@@ -376,7 +376,8 @@ impl Drop for WorkerPool {
 /// Every thread of a child's VMM allocates from one malloc arena. glibc otherwise gives each
 /// thread that allocates (vCPUs, vsock, control) an arena of its own, whose first pages each
 /// child then holds privately; these threads allocate little, and rarely at the same time.
-/// Threads that already allocated keep their arenas, so this runs first.
+/// It runs first: threads that have allocated keep their arenas, and glibc fixes its arena
+/// limit when it first needs a second arena.
 fn one_malloc_arena() {
     #[cfg(target_env = "gnu")]
     // SAFETY: mallopt only sets an allocator parameter.

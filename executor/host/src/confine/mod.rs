@@ -165,9 +165,10 @@ pub fn before_restore(c: &WorkerConfinement) -> Result<(), ConfineError> {
     Ok(())
 }
 
-/// What confinement needs that no job decides, made by an idle worker while it waits: the
-/// filters of the default mode ([`SeccompMode::Enforce`]), compiled. A failure is kept and
-/// reported by [`lock_down`], in the job's log.
+/// What confinement needs that no job decides, made while the worker starts, before it
+/// reports idle (as the VM shell is): the filters of the default mode
+/// ([`SeccompMode::Enforce`]), compiled. A failure is kept and reported by [`lock_down`], in
+/// the job's log.
 pub struct Ahead {
     enforce: Result<Option<seccomp::Filters>, ConfineError>,
 }
@@ -284,6 +285,28 @@ fn capabilities() -> Result<Vec<(String, u64)>, ConfineError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn filters_made_ahead_serve_only_their_own_mode() {
+        let mode = |r: Result<Option<seccomp::Filters>, ConfineError>| r.unwrap().map(|f| f.mode());
+        for m in [SeccompMode::Enforce, SeccompMode::Log] {
+            assert_eq!(mode(Ahead::prepare().filters(m)), Some(m));
+        }
+        assert_eq!(mode(Ahead::prepare().filters(SeccompMode::Off)), None);
+        // A failure made ahead is the Enforce job's error; other modes compile their own.
+        let failed = || Ahead {
+            enforce: Err(ConfineError::Sys {
+                what: "compiling ahead",
+                source: std::io::Error::other("test"),
+            }),
+        };
+        assert!(failed().filters(SeccompMode::Enforce).is_err());
+        assert_eq!(
+            mode(failed().filters(SeccompMode::Log)),
+            Some(SeccompMode::Log)
+        );
+        assert_eq!(mode(failed().filters(SeccompMode::Off)), None);
+    }
 
     #[test]
     fn modes_parse_and_bad_ones_say_what_is_expected() {
