@@ -28,12 +28,12 @@ struct Args {
     /// Control plane to load (default: an in-process one with null executors).
     #[arg(long)]
     addr: Option<String>,
-    /// File holding the token (with --addr).
-    #[arg(long)]
+    /// File holding the token (with --addr; default: $TINE_TOKEN).
+    #[arg(long, requires = "addr")]
     token_file: Option<PathBuf>,
-    /// Snapshot to spawn from (with --addr).
-    #[arg(long, default_value = "load")]
-    tag: String,
+    /// Snapshot to spawn from (with --addr; default `load`).
+    #[arg(long, requires = "addr")]
+    tag: Option<String>,
     /// Null executors behind the in-process control plane.
     #[arg(long, default_value_t = 3)]
     null_executors: usize,
@@ -97,6 +97,14 @@ fn main() -> Result<()> {
     }
 }
 
+/// The snapshot the embedded control plane offers (and the default with --addr).
+const LOAD_TAG: &str = "load";
+
+/// The id of null executor `i`.
+fn null_executor_id(i: usize) -> String {
+    format!("null-{i}")
+}
+
 /// The control plane the load runs against when no --addr is given, behind `null_executors`
 /// (their gRPC addresses); returns it with a user token for the clients.
 async fn embedded_control_plane(
@@ -133,25 +141,25 @@ async fn embedded_control_plane(
     .await?;
     let report = ExecutorReport {
         max_sandboxes: 1_000_000,
-        cached_tags: vec!["load".into()],
+        cached_tags: vec![LOAD_TAG.into()],
         ..Default::default()
     };
     for (i, ex) in null_executors.iter().enumerate() {
         cp.ctx
             .db
-            .upsert_executor(&format!("null-{i}"), ex, &report, "loadtest")
+            .upsert_executor(&null_executor_id(i), ex, &report, "loadtest")
             .await?;
         if i == 0 {
             cp.ctx
                 .db
                 .insert_snapshot(&NewSnapshot {
-                    tag: "load".into(),
+                    tag: LOAD_TAG.into(),
                     parent_tag: None,
                     image: "none".into(),
                     vcpus: 1,
                     mem_mib: 0,
                     source_sandbox: None,
-                    executor_id: "null-0".into(),
+                    executor_id: null_executor_id(0),
                     layers: None,
                     state: tine_control_plane::db::NewState::Ready,
                 })
@@ -161,7 +169,7 @@ async fn embedded_control_plane(
     for i in 0..null_executors.len() {
         cp.ctx
             .db
-            .heartbeat(&format!("null-{i}"), &report, "loadtest")
+            .heartbeat(&null_executor_id(i), &report, "loadtest")
             .await?;
     }
     // Keep the null executors "up" (heartbeats within three periods) for the whole run.
@@ -172,7 +180,7 @@ async fn embedded_control_plane(
             tokio::time::sleep(Duration::from_secs(2)).await;
             for i in 0..n {
                 let _ = db
-                    .heartbeat(&format!("null-{i}"), &report, "loadtest")
+                    .heartbeat(&null_executor_id(i), &report, "loadtest")
                     .await;
             }
         }
@@ -220,6 +228,17 @@ enum ControlPlane {
     Child(ControlPlaneChild),
 }
 
+impl ControlPlane {
+    /// Where it runs, as the report's `control_plane` field and the log line name it.
+    fn placement(&self) -> &'static str {
+        match self {
+            ControlPlane::External => "external",
+            ControlPlane::InProcess(..) => "in-process",
+            ControlPlane::Child(_) => "own process",
+        }
+    }
+}
+
 async fn load(a: Args) -> Result<()> {
     let split = a.split || a.cp_cpus.is_some();
     let (cp, addr, token, tag) = match &a.addr {
@@ -233,7 +252,8 @@ async fn load(a: Args) -> Result<()> {
                 ),
                 None => std::env::var("TINE_TOKEN").ok(),
             };
-            (ControlPlane::External, addr.clone(), token, a.tag.clone())
+            let tag = a.tag.clone().unwrap_or_else(|| LOAD_TAG.into());
+            (ControlPlane::External, addr.clone(), token, tag)
         }
         None if split => {
             let execs = null_executors(a.null_executors).await?;
@@ -246,7 +266,7 @@ async fn load(a: Args) -> Result<()> {
                 ControlPlane::Child(child),
                 serving.addr,
                 Some(serving.token),
-                "load".to_string(),
+                LOAD_TAG.to_string(),
             )
         }
         None => {
@@ -258,7 +278,7 @@ async fn load(a: Args) -> Result<()> {
                 ControlPlane::InProcess(cp, dir),
                 addr,
                 Some(user),
-                "load".to_string(),
+                LOAD_TAG.to_string(),
             )
         }
     };
@@ -278,14 +298,16 @@ async fn load(a: Args) -> Result<()> {
             .map_or("unpinned".to_string(), |c| format!("CPUs {c}"))
     };
     let placement = match &cp {
-        ControlPlane::External => "external control plane".to_string(),
+        ControlPlane::External => format!("{} control plane", cp.placement()),
         ControlPlane::InProcess(..) => format!(
-            "in-process control plane, SQLite + audit log on disk, {} null executors ({}): latencies are control-plane overhead",
+            "{} control plane, SQLite + audit log on disk, {} null executors ({}): latencies are control-plane overhead",
+            cp.placement(),
             a.null_executors,
             pinned(&a.load_cpus)
         ),
         ControlPlane::Child(_) => format!(
-            "control plane in its own process ({}), SQLite + audit log on disk; {} null executors with the load ({}): latencies are control-plane overhead",
+            "control plane in its {} ({}), SQLite + audit log on disk; {} null executors with the load ({}): latencies are control-plane overhead",
+            cp.placement(),
             pinned(&a.cp_cpus),
             a.null_executors,
             pinned(&a.load_cpus)
@@ -309,11 +331,7 @@ async fn load(a: Args) -> Result<()> {
         "children_per_spawn": a.children_per_spawn, "execs_per_child": a.execs_per_child,
         "rate_per_client": a.rate_per_client,
         "null_executors": (!matches!(cp, ControlPlane::External)).then_some(a.null_executors),
-        "control_plane": match &cp {
-            ControlPlane::External => "external",
-            ControlPlane::InProcess(..) => "in-process",
-            ControlPlane::Child(_) => "own process",
-        },
+        "control_plane": cp.placement(),
         "cp_cpus": a.cp_cpus.as_ref().map(|c| c.to_string()),
         "load_cpus": a.load_cpus.as_ref().map(|c| c.to_string()),
     });

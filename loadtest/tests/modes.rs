@@ -98,6 +98,9 @@ fn bad_cpu_lists_and_conflicts_are_refused() {
             &["--split", "--addr", "http://127.0.0.1:1"],
             "cannot be used with",
         ),
+        // Options only an external control plane uses are not silently dropped.
+        (&["--tag", "warm"], "required arguments were not provided"),
+        (&["--token-file", "/dev/null"], "--addr"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_tine-loadtest"))
             .args(args)

@@ -606,8 +606,10 @@ impl Host {
             }
         };
         let installed = (|| {
+            // Its children map these pages before they run; a store's hosts get them too.
+            let ws = self.record_working_set(&spec.tag, &staging);
+            self.record_written_set(&spec.tag, &staging, &ws)?;
             if let Some(f) = &self.fetcher {
-                let ws = self.record_working_set(&spec.tag, &staging);
                 // A snapshot the other hosts cannot fetch is not made at all.
                 let _publishing = f.in_flight();
                 f.grew();
@@ -766,8 +768,23 @@ impl Host {
                 reason: "this host has no store configured".into(),
             });
         };
-        self.snapshot_header(tag)?;
-        let ws = self.record_working_set(tag, &self.snapshot_dir(tag));
+        let header = self.snapshot_header(tag)?;
+        let dir = self.snapshot_dir(tag);
+        let kept = crate::lazy::load_page_list(
+            &dir,
+            crate::lazy::WORKING_SET_FILE,
+            header.mem_size / 4096,
+        );
+        let ws = match kept {
+            Some(ws) => ws,
+            None => {
+                let ws = self.record_working_set(tag, &dir);
+                if let Err(e) = self.record_written_set(tag, &dir, &ws) {
+                    tracing::warn!(%tag, "keeping the working set here: {e}");
+                }
+                ws
+            }
+        };
         let info = {
             let _publishing = f.in_flight();
             f.grew();
@@ -1283,23 +1300,8 @@ impl Host {
             }
         };
         let pages: Arc<dyn Pages> = img.clone();
-        let id = SandboxId::random("ws");
-        self.vms().pending.insert(id.clone(), false);
-        let out = self.spawn_one(
-            &ChildPlan {
-                tag,
-                snapshot: dir,
-                readiness: self.cfg.readiness,
-                timeout: self.cfg.limits.ready_timeout,
-                lazy: Some(&pages),
-                image: None,
-                policy: None,
-                limits: None,
-            },
-            id.clone(),
-        );
-        let _ = self.kill(&id);
-        match out.result {
+        let out = self.recording_child(tag, dir, Some(&pages), |_| ());
+        match out {
             Ok(_) => {
                 let ws = img.take_recorded().unwrap_or_default();
                 tracing::info!(%tag, pages = ws.len(), took_ms = t0.elapsed().as_millis() as u64, "working set recorded");
@@ -1310,6 +1312,95 @@ impl Host {
                 Vec::new()
             }
         }
+    }
+
+    /// Keep working set `ws` of the snapshot in `dir` beside it, and which of its pages a child
+    /// writes on its way to ready: the pages two children, restored as any other one after the
+    /// other, both hold as private copies as soon as they are ready (read from their page
+    /// maps). One child alone also writes pages that timing decides (a timer that fired, a
+    /// slab object taken), which other children would not write but would all be given; a
+    /// page both wrote is one nearly every child writes. Both lists are hints its children's
+    /// workers map ahead (see [`tine_vmm::prefault`]); without them children only fault as
+    /// before, so a written set that cannot be had is only logged.
+    fn record_written_set(&self, tag: &Tag, dir: &std::path::Path, ws: &[u64]) -> Result<()> {
+        use crate::lazy::{save_page_list, WORKING_SET_FILE, WRITTEN_SET_FILE};
+        if ws.is_empty() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let mut both: Option<Vec<u64>> = None;
+        let mut failed = None;
+        for _ in 0..2 {
+            match self.written_by_one_child(tag, dir) {
+                Ok(w) => {
+                    both = Some(match both {
+                        None => w,
+                        // Both sorted: keep what the first also wrote.
+                        Some(first) => w
+                            .into_iter()
+                            .filter(|p| first.binary_search(p).is_ok())
+                            .collect(),
+                    })
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        save_page_list(dir, WORKING_SET_FILE, ws)?;
+        match (both, failed) {
+            (Some(w), None) => {
+                tracing::info!(%tag, pages = w.len(), took_ms = t0.elapsed().as_millis() as u64, "written set recorded");
+                save_page_list(dir, WRITTEN_SET_FILE, &w)
+            }
+            (_, e) => {
+                tracing::warn!(%tag, "no written set recorded: {}", e.unwrap_or_default());
+                Ok(())
+            }
+        }
+    }
+
+    /// Restore one child of the snapshot in `dir` and, once it is ready, the image pages it
+    /// holds as private copies (sorted).
+    fn written_by_one_child(
+        &self,
+        tag: &Tag,
+        dir: &std::path::Path,
+    ) -> std::result::Result<Vec<u64>, String> {
+        let written = self.recording_child(tag, dir, None, |pid| match pid {
+            Some(pid) => crate::pagemap::written_pages(pid, tine_vmm::snapshot::file::MEMORY_FILE)
+                .map_err(|e| e.to_string()),
+            None => Err("no VMM process".into()),
+        });
+        written.map_err(|e| e.to_string())?
+    }
+
+    /// Restore one child of the snapshot in `dir` (`lazy`: its pages served from there), call
+    /// `ready` on it once it is ready, and kill it.
+    fn recording_child<T>(
+        &self,
+        tag: &Tag,
+        dir: &std::path::Path,
+        lazy: Option<&Arc<dyn Pages>>,
+        ready: impl FnOnce(Option<u32>) -> T,
+    ) -> Result<T> {
+        let id = SandboxId::random("ws");
+        self.vms().pending.insert(id.clone(), false);
+        let plan = ChildPlan {
+            tag,
+            snapshot: dir,
+            readiness: self.cfg.readiness,
+            timeout: self.cfg.limits.ready_timeout,
+            lazy,
+            image: None,
+            policy: None,
+            limits: None,
+        };
+        let out = self.spawn_one(&plan, id.clone());
+        let got = out.result.map(|_| ready(out.pid));
+        let _ = self.kill(&id);
+        got
     }
 
     fn has_snapshot(&self, tag: &Tag) -> bool {

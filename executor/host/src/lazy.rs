@@ -70,6 +70,40 @@ pub fn decode_working_set(b: &[u8], page_count: u64) -> Option<Vec<u64>> {
     pages.iter().all(|&p| p < page_count).then_some(pages)
 }
 
+/// A snapshot directory's copy of its working set: the pages its first child touched until
+/// ready, which its workers map before the guest runs (see [`tine_vmm::prefault`]).
+pub const WORKING_SET_FILE: &str = "workingset";
+/// The pages of the working set a child of this snapshot wrote until ready: its workers copy
+/// them ahead.
+pub const WRITTEN_SET_FILE: &str = "writtenset";
+
+/// Write `pages` as `dir/name` (temp file, fsync, rename: never half a file).
+pub fn save_page_list(dir: &std::path::Path, name: &str, pages: &[u64]) -> Result<()> {
+    use std::io::Write;
+    let path = dir.join(name);
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&encode_working_set(pages))?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)
+    };
+    write().map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        HostError::io(format!("writing {}", path.display()))(e)
+    })
+}
+
+/// The page list `dir/name` for a guest of `page_count` pages, if it is a well-formed one (a
+/// hint: a missing or bad file means no prefault, never a failed spawn).
+pub fn load_page_list(dir: &std::path::Path, name: &str, page_count: u64) -> Option<Vec<u64>> {
+    let path = dir.join(name);
+    if std::fs::metadata(&path).ok()?.len() > 12 + 8 * MAX_WORKING_SET as u64 {
+        return None;
+    }
+    decode_working_set(&std::fs::read(path).ok()?, page_count)
+}
+
 /// What lazy restores of one head cost this host so far.
 #[derive(Default, Debug)]
 pub struct ImageCounters {

@@ -16,6 +16,7 @@ pub mod hot;
 pub mod layers;
 pub mod lazy;
 pub mod network;
+pub mod pagemap;
 pub mod parent;
 pub mod pidlock;
 pub mod process;

@@ -476,12 +476,14 @@ pub fn worker_main() -> anyhow::Result<i32> {
                 JobMemory::Lazy => restore_lazily(&snapshot, opts, shell)?,
                 JobMemory::Image | JobMemory::Held => {
                     let prepared = tine_vmm::vm::Prepared { image: held, shell };
-                    Vm::restore_prepared(
+                    let vm = Vm::restore_prepared(
                         &snapshot,
                         prepared,
                         opts,
                         tine_vmm::vm::VmOptions::default(),
-                    )?
+                    )?;
+                    prefault_working_set(&vm, &snapshot);
+                    vm
                 }
             }
         }
@@ -503,6 +505,29 @@ pub fn worker_main() -> anyhow::Result<i32> {
     tine_vmm::thread_builder("control").spawn(move || crate::control::serve(control, running))?;
     let exit = running.wait_exit()?;
     Ok(exit.exit_code())
+}
+
+/// Map the snapshot's recorded working set before the guest runs, copying the pages a child
+/// writes on its way to ready, so those first touches do not each cost an exit. A lazy
+/// restore has none to map (its pages arrive through the userfaultfd). The outcome goes to
+/// vmm.log.
+fn prefault_working_set(vm: &Vm, snapshot: &Path) {
+    use crate::lazy::{load_page_list, WORKING_SET_FILE, WRITTEN_SET_FILE};
+    let pages = vm.ram().size() / 4096;
+    let Some(touched) = load_page_list(snapshot, WORKING_SET_FILE, pages) else {
+        return;
+    };
+    let written = load_page_list(snapshot, WRITTEN_SET_FILE, pages).unwrap_or_default();
+    let done = vm.prefault(&touched, &written);
+    let method = done.method.map_or("none", |m| m.as_str());
+    eprintln!(
+        "tine-vmm: prefaulted {} pages in {} runs ({method}), {} copied ahead, in {} us{}",
+        done.pages,
+        done.runs,
+        done.copied,
+        done.took.as_micros(),
+        done.error.map(|e| format!("; {e}")).unwrap_or_default()
+    );
 }
 
 /// Confine the worker (see [`crate::confine`]). Tests only: then make a call outside the

@@ -952,6 +952,40 @@ fn counts_of(host: &Host, id: &SandboxId, n: usize) -> Vec<u64> {
     }
 }
 
+/// A snapshot that carries a working set has its children map those pages before they run
+/// (vmm.log says how); a damaged working set is ignored, never a failed spawn.
+fn children_prefault_their_snapshot_s_working_set() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tag = Tag::parse("counter").unwrap();
+    let snap = tmp.path().join("snapshots").join("counter");
+    std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
+    write_counter_guest_snapshot(&snap, 32).unwrap();
+    use tine_host::lazy::{save_page_list, WORKING_SET_FILE, WRITTEN_SET_FILE};
+    save_page_list(&snap, WORKING_SET_FILE, &[257, 0, 1, 2, 256]).unwrap();
+    save_page_list(&snap, WRITTEN_SET_FILE, &[256]).unwrap();
+    let host = Host::open_exclusive(config(tmp.path(), 8, 1)).unwrap();
+    let log_of = |id: &SandboxId| {
+        std::fs::read_to_string(tmp.path().join("vms").join(id.as_str()).join("vmm.log")).unwrap()
+    };
+    let c = spawn_of(&host, &tag);
+    let counts = counts_of(&host, &c, 3);
+    assert!(counts.windows(2).all(|w| w[1] == w[0] + 1), "{counts:?}");
+    let log = log_of(&c);
+    assert!(log.contains("prefaulted 5 pages in 2 runs ("), "{log}");
+    assert!(log.contains("1 copied ahead"), "{log}");
+    assert!(!log.contains("(none)"), "some method mapped them: {log}");
+
+    // Truncated: no prefault, and the child runs as before.
+    let ws = snap.join(WORKING_SET_FILE);
+    let bytes = std::fs::read(&ws).unwrap();
+    std::fs::write(&ws, &bytes[..bytes.len() - 3]).unwrap();
+    let d = spawn_of(&host, &tag);
+    let counts = counts_of(&host, &d, 2);
+    assert!(counts[1] == counts[0] + 1, "{counts:?}");
+    assert!(!log_of(&d).contains("prefaulted"), "{}", log_of(&d));
+    host.kill_all();
+}
+
 /// A snapshot's memory held by the host: a child restores from the copy (its guest RAM maps
 /// the memfd, not memory.img) and runs; deleting the snapshot lets go of the copy.
 fn children_restore_from_a_held_image() {
@@ -1546,7 +1580,11 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 21] = [
+    let tests: [(&str, fn()); 22] = [
+        (
+            "children_prefault_their_snapshot_s_working_set",
+            children_prefault_their_snapshot_s_working_set,
+        ),
         (
             "children_restore_from_a_held_image",
             children_restore_from_a_held_image,

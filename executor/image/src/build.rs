@@ -116,7 +116,7 @@ pub fn build_image(opts: &BuildOptions) -> Result<BuiltImage> {
     // 64-bit boot protocol).
     let (kernel_file, kernel_name) = match opts.kernel {
         Flavor::Cloud => (kernel.vmlinux().context("extracting vmlinux")?, "vmlinux"),
-        Flavor::Generic => (kernel.vmlinuz.clone(), "bzImage"),
+        Flavor::Generic | Flavor::Lab => (kernel.vmlinuz.clone(), "bzImage"),
     };
     let module_names = guest::module_names(&recipe);
     let names: Vec<&str> = module_names.iter().map(String::as_str).collect();

@@ -21,17 +21,29 @@ const META_FILE: &str = "tine-kernel.txt";
 pub enum Flavor {
     /// `linux-image-cloud-amd64`: small, the guest (L2) kernel.
     Cloud,
-    /// `linux-image-amd64`: has kvm-amd, ccp, virtio-pci and 9p modules; the lab's L1 kernel.
+    /// `linux-image-amd64`: the full kernel (a guest's, with the VM generation ID driver the
+    /// cloud kernel lacks).
     Generic,
+    /// The lab's L1 kernel: Debian's newest generic kernel, `linux-image-6.12-amd64` on Debian
+    /// 12 (else `linux-image-amd64`); it has kvm-amd, ccp and 9p as modules. Newer than 6.1
+    /// because KVM_PRE_FAULT_MEMORY (Linux 6.10) is what maps a child's working set before it
+    /// runs, and the lab is where that can be seen.
+    Lab,
 }
 
 impl Flavor {
-    /// The Debian metapackage that tracks the current ABI of this flavour.
-    pub fn metapackage(self) -> &'static str {
+    /// The Debian metapackages that track the current ABI of this flavour, preferred first.
+    pub fn metapackages(self) -> &'static [&'static str] {
         match self {
-            Flavor::Cloud => "linux-image-cloud-amd64",
-            Flavor::Generic => "linux-image-amd64",
+            Flavor::Cloud => &["linux-image-cloud-amd64"],
+            Flavor::Generic => &["linux-image-amd64"],
+            Flavor::Lab => &["linux-image-6.12-amd64", "linux-image-amd64"],
         }
+    }
+
+    /// How to name the flavour's packages in messages.
+    fn metapackage_names(self) -> String {
+        self.metapackages().join(" or ")
     }
 
     fn matches_package(self, package: &str) -> bool {
@@ -47,6 +59,7 @@ impl fmt::Display for Flavor {
         f.write_str(match self {
             Flavor::Cloud => "cloud",
             Flavor::Generic => "generic",
+            Flavor::Lab => "lab",
         })
     }
 }
@@ -83,6 +96,7 @@ impl Kernel {
         let flavor = match field("flavor")?.as_str() {
             "cloud" => Flavor::Cloud,
             "generic" => Flavor::Generic,
+            "lab" => Flavor::Lab,
             other => bail!("{}: unknown flavor {other:?}", meta_path.display()),
         };
         let (vmlinuz, release) = find_vmlinuz(root)?;
@@ -149,7 +163,7 @@ pub fn fetch_kernel(flavor: Flavor, cache: &Path) -> Result<Kernel> {
             if let Some(kernel) = newest_cached(flavor, &kernels)? {
                 eprintln!(
                     "tine-image: apt knows no {}; using the cached {} {}",
-                    flavor.metapackage(),
+                    flavor.metapackage_names(),
                     kernel.package,
                     kernel.version
                 );
@@ -159,7 +173,7 @@ pub fn fetch_kernel(flavor: Flavor, cache: &Path) -> Result<Kernel> {
             lookup(flavor)?.with_context(|| {
                 format!(
                     "apt cannot resolve {} even after apt-get update",
-                    flavor.metapackage()
+                    flavor.metapackage_names()
                 )
             })?
         }
@@ -200,10 +214,14 @@ pub fn fetch_kernel(flavor: Flavor, cache: &Path) -> Result<Kernel> {
 
 /// The ABI package of `flavor` and its candidate version, if apt knows them.
 fn lookup(flavor: Flavor) -> Result<Option<(String, String)>> {
-    let Some(package) = apt::resolve_dependency(flavor.metapackage(), "linux-image-")? else {
-        return Ok(None);
-    };
-    Ok(apt::candidate_version(&package)?.map(|v| (package, v)))
+    for meta in flavor.metapackages() {
+        if let Some(package) = apt::resolve_dependency(meta, "linux-image-")? {
+            if let Some(v) = apt::candidate_version(&package)? {
+                return Ok(Some((package, v)));
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// The most recently prepared cached kernel of `flavor`, if any.
@@ -217,9 +235,13 @@ pub fn newest_cached(flavor: Flavor, kernels: &Path) -> Result<Option<Kernel>> {
         if name.starts_with('.') || !flavor.matches_package(name.split('_').next().unwrap_or("")) {
             continue;
         }
+        // A package both flavours resolve to is cached once, under the first one's name.
         let Ok(kernel) = Kernel::load(&entry.path()) else {
             continue;
         };
+        if kernel.flavor != flavor && flavor != Flavor::Lab {
+            continue;
+        }
         let mtime = entry
             .metadata()
             .and_then(|m| m.modified())

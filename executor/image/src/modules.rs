@@ -13,6 +13,9 @@ pub struct ModuleIndex {
     release: String,
     /// name -> (path relative to `dir`, dependency paths as modules.dep lists them)
     entries: HashMap<String, (String, Vec<String>)>,
+    /// Names built into the kernel (`modules.builtin`): nothing to load. Newer kernels build
+    /// in what older ones shipped as modules (Debian's 6.12 has virtio_pci built in).
+    builtin: std::collections::HashSet<String>,
 }
 
 /// `kernel/arch/x86/kvm/kvm-amd.ko.xz` -> `kvm_amd` (the kernel treats `-` and `_` alike).
@@ -33,10 +36,15 @@ impl ModuleIndex {
             .context("modules dir has no name")?
             .to_string_lossy()
             .into_owned();
+        // Optional: a kernel without the file simply has nothing built in we know of.
+        let builtin = fs::read_to_string(modules_dir.join("modules.builtin"))
+            .map(|t| t.lines().map(module_name).collect())
+            .unwrap_or_default();
         Ok(ModuleIndex {
             dir: modules_dir.to_path_buf(),
             release,
             entries: parse_modules_dep(&text),
+            builtin,
         })
     }
 
@@ -55,10 +63,17 @@ impl ModuleIndex {
             .map(|(p, _)| p.as_str())
     }
 
-    /// Paths of `names` in the given order, without adding dependencies; errors on unknown names.
+    /// Whether `name` is built into the kernel rather than a loadable module.
+    pub fn is_builtin(&self, name: &str) -> bool {
+        self.builtin.contains(&name.replace('-', "_"))
+    }
+
+    /// Paths of `names` in the given order, without adding dependencies, skipping the ones
+    /// built into the kernel; errors on names that are neither.
     pub fn paths_of(&self, names: &[&str]) -> Result<Vec<String>> {
         names
             .iter()
+            .filter(|n| self.path_of(n).is_some() || !self.is_builtin(n))
             .map(|n| {
                 self.path_of(n)
                     .map(str::to_string)
@@ -72,6 +87,9 @@ impl ModuleIndex {
         let mut order = Vec::new();
         for name in names {
             let key = name.replace('-', "_");
+            if !self.entries.contains_key(&key) && self.is_builtin(name) {
+                continue;
+            }
             if !self.entries.contains_key(&key) {
                 bail!("module {name} not found in {}", self.dir.display());
             }
@@ -144,7 +162,26 @@ kernel/drivers/virtio/virtio_ring.ko:
             dir: PathBuf::from("/m/6.1.0-1-amd64"),
             release: "6.1.0-1-amd64".into(),
             entries: parse_modules_dep(DEP),
+            builtin: ["virtio_pci".to_string()].into(),
         }
+    }
+
+    #[test]
+    fn builtin_modules_need_no_file_and_unknown_ones_fail() {
+        let ix = index();
+        assert_eq!(
+            ix.paths_of(&["kvm", "virtio-pci", "ccp"]).unwrap(),
+            [
+                "kernel/arch/x86/kvm/kvm.ko",
+                "kernel/drivers/crypto/ccp/ccp.ko"
+            ]
+        );
+        assert_eq!(
+            ix.with_dependencies(&["virtio_pci"]).unwrap(),
+            Vec::<String>::new()
+        );
+        let err = ix.paths_of(&["kvm", "nope"]).unwrap_err().to_string();
+        assert!(err.contains("module nope not found"), "{err}");
     }
 
     #[test]

@@ -144,8 +144,8 @@ impl Lab {
                 share.display()
             );
         }
-        let kernel = tine_image::fetch_kernel(Flavor::Generic, &config.cache_dir)
-            .context("fetching the L1 (generic) kernel")?;
+        let kernel = tine_image::fetch_kernel(Flavor::Lab, &config.cache_dir)
+            .context("fetching the L1 kernel")?;
         let initramfs = l1::l1_initramfs(&kernel, &config.cache_dir)?;
         if config.guest_defaults {
             // A warning, not an error: the lab runs any command, and most need no guest.

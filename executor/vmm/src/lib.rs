@@ -12,6 +12,7 @@ pub mod host;
 pub mod kvm_stats;
 pub mod layout;
 pub mod memory;
+pub mod prefault;
 pub mod regs;
 pub mod snapshot;
 pub mod vcpu;

@@ -420,6 +420,14 @@ impl Vm {
         &self.ram
     }
 
+    /// Map these pages of the memory image for the guest before it runs, so its first touches
+    /// of them do not each exit to the host, copying the ones it is expected to write (see
+    /// [`crate::prefault`]). Call after the restore and before [`start`](Self::start); a
+    /// failure only leaves the guest to fault as before.
+    pub fn prefault(&self, touched: &[u64], written: &[u64]) -> crate::prefault::Prefaulted {
+        crate::prefault::prefault(&self.vm, &self.vcpus[0], &self.ram, touched, written)
+    }
+
     pub fn vm_fd(&self) -> &VmFd {
         &self.vm
     }

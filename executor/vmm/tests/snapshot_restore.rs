@@ -58,6 +58,19 @@ fn make_snapshot(dir: &std::path::Path, vcpus: u8) {
     );
 }
 
+/// A child of the snapshot in `dir` whose console prints into `out`.
+fn restore_printing_to(dir: &std::path::Path, out: &Capture) -> Vm {
+    Vm::restore(
+        dir,
+        RestoreOptions {
+            console: Box::new(out.clone()),
+            vsock_uds: None,
+            tap: None,
+        },
+    )
+    .unwrap()
+}
+
 #[test]
 fn restored_children_continue_where_the_parent_paused() {
     if !kvm_available() {
@@ -70,15 +83,7 @@ fn restored_children_continue_where_the_parent_paused() {
     let mut children = Vec::new();
     for _ in 0..3 {
         let out = Capture::default();
-        let vm = Vm::restore(
-            &dir,
-            RestoreOptions {
-                console: Box::new(out.clone()),
-                vsock_uds: None,
-                tap: None,
-            },
-        )
-        .unwrap();
+        let vm = restore_printing_to(&dir, &out);
         // Only this child's private copy sees the flag.
         vm.ram()
             .memory()
@@ -319,4 +324,73 @@ fn each_restore_gets_a_new_generation_id() {
         .read_slice(&mut raw, GuestAddress(tine_vmm::layout::VMGENID_ADDR))
         .unwrap();
     assert_eq!(raw, [0; 16]);
+}
+
+/// The /proc/self/pagemap entry of the page at `addr` (readable without privileges).
+fn pagemap_entry(addr: *mut u8) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open("/proc/self/pagemap").unwrap();
+    let mut e = [0u8; 8];
+    f.read_exact_at(&mut e, (addr as u64 / 4096) * 8).unwrap();
+    u64::from_le_bytes(e)
+}
+
+/// Whether the page at `addr` is mapped in this process (bit 63).
+fn mapped_here(addr: *mut u8) -> bool {
+    pagemap_entry(addr) >> 63 == 1
+}
+
+/// Whether it is mapped as a private copy rather than the file's page (bit 61 clear).
+fn copied_here(addr: *mut u8) -> bool {
+    mapped_here(addr) && pagemap_entry(addr) & (1 << 61) == 0
+}
+
+#[test]
+fn a_prefaulted_child_has_its_working_set_mapped_before_it_runs_and_still_runs() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("snap");
+    make_snapshot(&dir, 1);
+    let out = Capture::default();
+    let vm = restore_printing_to(&dir, &out);
+    let page = |p: u64| vm.ram().image_host_ptr(p * 4096, 4096).unwrap();
+    // The code page and its neighbour, one page well away, and one past the end of RAM.
+    let code = CODE / 4096;
+    let (far, beyond) = (9000, (64 << 20) / 4096 + 7);
+    assert!(
+        !mapped_here(page(far)),
+        "nothing maps it before the prefault"
+    );
+    // The flag's page is the one this child will write.
+    let flag = FLAG / 4096;
+    let done = vm.prefault(&[code + 1, code, far, code, beyond], &[flag]);
+    assert!(done.method.is_some(), "{done:?}");
+    assert_eq!((done.pages, done.runs, done.copied), (4, 3, 1), "{done:?}");
+    assert!(mapped_here(page(code)) && mapped_here(page(code + 1)) && mapped_here(page(far)));
+    assert!(
+        !copied_here(page(code)),
+        "a page only read stays the image's"
+    );
+    assert!(
+        copied_here(page(flag)),
+        "a page to be written is copied ahead"
+    );
+    // The host may map a few neighbours along (fault-around), never the whole image.
+    assert!(!mapped_here(page(far + 200)), "only the pages asked for");
+    vm.ram()
+        .memory()
+        .write_obj(1u64, GuestAddress(FLAG))
+        .unwrap();
+    let child = vm.start().unwrap();
+    assert_eq!(child.wait().unwrap(), GuestExit::PowerOff);
+    assert_eq!(out.text(), "2");
+    assert!(vm_memory_untouched(&dir));
+}
+
+/// The image never sees a child's writes, prefaulted or not.
+fn vm_memory_untouched(dir: &std::path::Path) -> bool {
+    let image = std::fs::read(dir.join("memory.img")).unwrap();
+    image[FLAG as usize..FLAG as usize + 8] == [0u8; 8]
 }
