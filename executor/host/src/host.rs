@@ -608,7 +608,10 @@ impl Host {
         let installed = (|| {
             // Its children map these pages before they run; a store's hosts get them too.
             let ws = self.record_working_set(&spec.tag, &staging);
-            self.record_written_set(&spec.tag, &staging, &ws)?;
+            if let Err(e) = self.record_written_set(&spec.tag, &staging, &ws) {
+                // Only hints: the snapshot is whole without them.
+                tracing::warn!(tag = %spec.tag, "keeping the working set beside the snapshot: {e}");
+            }
             if let Some(f) = &self.fetcher {
                 // A snapshot the other hosts cannot fetch is not made at all.
                 let _publishing = f.in_flight();
@@ -1368,9 +1371,9 @@ impl Host {
         tag: &Tag,
         dir: &std::path::Path,
     ) -> std::result::Result<Vec<u64>, String> {
+        let image = dir.join(tine_vmm::snapshot::file::MEMORY_FILE);
         let written = self.recording_child(tag, dir, None, |pid| match pid {
-            Some(pid) => crate::pagemap::written_pages(pid, tine_vmm::snapshot::file::MEMORY_FILE)
-                .map_err(|e| e.to_string()),
+            Some(pid) => crate::pagemap::written_pages(pid, &image).map_err(|e| e.to_string()),
             None => Err("no VMM process".into()),
         });
         written.map_err(|e| e.to_string())?

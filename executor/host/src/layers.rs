@@ -377,13 +377,16 @@ impl Layers {
             .read_object_raw(layer.state_ref())
             .map_err(store_err("reading the VM state"))?;
         self.write_vm_files(tag, &blob, staging)?;
-        // Children here map the recorded working set before they run, as at its origin.
+        // Children here map the recorded working set before they run, as at its origin (the
+        // manifest's checks keep its pages inside the image). Only a hint: not a failed fetch.
         if !layer.manifest.working_set.is_empty() {
-            crate::lazy::save_page_list(
+            if let Err(e) = crate::lazy::save_page_list(
                 staging,
                 crate::lazy::WORKING_SET_FILE,
                 &layer.manifest.working_set,
-            )?;
+            ) {
+                tracing::warn!(%tag, "keeping the working set beside the snapshot: {e}");
+            }
         }
         // Children map it MAP_PRIVATE: the assembled image is shared, never written.
         std::os::unix::fs::symlink(&image, staging.join(MEMORY_FILE))

@@ -73,15 +73,17 @@ pub fn decode_working_set(b: &[u8], page_count: u64) -> Option<Vec<u64>> {
 /// A snapshot directory's copy of its working set: the pages its first child touched until
 /// ready, which its workers map before the guest runs (see [`tine_vmm::prefault`]).
 pub const WORKING_SET_FILE: &str = "workingset";
-/// The pages of the working set a child of this snapshot wrote until ready: its workers copy
-/// them ahead.
+/// The pages children of this snapshot write until ready: its workers copy them ahead.
 pub const WRITTEN_SET_FILE: &str = "writtenset";
 
 /// Write `pages` as `dir/name` (temp file, fsync, rename: never half a file).
 pub fn save_page_list(dir: &std::path::Path, name: &str, pages: &[u64]) -> Result<()> {
     use std::io::Write;
+    // Unique, so two writers of one list (two publishes of a tag) never share a temp file.
+    static SEQ: AtomicU64 = AtomicU64::new(0);
     let path = dir.join(name);
-    let tmp = dir.join(format!(".{name}.tmp"));
+    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.{}.{seq}.tmp", std::process::id()));
     let write = || -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(&encode_working_set(pages))?;

@@ -229,7 +229,9 @@ pub fn newest_cached(flavor: Flavor, kernels: &Path) -> Result<Option<Kernel>> {
     let Ok(entries) = fs::read_dir(kernels) else {
         return Ok(None);
     };
-    let mut best: Option<(std::time::SystemTime, Kernel)> = None;
+    // A kernel fetched as this flavour first, then the newest by mtime: the lab's newer
+    // kernel over a generic one cached before it, for example.
+    let mut best: Option<((bool, std::time::SystemTime), Kernel)> = None;
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         if name.starts_with('.') || !flavor.matches_package(name.split('_').next().unwrap_or("")) {
@@ -246,11 +248,18 @@ pub fn newest_cached(flavor: Flavor, kernels: &Path) -> Result<Option<Kernel>> {
             .metadata()
             .and_then(|m| m.modified())
             .unwrap_or(std::time::UNIX_EPOCH);
-        if best.as_ref().is_none_or(|(t, _)| mtime > *t) {
-            best = Some((mtime, kernel));
+        let rank = (kernel.flavor == flavor, mtime);
+        if best.as_ref().is_none_or(|(r, _)| rank > *r) {
+            best = Some((rank, kernel));
         }
     }
     Ok(best.map(|(_, k)| k))
+}
+
+/// `(major, minor)` of a kernel release such as `6.12.117+deb12-amd64`.
+pub fn release_version(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit());
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
 }
 
 /// Directory name for a package version; `:` (epochs) is not path-friendly everywhere.
@@ -291,6 +300,13 @@ fn depmod(root: &Path, modules: &Path, release: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn release_versions() {
+        assert_eq!(release_version("6.12.117+deb12-amd64"), Some((6, 12)));
+        assert_eq!(release_version("6.1.0-56-amd64"), Some((6, 1)));
+        assert_eq!(release_version("junk"), None);
+    }
 
     #[test]
     fn flavours_recognise_their_packages() {

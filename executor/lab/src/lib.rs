@@ -146,6 +146,16 @@ impl Lab {
         }
         let kernel = tine_image::fetch_kernel(Flavor::Lab, &config.cache_dir)
             .context("fetching the L1 kernel")?;
+        // KVM_PRE_FAULT_MEMORY: without it children in the lab take every first touch as an
+        // exit, and benchmarks show a slower path than a current host's.
+        if tine_image::kernel::release_version(&kernel.release).is_none_or(|v| v < (6, 10)) {
+            eprintln!(
+                "tine-lab: warning: the L1 kernel is {} (older than 6.10: no \
+                 KVM_PRE_FAULT_MEMORY, so children are not prefaulted); apt has no \
+                 linux-image-6.12-amd64 here (Debian 12's security suite carries it)",
+                kernel.release
+            );
+        }
         let initramfs = l1::l1_initramfs(&kernel, &config.cache_dir)?;
         if config.guest_defaults {
             // A warning, not an error: the lab runs any command, and most need no guest.

@@ -169,6 +169,10 @@ pub(crate) fn prefault(
     done
 }
 
+/// Calls in a row that may end without progress before a run is given up (a kernel that
+/// keeps answering "again" must not hold the spawn forever).
+const STALLED_TRIES: u32 = 64;
+
 /// One run through `KVM_PRE_FAULT_MEMORY`, which may stop early (a signal, a reschedule) and
 /// say where: go on from there.
 fn kvm_prefault(vcpu: &kvm_ioctls::VcpuFd, gpa: u64, len: u64) -> std::io::Result<()> {
@@ -177,15 +181,23 @@ fn kvm_prefault(vcpu: &kvm_ioctls::VcpuFd, gpa: u64, len: u64) -> std::io::Resul
         size: len,
         ..Default::default()
     };
+    let mut stalled = 0;
     while range.size > 0 {
+        let before = range.size;
         // SAFETY: the ioctl reads and updates exactly this struct, which outlives the call.
         let rc = unsafe { ioctl_with_mut_ref(vcpu, KVM_PRE_FAULT_MEMORY(), &mut range) };
         if rc < 0 {
             let e = std::io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EINTR) | Some(libc::EAGAIN) => continue,
-                _ => return Err(e),
+            if !matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EAGAIN)) {
+                return Err(e);
             }
+        }
+        stalled = if range.size < before { 0 } else { stalled + 1 };
+        if stalled >= STALLED_TRIES {
+            return Err(std::io::Error::other(format!(
+                "no progress at guest address {:#x}",
+                range.gpa
+            )));
         }
     }
     Ok(())
@@ -199,7 +211,7 @@ fn populate(host: u64, len: u64, write: bool) -> std::io::Result<()> {
     } else {
         libc::MADV_POPULATE_READ
     };
-    loop {
+    for _ in 0..STALLED_TRIES {
         // SAFETY: advice on guest RAM this VM maps; populating never changes its contents.
         let rc = unsafe { libc::madvise(host as *mut libc::c_void, len as usize, advice) };
         if rc == 0 {
@@ -210,6 +222,7 @@ fn populate(host: u64, len: u64, write: bool) -> std::io::Result<()> {
             return Err(e);
         }
     }
+    Err(std::io::Error::other("interrupted every time"))
 }
 
 #[cfg(test)]
