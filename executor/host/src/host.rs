@@ -607,11 +607,7 @@ impl Host {
         };
         let installed = (|| {
             // Its children map these pages before they run; a store's hosts get them too.
-            let ws = self.record_working_set(&spec.tag, &staging);
-            if let Err(e) = self.record_written_set(&spec.tag, &staging, &ws) {
-                // Only hints: the snapshot is whole without them.
-                tracing::warn!(tag = %spec.tag, "keeping the working set beside the snapshot: {e}");
-            }
+            let ws = self.record_page_lists(&spec.tag, &staging);
             if let Some(f) = &self.fetcher {
                 // A snapshot the other hosts cannot fetch is not made at all.
                 let _publishing = f.in_flight();
@@ -780,13 +776,7 @@ impl Host {
         );
         let ws = match kept {
             Some(ws) => ws,
-            None => {
-                let ws = self.record_working_set(tag, &dir);
-                if let Err(e) = self.record_written_set(tag, &dir, &ws) {
-                    tracing::warn!(%tag, "keeping the working set here: {e}");
-                }
-                ws
-            }
+            None => self.record_page_lists(tag, &dir),
         };
         let info = {
             let _publishing = f.in_flight();
@@ -1317,51 +1307,44 @@ impl Host {
         }
     }
 
-    /// Keep working set `ws` of the snapshot in `dir` beside it, and which of its pages a child
-    /// writes on its way to ready: the pages two children, restored as any other one after the
-    /// other, both hold as private copies as soon as they are ready (read from their page
-    /// maps). One child alone also writes pages that timing decides (a timer that fired, a
-    /// slab object taken), which other children would not write but would all be given; a
-    /// page both wrote is one nearly every child writes. Both lists are hints its children's
-    /// workers map ahead (see [`tine_vmm::prefault`]); without them children only fault as
-    /// before, so a written set that cannot be had is only logged.
-    fn record_written_set(&self, tag: &Tag, dir: &std::path::Path, ws: &[u64]) -> Result<()> {
+    /// Record the page lists of the snapshot in `dir` and keep them beside it: its working set
+    /// (returned), and which of those pages a child writes on its way to ready: the pages two
+    /// children, restored as any other one after the other, both hold as private copies as soon
+    /// as they are ready (read from their page maps). One child alone also writes pages that
+    /// timing decides (a timer that fired, a slab object taken), which other children would
+    /// not write but would all be given; a page both wrote is one nearly every child writes.
+    /// Both lists are hints its children's workers map ahead (see [`tine_vmm::prefault`]);
+    /// without them children only fault as before, so what cannot be had is only logged.
+    fn record_page_lists(&self, tag: &Tag, dir: &std::path::Path) -> Vec<u64> {
         use crate::lazy::{save_page_list, WORKING_SET_FILE, WRITTEN_SET_FILE};
+        let ws = self.record_working_set(tag, dir);
         if ws.is_empty() {
-            return Ok(());
+            return ws;
         }
         let t0 = Instant::now();
-        let mut both: Option<Vec<u64>> = None;
-        let mut failed = None;
-        for _ in 0..2 {
-            match self.written_by_one_child(tag, dir) {
-                Ok(w) => {
-                    both = Some(match both {
-                        None => w,
-                        // Both sorted: keep what the first also wrote.
-                        Some(first) => w
-                            .into_iter()
-                            .filter(|p| first.binary_search(p).is_ok())
-                            .collect(),
-                    })
-                }
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
-        save_page_list(dir, WORKING_SET_FILE, ws)?;
-        match (both, failed) {
-            (Some(w), None) => {
+        let written = self.written_by_one_child(tag, dir).and_then(|first| {
+            let second = self.written_by_one_child(tag, dir)?;
+            // Both sorted: keep what the first also wrote.
+            Ok(second
+                .into_iter()
+                .filter(|p| first.binary_search(p).is_ok())
+                .collect::<Vec<u64>>())
+        });
+        let kept = save_page_list(dir, WORKING_SET_FILE, &ws).and_then(|()| match written {
+            Ok(w) => {
                 tracing::info!(%tag, pages = w.len(), took_ms = t0.elapsed().as_millis() as u64, "written set recorded");
                 save_page_list(dir, WRITTEN_SET_FILE, &w)
             }
-            (_, e) => {
-                tracing::warn!(%tag, "no written set recorded: {}", e.unwrap_or_default());
+            Err(e) => {
+                tracing::warn!(%tag, "no written set recorded: {e}");
                 Ok(())
             }
+        });
+        if let Err(e) = kept {
+            // Only hints: the snapshot is whole without them.
+            tracing::warn!(%tag, "keeping the page lists beside the snapshot: {e}");
         }
+        ws
     }
 
     /// Restore one child of the snapshot in `dir` and, once it is ready, the image pages it

@@ -27,13 +27,13 @@ pub fn written_pages(pid: u32, file: &std::path::Path) -> io::Result<Vec<u64>> {
     let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap"))?;
     let mut out = Vec::new();
     let mut matched = false;
+    let mut buf = vec![0u8; (BATCH * 8) as usize];
     for m in maps.lines().filter_map(Mapping::parse) {
         if !m.private || m.file != Some(id) {
             continue;
         }
         matched = true;
         let pages = (m.end - m.start) / PAGE;
-        let mut buf = vec![0u8; (BATCH * 8) as usize];
         let mut done = 0;
         while done < pages {
             let n = BATCH.min(pages - done);
