@@ -342,6 +342,11 @@ pub struct ForkBench {
     /// child from that copy (as an executor does for a hot snapshot; see docs/performance.md).
     #[arg(long)]
     hold_image: bool,
+    /// Open the children's guest RAM to the host's page merging (KSM), as `tine up
+    /// --merge-pages` does, and report what merged and the KSM daemon's CPU time (needs
+    /// /sys/kernel/mm/ksm/run = 1; give --idle-secs long enough for its passes).
+    #[arg(long)]
+    merge_pages: bool,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -500,7 +505,26 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     let mut phase_rows: Vec<(usize, Vec<SpawnPhases>)> = Vec::new();
     let mut written_rows: Vec<(usize, Written)> = Vec::new();
     let mut counter_rows: Vec<(usize, Vec<Counters>)> = Vec::new();
-    let host = crate::local::cli_host(tine_host::Readiness::Agent)?;
+    let host = tine_host::Host::open(crate::local::host_config(
+        tine_host::Owner::Cli,
+        tine_host::Limits {
+            merge_pages: b.merge_pages,
+            ..tine_host::Limits::one_shot()
+        },
+        tine_host::Readiness::Agent,
+    )?)?;
+    if b.merge_pages {
+        let setting = |f: &str| {
+            std::fs::read_to_string(std::path::Path::new(tine_host::ksm::SYSFS).join(f))
+                .map_or("?".into(), |v| v.trim().to_string())
+        };
+        println!(
+            "page merging (KSM) on: children's guest RAM advised MADV_MERGEABLE; ksmd pages_to_scan {}, sleep_millisecs {}, use_zero_pages {}",
+            setting("pages_to_scan"),
+            setting("sleep_millisecs"),
+            setting("use_zero_pages")
+        );
+    }
     if b.hold_image {
         let t = Instant::now();
         let bytes = host.hold_image(&b.tag)?;
@@ -519,9 +543,11 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         network: None,
         resources: Default::default(),
     };
+    let mut merge_rows: Vec<Merged> = Vec::new();
     for &n in &b.counts {
         // Workers up and waiting before the clock (fork_children finds them there).
         host.prestart_workers(n);
+        let ksm0 = b.merge_pages.then(Merged::before);
         let t0 = Instant::now();
         let busy0 = machine_busy_ms();
         let collected = std::sync::Mutex::new(Vec::new());
@@ -564,6 +590,10 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
             .iter()
             .filter_map(|r| r.pid.and_then(pss_split_kib))
             .collect();
+        if let Some(before) = &ksm0 {
+            let pids: Vec<u32> = reports.iter().filter_map(|r| r.pid).collect();
+            merge_rows.push(before.after(n, &pids));
+        }
         let guest_kib: u64 = split.iter().map(|s| s.0).sum();
         let vmm_kib: u64 = split.iter().map(|s| s.1).sum();
         let mib_per_child = (guest_kib + vmm_kib) as f64 / 1024.0 / n as f64;
@@ -602,16 +632,23 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     let phases_json = print_phase_table(&phase_rows);
     let written_json = print_written_table(&written_rows, b.idle_secs);
     let counters_json = print_child_counters(&counter_rows);
+    let merged_json = if b.merge_pages {
+        print_merged_table(&merge_rows, b.idle_secs)
+    } else {
+        "null".to_string()
+    };
     let doc = format!(
-        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"idle_secs\":{},\"hold_image\":{},\"rows\":[{}],\"phases\":[{}],\"written\":{},\"kvm_to_ready_p50\":{}}}",
+        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"idle_secs\":{},\"hold_image\":{},\"merge_pages\":{},\"rows\":[{}],\"phases\":[{}],\"written\":{},\"kvm_to_ready_p50\":{},\"merged\":{}}}",
         b.tag.as_str(),
         pct(&floor, 0.5),
         b.idle_secs,
         b.hold_image,
+        b.merge_pages,
         rows.join(","),
         phases_json.join(","),
         written_json,
-        counters_json
+        counters_json,
+        merged_json
     );
     println!("json: {doc}");
     if let Some(p) = b.json {
@@ -703,6 +740,83 @@ fn attribute_written(host: &tine_host::Host, sample: &[&SpawnOutcome]) -> Writte
 
 /// What each sampled child wrote, MiB per child by cause with one column per fan-out size;
 /// returns the same as a JSON array.
+/// What the host's page merging did for one fan-out: read before its clock and once its
+/// children have idled.
+struct Merged {
+    n: usize,
+    /// Host-wide KSM counters when the children's memory was read.
+    counters: tine_host::ksm::Counters,
+    /// Passes KSM completed from the clock to then.
+    passes: u64,
+    /// Mean over the children of their pages mapped to merged pages.
+    merging_per_child: f64,
+    /// The KSM daemon's CPU time from the clock to then.
+    ksmd_ms: Option<f64>,
+}
+
+impl Merged {
+    fn before() -> Merged {
+        Merged {
+            n: 0,
+            counters: tine_host::ksm::Counters::read(std::path::Path::new(tine_host::ksm::SYSFS))
+                .unwrap_or_default(),
+            passes: 0,
+            merging_per_child: 0.0,
+            ksmd_ms: tine_host::ksm::daemon_cpu_ms(),
+        }
+    }
+
+    fn after(&self, n: usize, pids: &[u32]) -> Merged {
+        let counters = tine_host::ksm::Counters::read(std::path::Path::new(tine_host::ksm::SYSFS))
+            .unwrap_or_default();
+        let merging: Vec<u64> = pids
+            .iter()
+            .filter_map(|&p| tine_host::ksm::merging_pages(p))
+            .collect();
+        Merged {
+            n,
+            counters,
+            passes: counters.full_scans.saturating_sub(self.counters.full_scans),
+            merging_per_child: merging.iter().sum::<u64>() as f64 / merging.len().max(1) as f64,
+            ksmd_ms: self
+                .ksmd_ms
+                .zip(tine_host::ksm::daemon_cpu_ms())
+                .map(|(a, b)| b - a),
+        }
+    }
+}
+
+/// The page-merging table and its JSON.
+fn print_merged_table(rows: &[Merged], idle_secs: f64) -> String {
+    const MIB_PER_PAGE: f64 = 4096.0 / (1u64 << 20) as f64;
+    println!("\npage merging (KSM) once the children idled {idle_secs} s (host-wide counters; saved = pages_sharing, the mappings that point at a page kept once, plus pages merged with the zero page; ksmd CPU from the clock, at clock-tick resolution):");
+    println!(
+        "{:>6} {:>16} {:>14} {:>14} {:>12} {:>8} {:>14}",
+        "N", "merged/child", "kept once", "saved MiB", "saved/child", "passes", "ksmd CPU ms"
+    );
+    let mut json = Vec::new();
+    for m in rows {
+        let saved = (m.counters.pages_sharing + m.counters.zero_pages) as f64 * MIB_PER_PAGE;
+        let per_child = saved / m.n.max(1) as f64;
+        let cpu = m.ksmd_ms.map_or("-".into(), |c| format!("{c:.0}"));
+        println!(
+            "{:>6} {:>16.1} {:>14} {:>14.2} {:>12.3} {:>8} {:>14}",
+            m.n, m.merging_per_child, m.counters.pages_shared, saved, per_child, m.passes, cpu
+        );
+        json.push(format!(
+            "{{\"n\":{},\"merging_pages_per_child\":{:.1},\"pages_shared\":{},\"pages_sharing\":{},\"zero_pages\":{},\"saved_mib_per_child\":{per_child:.3},\"full_scans\":{},\"ksmd_cpu_ms\":{}}}",
+            m.n,
+            m.merging_per_child,
+            m.counters.pages_shared,
+            m.counters.pages_sharing,
+            m.counters.zero_pages,
+            m.passes,
+            m.ksmd_ms.map_or("null".into(), |c| format!("{c:.1}"))
+        ));
+    }
+    format!("[{}]", json.join(","))
+}
+
 fn print_written_table(rows: &[(usize, Written)], idle_secs: f64) -> String {
     if rows.is_empty() {
         return "[]".into();

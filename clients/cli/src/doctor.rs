@@ -179,6 +179,26 @@ fn huge_pages_check(out: &mut Vec<Check>) {
     });
 }
 
+/// Page merging is an opt-in (`--merge-pages`), so a stopped KSM daemon is fine; the line
+/// says whether the option would work here.
+fn ksm_check(out: &mut Vec<Check>) {
+    let run = std::path::Path::new(tine_host::ksm::RUN);
+    out.push(match tine_host::ksm::refusal(run) {
+        None => check(
+            "page merging (KSM)",
+            Status::Ok,
+            "ksmd runs: `--merge-pages` lets it merge identical pages children wrote",
+            "",
+        ),
+        Some(why) => check(
+            "page merging (KSM)",
+            Status::Ok,
+            format!("off ({why}); only `--merge-pages` needs it"),
+            "",
+        ),
+    });
+}
+
 fn tun_check(out: &mut Vec<Check>) {
     let ok = Path::new("/dev/net/tun").exists();
     out.push(check(
@@ -281,6 +301,7 @@ pub fn run(a: DoctorArgs) -> Result<i32> {
     userfaultfd_check(&mut checks);
     memfd_check(&mut checks);
     huge_pages_check(&mut checks);
+    ksm_check(&mut checks);
     tun_check(&mut checks);
     let data_dir = a.data_dir.unwrap_or_else(tine_image::default_cache_dir);
     space_check(&mut checks, &data_dir);

@@ -101,6 +101,11 @@ pub struct UpArgs {
     /// transparent huge pages (`tine doctor`). 0: off.
     #[arg(long, default_value_t = 2048)]
     hot_image_mib: u64,
+    /// Let the host's KSM daemon merge identical pages that children wrote (needs
+    /// /sys/kernel/mm/ksm/run = 1; `tine doctor`). Off by default: merging costs that
+    /// daemon's CPU, and pages merged across tenants let one child time another's writes.
+    #[arg(long)]
+    merge_pages: bool,
     /// Start even though /dev/kvm is PVM (VM calls will fail).
     #[arg(long)]
     allow_pvm: bool,
@@ -200,6 +205,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
                     max_vms: a.max_sandboxes,
                     pool_size: a.pool,
                     hot_image_mib: a.hot_image_mib,
+                    merge_pages: a.merge_pages,
                     ..tine_host::Limits::default()
                 },
                 // One host: its snapshots are always here.
@@ -443,6 +449,11 @@ pub struct ExecutorArgs {
     /// transparent huge pages (`tine doctor`). 0: off.
     #[arg(long, default_value_t = 2048)]
     hot_image_mib: u64,
+    /// Let the host's KSM daemon merge identical pages that children wrote (needs
+    /// /sys/kernel/mm/ksm/run = 1; `tine doctor`). Off by default: merging costs that
+    /// daemon's CPU, and pages merged across tenants let one child time another's writes.
+    #[arg(long)]
+    merge_pages: bool,
     #[arg(long)]
     allow_plaintext_remote: bool,
     #[arg(long)]
@@ -505,6 +516,7 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
                         max_vms: a.max_sandboxes,
                         pool_size: a.pool,
                         hot_image_mib: a.hot_image_mib,
+                        merge_pages: a.merge_pages,
                         ..tine_host::Limits::default()
                     },
                     a.store.clone().map(|url| local::StoreChoice {

@@ -63,6 +63,11 @@ pub struct Limits {
     /// Most memory (MiB of image data) held as copies of hot snapshots' memory in huge pages
     /// (see [`crate::hot`]); 0: none held unless asked ([`crate::Host::hold_image`]).
     pub hot_image_mib: u64,
+    /// Open children's guest RAM to the host's page merging (KSM, `MADV_MERGEABLE`), so
+    /// identical pages that siblings wrote are kept once. Off by default: it costs the KSM
+    /// daemon's CPU, and merging across tenants lets one child time another's writes (a
+    /// known side channel). Needs `/sys/kernel/mm/ksm/run` = 1 ([`crate::ksm`]).
+    pub merge_pages: bool,
 }
 
 impl Default for Limits {
@@ -74,6 +79,7 @@ impl Default for Limits {
             ready_timeout: Duration::from_millis(DEFAULT_READY_TIMEOUT_MS as u64),
             parent_ready_timeout: Duration::from_secs(900),
             hot_image_mib: 2048,
+            merge_pages: false,
         }
     }
 }

@@ -116,6 +116,8 @@ pub enum HostError {
     NoCgroups(String),
     #[error("cgroup: {0}")]
     Cgroup(String),
+    #[error("page merging was asked for, but {0}")]
+    PageMerging(String),
     #[error(
         "VM {id} ran out of memory: the kernel killed its VMM at its limit of {limit_mib} MiB"
     )]
@@ -162,7 +164,8 @@ impl HostError {
             | Branch { .. }
             | HasDescendants { .. }
             | NetworkRefused(_)
-            | NoCgroups(_) => ErrorKind::Precondition,
+            | NoCgroups(_)
+            | PageMerging(_) => ErrorKind::Precondition,
             Network { .. } => ErrorKind::Internal,
             Worker { .. }
             | Io { .. }
@@ -211,6 +214,7 @@ impl HostError {
             Network { .. } | NetworkRefused(_) => "network",
             Limits(_) | NoCgroups(_) => "resources",
             Cgroup(_) => "cgroup",
+            PageMerging(_) => "page_merging",
             OutOfMemory { .. } => "out_of_memory",
             Io { .. } => "io",
             Vmm(_) => "vmm",

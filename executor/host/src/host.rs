@@ -275,6 +275,11 @@ impl Host {
                 HostError::io(format!("opening {} to VMM users", d.display())),
             )?;
         }
+        if cfg.limits.merge_pages {
+            if let Some(why) = crate::ksm::refusal(std::path::Path::new(crate::ksm::RUN)) {
+                return Err(HostError::PageMerging(why));
+            }
+        }
         // Before any worker starts: the executor may move itself into its own leaf cgroup.
         let (cgroups, no_cgroups) = match Cgroups::open(&cfg.cgroups, &cfg.data_dir) {
             Ok(Some(c)) => (Some(c), String::new()),
@@ -663,11 +668,14 @@ impl Host {
         dir: &std::path::Path,
         netns: Option<PathBuf>,
     ) -> WorkerJob {
+        // Children only: a booting parent's RAM is shared memory, which KSM never merges.
+        let merge_pages = self.cfg.limits.merge_pages && matches!(vm, JobVm::Restore { .. });
         WorkerJob {
             vm,
             dir: dir.to_path_buf(),
             netns,
             confine: self.cfg.confine.for_worker(pid),
+            merge_pages,
             #[cfg(feature = "testing")]
             trip_seccomp: self.cfg.confine.trip_seccomp,
         }

@@ -13,6 +13,7 @@ pub mod fetch;
 pub mod handoff;
 mod host;
 pub mod hot;
+pub mod ksm;
 pub mod layers;
 pub mod lazy;
 pub mod network;

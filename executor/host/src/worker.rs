@@ -47,6 +47,10 @@ pub struct WorkerJob {
     /// Its user and system-call filter.
     #[serde(default)]
     pub confine: crate::confine::WorkerConfinement,
+    /// A child's guest RAM is open to the host's page merging (KSM; see
+    /// [`crate::Limits::merge_pages`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub merge_pages: bool,
     /// Tests only: once confined, make a system call outside the allow-list.
     #[cfg(feature = "testing")]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -472,7 +476,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
                 vsock_uds: Some(dir.join("vsock.sock")),
                 tap,
             };
-            match memory {
+            let vm = match memory {
                 JobMemory::Lazy => restore_lazily(&snapshot, opts, shell)?,
                 JobMemory::Image | JobMemory::Held => {
                     let prepared = tine_vmm::vm::Prepared { image: held, shell };
@@ -485,7 +489,15 @@ pub fn worker_main() -> anyhow::Result<i32> {
                     prefault_working_set(&vm, &snapshot);
                     vm
                 }
+            };
+            if job.merge_pages {
+                // The host checked at start that KSM runs; a refusal here costs only memory.
+                match vm.ram().advise_mergeable() {
+                    Ok(()) => eprintln!("tine-vmm: guest RAM open to page merging (KSM)"),
+                    Err(e) => eprintln!("tine-vmm: no page merging: {e}"),
+                }
             }
+            vm
         }
         JobVm::Boot(b) => boot(b, &dir, console()?, tap, shell)?,
     };

@@ -986,14 +986,103 @@ fn children_prefault_their_snapshot_s_working_set() {
     host.kill_all();
 }
 
-/// A snapshot's memory held by the host: a child restores from the copy (its guest RAM maps
-/// the memfd, not memory.img) and runs; deleting the snapshot lets go of the copy.
-fn children_restore_from_a_held_image() {
+/// A data directory holding the counter guest's snapshot, tagged `counter`.
+fn counter_snapshot() -> (tempfile::TempDir, Tag) {
     let tmp = tempfile::tempdir().unwrap();
-    let tag = Tag::parse("counter").unwrap();
     let snaps = tmp.path().join("snapshots");
     std::fs::create_dir_all(&snaps).unwrap();
     write_counter_guest_snapshot(&snaps.join("counter"), 32).unwrap();
+    (tmp, Tag::parse("counter").unwrap())
+}
+
+/// The VMM process of child `id`.
+fn pid_of(host: &Host, id: &SandboxId) -> u32 {
+    host.list()
+        .into_iter()
+        .find(|v| v.record.id == *id)
+        .expect("listed")
+        .record
+        .process
+        .pid
+}
+
+/// Restores `run` to what it held when dropped.
+struct KsmRunGuard(Option<String>);
+
+impl Drop for KsmRunGuard {
+    fn drop(&mut self) {
+        if let Some(v) = &self.0 {
+            let _ = std::fs::write(tine_host::ksm::RUN, v);
+        }
+    }
+}
+
+/// The VmFlags of each guest-RAM mapping in `pid`'s smaps.
+fn guest_ram_flags(pid: u32) -> Vec<String> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut out = Vec::new();
+    let mut in_ram = false;
+    for l in smaps.lines() {
+        let first = l.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            let path = l.split_whitespace().nth(5).unwrap_or("");
+            in_ram = tine_host::hot::is_guest_ram(path);
+        } else if let Some(flags) = l.strip_prefix("VmFlags:") {
+            if in_ram {
+                out.push(flags.trim().to_string());
+            }
+        }
+    }
+    out
+}
+
+/// Page merging: refused with the reason while the KSM daemon is stopped; with it running,
+/// a child's guest RAM is advised mergeable (its mappings carry `mg`) and vmm.log says so.
+/// Root only starts the daemon for this test, and puts the setting back.
+fn children_guest_ram_is_open_to_page_merging() {
+    let (tmp, tag) = counter_snapshot();
+    let mut cfg = config(tmp.path(), 8, 1);
+    cfg.limits.merge_pages = true;
+    let run = std::fs::read_to_string(tine_host::ksm::RUN).unwrap_or_default();
+    if run.trim() != "1" {
+        let e = Host::open_exclusive(cfg.clone()).err().expect("refused");
+        assert!(matches!(e, tine_host::HostError::PageMerging(_)), "{e}");
+        assert!(e.to_string().contains("echo 1 >"), "{e}");
+    }
+    let _guard = match run.trim() {
+        "1" => KsmRunGuard(None),
+        _ if std::fs::write(tine_host::ksm::RUN, "1").is_ok() => KsmRunGuard(Some(run.clone())),
+        _ => {
+            println!("  (not root: only the refusal was checked)");
+            return;
+        }
+    };
+    let host = Host::open_exclusive(cfg).unwrap();
+    let c = spawn_of(&host, &tag);
+    let counts = counts_of(&host, &c, 3);
+    assert!(counts.windows(2).all(|w| w[1] == w[0] + 1), "{counts:?}");
+    let log =
+        std::fs::read_to_string(tmp.path().join("vms").join(c.as_str()).join("vmm.log")).unwrap();
+    assert!(
+        log.contains("guest RAM open to page merging (KSM)"),
+        "{log}"
+    );
+    let pid = pid_of(&host, &c);
+    let flags = guest_ram_flags(pid);
+    assert!(!flags.is_empty(), "no guest RAM mapping in {pid}'s smaps");
+    assert!(
+        flags
+            .iter()
+            .all(|f| f.split_whitespace().any(|w| w == "mg")),
+        "{flags:?}"
+    );
+    host.kill_all();
+}
+
+/// A snapshot's memory held by the host: a child restores from the copy (its guest RAM maps
+/// the memfd, not memory.img) and runs; deleting the snapshot lets go of the copy.
+fn children_restore_from_a_held_image() {
+    let (tmp, tag) = counter_snapshot();
     let host = Host::open_exclusive(config(tmp.path(), 8, 1)).unwrap();
     let bytes = host.hold_image(&tag).unwrap();
     assert!(bytes > 0);
@@ -1005,15 +1094,7 @@ fn children_restore_from_a_held_image() {
         "it counts on: {counts:?}"
     );
     let maps_of = |id: &SandboxId| {
-        let pid = host
-            .list()
-            .into_iter()
-            .find(|v| v.record.id == *id)
-            .expect("listed")
-            .record
-            .process
-            .pid;
-        std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap()
+        std::fs::read_to_string(format!("/proc/{}/maps", pid_of(&host, id))).unwrap()
     };
     let maps = maps_of(&c);
     assert!(maps.contains("/memfd:tine-hot-image"), "{maps}");
@@ -1580,7 +1661,11 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 22] = [
+    let tests: [(&str, fn()); 23] = [
+        (
+            "children_guest_ram_is_open_to_page_merging",
+            children_guest_ram_is_open_to_page_merging,
+        ),
         (
             "children_prefault_their_snapshot_s_working_set",
             children_prefault_their_snapshot_s_working_set,

@@ -122,6 +122,13 @@ pub enum MemoryError {
         #[source]
         source: std::io::Error,
     },
+    #[error("guest memory: {advice} refused for guest RAM at {guest_addr:#x}: {source}")]
+    Advise {
+        advice: &'static str,
+        guest_addr: u64,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("guest memory: no host address for guest RAM at {guest_addr:#x}: {source}")]
     HostAddress {
         guest_addr: u64,

@@ -53,6 +53,9 @@ pub struct GuestRam {
     size: u64,
     /// Changes only when a running VM is rebased onto its own branch.
     layers: Mutex<Layers>,
+    /// Open to page merging ([`advise_mergeable`](Self::advise_mergeable)): mappings made
+    /// later by a rebase are advised too.
+    mergeable: std::sync::atomic::AtomicBool,
 }
 
 /// What guest RAM is mapped from, over `file`, and what a diff of it is taken over.
@@ -263,6 +266,7 @@ impl GuestRam {
                 overlays: Vec::new(),
                 bases: Vec::new(),
             }),
+            mergeable: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -400,6 +404,14 @@ impl GuestRam {
             let layers = l.overlays.len();
             l.bases.push(Base { origin, layers });
         }
+        drop(l);
+        // The layer's mappings replaced advised ones; pages the guest writes there later
+        // are as mergeable as before.
+        if self.is_mergeable() {
+            if let Err(e) = self.advise_mapped(libc::MADV_MERGEABLE, "MADV_MERGEABLE") {
+                tracing::warn!("guest RAM after a rebase: {e}");
+            }
+        }
     }
 
     /// Map from `layer`'s file the pages of `pieces` whose RAM equals `file_bytes` (the page
@@ -487,6 +499,43 @@ impl GuestRam {
     /// The highest guest-physical address below the MMIO gap that is RAM (exclusive).
     pub fn low_ram_end(&self) -> u64 {
         self.ranges[0].size
+    }
+
+    /// Let the host's KSM daemon merge this RAM's pages with identical pages of other
+    /// mergeable memory (`MADV_MERGEABLE`), such as the same page written alike by sibling
+    /// children. Only pages the guest wrote are candidates (KSM merges anonymous pages; the
+    /// rest still map the image). A merged page is read-only to the host: the guest's next
+    /// write to it takes a fault and a fresh copy.
+    pub fn advise_mergeable(&self) -> Result<()> {
+        self.mergeable
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.advise_mapped(libc::MADV_MERGEABLE, "MADV_MERGEABLE")
+    }
+
+    /// Whether [`advise_mergeable`](Self::advise_mergeable) was asked for.
+    pub fn is_mergeable(&self) -> bool {
+        self.mergeable.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// `advice` over every RAM region, overlays included (advice applies to each mapping
+    /// in the range).
+    fn advise_mapped(&self, advice: libc::c_int, name: &'static str) -> Result<()> {
+        use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+        for region in self.memory.iter() {
+            // SAFETY: advice over our own mapping of exactly this length; MADV_MERGEABLE
+            // never changes what the memory holds.
+            let rc =
+                unsafe { libc::madvise(region.as_ptr().cast(), region.len() as usize, advice) };
+            if rc != 0 {
+                return Err(MemoryError::Advise {
+                    advice: name,
+                    guest_addr: region.start_addr().0,
+                    source: std::io::Error::last_os_error(),
+                }
+                .into());
+            }
+        }
+        Ok(())
     }
 
     /// Ask for transparent huge pages on every RAM mapping: a private mapping of a file held
@@ -585,6 +634,47 @@ mod tests {
         let mut buf = [0u8; 4];
         std::os::unix::fs::FileExt::read_exact_at(ram.file().unwrap(), &mut buf, 0x1234).unwrap();
         assert_eq!(&buf, b"tine");
+    }
+
+    /// The VmFlags of our own mapping that starts at `addr`.
+    fn vm_flags(addr: usize) -> Vec<String> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let head = format!("{addr:x}-");
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&head));
+        assert!(lines.next().is_some(), "no mapping at {addr:#x}");
+        let flags = lines
+            .find_map(|l| l.strip_prefix("VmFlags:"))
+            .expect("VmFlags line");
+        flags.split_whitespace().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn private_ram_advised_mergeable_is_marked_for_ksm() {
+        use vm_memory::GuestMemoryBackend;
+        let parent = GuestRam::new_memfd(64).unwrap();
+        let image = parent.file().unwrap().try_clone().unwrap();
+        let child = GuestRam::from_file(image, 64 << 20, Sharing::Private).unwrap();
+        let addr = child.memory().iter().next().unwrap().as_ptr() as usize;
+        assert!(!vm_flags(addr).iter().any(|f| f == "mg"));
+        assert!(!child.is_mergeable());
+        child.advise_mergeable().unwrap();
+        assert!(child.is_mergeable());
+        assert!(
+            vm_flags(addr).iter().any(|f| f == "mg"),
+            "{:?}",
+            vm_flags(addr)
+        );
+        // A guest write still lands in the child alone.
+        child
+            .memory()
+            .write_slice(b"merge", GuestAddress(0x3000))
+            .unwrap();
+        let mut buf = [0u8; 5];
+        parent
+            .memory()
+            .read_slice(&mut buf, GuestAddress(0x3000))
+            .unwrap();
+        assert_eq!(buf, [0; 5]);
     }
 
     #[test]
