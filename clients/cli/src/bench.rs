@@ -738,46 +738,43 @@ fn attribute_written(host: &tine_host::Host, sample: &[&SpawnOutcome]) -> Writte
     w
 }
 
-/// What each sampled child wrote, MiB per child by cause with one column per fan-out size;
-/// returns the same as a JSON array.
 /// What the host's page merging did for one fan-out: read before its clock and once its
 /// children have idled.
 struct Merged {
     n: usize,
-    /// Host-wide KSM counters when the children's memory was read.
+    /// Host-wide KSM counters: read before the clock, then (in `after`) their growth since.
     counters: tine_host::ksm::Counters,
-    /// Passes KSM completed from the clock to then.
-    passes: u64,
-    /// Mean over the children of their pages mapped to merged pages.
-    merging_per_child: f64,
-    /// The KSM daemon's CPU time from the clock to then.
+    /// Mean over the children of their pages mapped to merged pages (None: none readable).
+    merging_per_child: Option<f64>,
+    /// The KSM daemon's CPU time: its total before the clock, then its growth since.
     ksmd_ms: Option<f64>,
 }
 
 impl Merged {
+    fn read_counters() -> tine_host::ksm::Counters {
+        tine_host::ksm::Counters::read(std::path::Path::new(tine_host::ksm::SYSFS))
+            .unwrap_or_default()
+    }
+
     fn before() -> Merged {
         Merged {
             n: 0,
-            counters: tine_host::ksm::Counters::read(std::path::Path::new(tine_host::ksm::SYSFS))
-                .unwrap_or_default(),
-            passes: 0,
-            merging_per_child: 0.0,
+            counters: Merged::read_counters(),
+            merging_per_child: None,
             ksmd_ms: tine_host::ksm::daemon_cpu_ms(),
         }
     }
 
     fn after(&self, n: usize, pids: &[u32]) -> Merged {
-        let counters = tine_host::ksm::Counters::read(std::path::Path::new(tine_host::ksm::SYSFS))
-            .unwrap_or_default();
         let merging: Vec<u64> = pids
             .iter()
             .filter_map(|&p| tine_host::ksm::merging_pages(p))
             .collect();
         Merged {
             n,
-            counters,
-            passes: counters.full_scans.saturating_sub(self.counters.full_scans),
-            merging_per_child: merging.iter().sum::<u64>() as f64 / merging.len().max(1) as f64,
+            counters: Merged::read_counters().since(&self.counters),
+            merging_per_child: (!merging.is_empty())
+                .then(|| merging.iter().sum::<u64>() as f64 / merging.len() as f64),
             ksmd_ms: self
                 .ksmd_ms
                 .zip(tine_host::ksm::daemon_cpu_ms())
@@ -789,34 +786,40 @@ impl Merged {
 /// The page-merging table and its JSON.
 fn print_merged_table(rows: &[Merged], idle_secs: f64) -> String {
     const MIB_PER_PAGE: f64 = 4096.0 / (1u64 << 20) as f64;
-    println!("\npage merging (KSM) once the children idled {idle_secs} s (host-wide counters; saved = pages_sharing, the mappings that point at a page kept once, plus pages merged with the zero page; ksmd CPU from the clock, at clock-tick resolution):");
+    println!("\npage merging (KSM) once the children idled {idle_secs} s (host-wide counters, growth from the clock; saved = pages_sharing, the mappings that point at a page kept once, plus pages merged with the zero page; ksmd CPU from the clock, at clock-tick resolution):");
     println!(
         "{:>6} {:>16} {:>14} {:>14} {:>12} {:>8} {:>14}",
         "N", "merged/child", "kept once", "saved MiB", "saved/child", "passes", "ksmd CPU ms"
     );
     let mut json = Vec::new();
     for m in rows {
-        let saved = (m.counters.pages_sharing + m.counters.zero_pages) as f64 * MIB_PER_PAGE;
+        let c = m.counters;
+        let saved = (c.pages_sharing + c.zero_pages) as f64 * MIB_PER_PAGE;
         let per_child = saved / m.n.max(1) as f64;
         let cpu = m.ksmd_ms.map_or("-".into(), |c| format!("{c:.0}"));
+        let merging = m
+            .merging_per_child
+            .map_or("-".into(), |v| format!("{v:.1}"));
         println!(
-            "{:>6} {:>16.1} {:>14} {:>14.2} {:>12.3} {:>8} {:>14}",
-            m.n, m.merging_per_child, m.counters.pages_shared, saved, per_child, m.passes, cpu
+            "{:>6} {merging:>16} {:>14} {saved:>14.2} {per_child:>12.3} {:>8} {cpu:>14}",
+            m.n, c.pages_shared, c.full_scans
         );
         json.push(format!(
-            "{{\"n\":{},\"merging_pages_per_child\":{:.1},\"pages_shared\":{},\"pages_sharing\":{},\"zero_pages\":{},\"saved_mib_per_child\":{per_child:.3},\"full_scans\":{},\"ksmd_cpu_ms\":{}}}",
+            "{{\"n\":{},\"merging_pages_per_child\":{},\"pages_shared\":{},\"pages_sharing\":{},\"zero_pages\":{},\"saved_mib_per_child\":{per_child:.3},\"passes\":{},\"ksmd_cpu_ms\":{}}}",
             m.n,
-            m.merging_per_child,
-            m.counters.pages_shared,
-            m.counters.pages_sharing,
-            m.counters.zero_pages,
-            m.passes,
+            m.merging_per_child.map_or("null".into(), |v| format!("{v:.1}")),
+            c.pages_shared,
+            c.pages_sharing,
+            c.zero_pages,
+            c.full_scans,
             m.ksmd_ms.map_or("null".into(), |c| format!("{c:.1}"))
         ));
     }
     format!("[{}]", json.join(","))
 }
 
+/// What each sampled child wrote, MiB per child by cause with one column per fan-out size;
+/// returns the same as a JSON array.
 fn print_written_table(rows: &[(usize, Written)], idle_secs: f64) -> String {
     if rows.is_empty() {
         return "[]".into();

@@ -51,10 +51,23 @@ impl Counters {
         Some(Counters {
             pages_shared: get("pages_shared")?,
             pages_sharing: get("pages_sharing")?,
-            // Linux 6.1+ only.
+            // Newer kernels only (zero-page merging counted since about Linux 6.5).
             zero_pages: get("ksm_zero_pages").unwrap_or(0),
             full_scans: get("full_scans")?,
         })
+    }
+}
+
+impl Counters {
+    /// How much each counter grew since `before` (a counter that fell counts as 0; a pass
+    /// count is the passes completed in between).
+    pub fn since(&self, before: &Counters) -> Counters {
+        Counters {
+            pages_shared: self.pages_shared.saturating_sub(before.pages_shared),
+            pages_sharing: self.pages_sharing.saturating_sub(before.pages_sharing),
+            zero_pages: self.zero_pages.saturating_sub(before.zero_pages),
+            full_scans: self.full_scans.saturating_sub(before.full_scans),
+        }
     }
 }
 
@@ -135,6 +148,21 @@ mod tests {
                 pages_sharing: 40,
                 zero_pages: 0,
                 full_scans: 3
+            }
+        );
+        let earlier = Counters {
+            pages_shared: 2,
+            pages_sharing: 50,
+            zero_pages: 0,
+            full_scans: 1,
+        };
+        assert_eq!(
+            c.since(&earlier),
+            Counters {
+                pages_shared: 10,
+                pages_sharing: 0,
+                zero_pages: 0,
+                full_scans: 2
             }
         );
         std::fs::write(dir.path().join("full_scans"), "x").unwrap();

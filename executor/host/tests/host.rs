@@ -1038,7 +1038,8 @@ fn guest_ram_flags(pid: u32) -> Vec<String> {
 
 /// Page merging: refused with the reason while the KSM daemon is stopped; with it running,
 /// a child's guest RAM is advised mergeable (its mappings carry `mg`) and vmm.log says so.
-/// Root only starts the daemon for this test, and puts the setting back.
+/// As root it starts the daemon for this test (host-wide: other mergeable memory on the
+/// machine may merge meanwhile, and stays merged) and puts the setting back.
 fn children_guest_ram_is_open_to_page_merging() {
     let (tmp, tag) = counter_snapshot();
     let mut cfg = config(tmp.path(), 8, 1);
@@ -1053,7 +1054,9 @@ fn children_guest_ram_is_open_to_page_merging() {
         "1" => KsmRunGuard(None),
         _ if std::fs::write(tine_host::ksm::RUN, "1").is_ok() => KsmRunGuard(Some(run.clone())),
         _ => {
-            println!("  (not root: only the refusal was checked)");
+            println!(
+                "  (KSM cannot be started here, absent or not root: only the refusal was checked)"
+            );
             return;
         }
     };
