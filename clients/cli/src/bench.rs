@@ -386,9 +386,7 @@ fn machine_busy_ms() -> Option<f64> {
         .collect::<Option<_>>()?;
     // user nice system idle iowait irq softirq steal ...
     let busy = f.first()? + f.get(1)? + f.get(2)? + f.get(5)? + f.get(6)? + f.get(7)?;
-    // SAFETY: sysconf has no memory effects.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    (hz > 0).then(|| busy as f64 * 1e3 / hz as f64)
+    tine_host::process::ticks_to_ms(busy)
 }
 
 /// Cold boot of the image to agent-ready, in a separate `tine run` process.

@@ -100,17 +100,14 @@ pub fn daemon_cpu_ms() -> Option<f64> {
 
 /// utime + stime of a `/proc/PID/stat` line, in ms, if it is ksmd's.
 fn ksmd_cpu_ms(stat: &str) -> Option<f64> {
-    let (head, rest) = stat.rsplit_once(')')?;
-    if !head.ends_with("(ksmd") {
+    let (comm, fields) = crate::process::stat_fields(stat)?;
+    if comm != "ksmd" {
         return None;
     }
-    // After the command: state (field 3) ... utime (14), stime (15).
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    // SAFETY: sysconf has no memory effects.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    (hz > 0).then(|| (utime + stime) as f64 * 1e3 / hz as f64)
+    // Fields start at the state (field 3); utime is field 14, stime 15.
+    let utime: u64 = fields.get(14 - 3)?.parse().ok()?;
+    let stime: u64 = fields.get(15 - 3)?.parse().ok()?;
+    crate::process::ticks_to_ms(utime + stime)
 }
 
 #[cfg(test)]
@@ -174,6 +171,9 @@ mod tests {
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
         let line = "57 (ksmd) S 2 0 0 0 -1 2129984 0 0 0 0 150 250 0 0 25 5 1 0 7 0 0";
         assert_eq!(ksmd_cpu_ms(line), Some(400.0 * 1e3 / hz));
+        // The name ends at the last parenthesis, whatever it holds.
+        let odd = "59 (a) (ksmd) S 2 0 0 0 -1 2129984 0 0 0 0 150 250 0 0 25 5 1 0 7 0 0";
+        assert_eq!(ksmd_cpu_ms(odd), None);
         // A process that merely has ksmd in its name is not the daemon.
         let other = "58 (not ksmd) S 2 0 0 0 -1 2129984 0 0 0 0 150 250 0 0 25 5 1 0 7 0 0";
         assert_eq!(ksmd_cpu_ms(other), None);

@@ -33,13 +33,27 @@ pub fn boot_id() -> std::io::Result<String> {
         .to_string())
 }
 
+/// A /proc/PID/stat line split into its command name and the fields after it (the first
+/// is field 3, the state). The name is parenthesised and may itself hold spaces and
+/// parentheses, so it ends at the last `)`.
+pub fn stat_fields(text: &str) -> Option<(&str, Vec<&str>)> {
+    let (head, rest) = text.rsplit_once(')')?;
+    let (_, comm) = head.split_once('(')?;
+    Some((comm, rest.split_whitespace().collect()))
+}
+
+/// Clock ticks (the unit of /proc's CPU times) in ms; None if the tick rate is unknown.
+pub fn ticks_to_ms(ticks: u64) -> Option<f64> {
+    // SAFETY: sysconf has no memory effects.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| ticks as f64 * 1e3 / hz as f64)
+}
+
 /// (state letter, start time) from /proc/PID/stat, or None if there is no such process.
 fn stat(pid: u32) -> Option<(char, u64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name is parenthesised and may itself hold spaces and parentheses.
-    let (_, rest) = text.rsplit_once(')')?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // rest starts at field 3 (state); start time is field 22.
+    let (_, fields) = stat_fields(&text)?;
+    // Fields start at field 3 (state); start time is field 22.
     let state = fields.first()?.chars().next()?;
     let start = fields.get(22 - 3)?.parse().ok()?;
     Some((state, start))
