@@ -65,3 +65,16 @@ fn orphans_are_reaped_owned_children_keep_their_status() {
     // The owned zombie was left alone: its status is still ours to collect.
     assert_eq!(owned.wait().unwrap().code(), Some(5));
 }
+
+/// An owner that drops a child that has already exited leaves no zombie: the handle collects
+/// it, because its SIGCHLD came while it was owned and no other may come.
+#[test]
+fn a_dropped_handle_collects_its_exited_child() {
+    let child = spawn_owned(&mut Command::new("true")).unwrap();
+    let pid = child.id();
+    while state(pid).as_deref() != Some("Z") {
+        std::thread::yield_now();
+    }
+    drop(child);
+    assert_eq!(state(pid), None, "no zombie left behind");
+}

@@ -4,15 +4,15 @@
 //! `waitpid(-1)` would steal the exit statuses that Exec and the Python driver
 //! wait for. So every child the agent starts is registered as *owned* (under
 //! the same lock that guards the spawn, so a fast-exiting child cannot be
-//! reaped before it is registered), and the reaper only collects zombies it
-//! finds in /proc whose parent is us and which are not owned.
+//! reaped before it is registered), and the reaper, woken by SIGCHLD, only
+//! collects the children that are not owned.
 
 use std::collections::BTreeSet;
 use std::io;
 use std::ops::{Deref, DerefMut};
+use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
 
 static OWNED: Mutex<BTreeSet<i32>> = Mutex::new(BTreeSet::new());
 
@@ -49,49 +49,76 @@ impl DerefMut for OwnedChild {
 
 impl Drop for OwnedChild {
     fn drop(&mut self) {
-        owned().remove(&(self.child.id() as i32));
+        let mut set = owned();
+        // Its owner gives up the status. If the child has already exited, its SIGCHLD came
+        // while it was owned and the reaper left it, and no other signal may ever come: collect
+        // it now. (A child already waited for is not waited again: std keeps its status.) If it
+        // runs on, its exit's SIGCHLD finds it unowned.
+        let _ = self.child.try_wait();
+        set.remove(&(self.child.id() as i32));
     }
 }
 
 /// Reaps zombie children that nobody owns; returns how many were reaped.
 pub fn reap_orphans() -> usize {
     let set = owned();
-    let me = std::process::id() as i32;
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
     let mut reaped = 0;
-    for entry in dir.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        if set.contains(&pid) {
-            continue;
-        }
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // Fields after the parenthesised command name: state, ppid, ...
-        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-            continue;
-        };
-        let mut fields = rest.split_whitespace();
-        let (Some(state), Some(ppid)) = (fields.next(), fields.next()) else {
-            continue;
-        };
-        if state == "Z" && ppid.parse::<i32>() == Ok(me) {
-            let mut status = 0;
-            // SAFETY: plain syscall on a pid we just saw as our zombie child.
-            if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
-                reaped += 1;
-            }
+    for pid in children().into_iter().filter(|p| !set.contains(p)) {
+        let mut status = 0;
+        // SAFETY: plain syscall on our own child that nobody owns, so no one else waits for
+        // it; one still running is left (WNOHANG).
+        if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
+            reaped += 1;
         }
     }
     reaped
+}
+
+/// This process's children. Each thread's `children` file lists those it forked (and, for
+/// the main thread, the orphans given to us); that reads a few small files. Without it
+/// (CONFIG_PROC_CHILDREN) every process in /proc is looked at instead, which allocates kernel
+/// objects for each and writes to every task: in a clone, memory copied from its parent.
+fn children() -> Vec<i32> {
+    from_children_files().unwrap_or_else(from_proc_scan)
+}
+
+fn from_children_files() -> Option<Vec<i32>> {
+    let main = format!("/proc/self/task/{}/children", std::process::id());
+    if !Path::new(&main).exists() {
+        return None;
+    }
+    let mut pids = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        // A thread that has just exited has no file left; its children went to another thread
+        // (and one that exits meanwhile sends a SIGCHLD of its own, so it is not missed).
+        if let Ok(list) = std::fs::read_to_string(task.path().join("children")) {
+            pids.extend(
+                list.split_whitespace()
+                    .filter_map(|p| p.parse::<i32>().ok()),
+            );
+        }
+    }
+    Some(pids)
+}
+
+fn from_proc_scan() -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                return false;
+            };
+            // Fields after the parenthesised command name: state, ppid, ...
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1));
+            ppid.and_then(|p| p.parse::<i32>().ok()) == Some(me)
+        })
+        .collect()
 }
 
 /// Blocks SIGCHLD in the calling thread; call before any thread is spawned so
@@ -111,28 +138,48 @@ pub fn block_sigchld() -> io::Result<()> {
     Ok(())
 }
 
-/// Starts the reaper thread: it wakes on SIGCHLD (and every few seconds as a
-/// backstop for zombies whose owner dropped them after the signal).
+/// Starts the reaper thread: it wakes only on SIGCHLD. It never polls: a clone that idles
+/// must not wake, or each pass writes pages it would otherwise share with its parent (a
+/// dropped child that has already exited is collected by its handle's drop instead).
 pub fn start_reaper() -> io::Result<()> {
     std::thread::Builder::new()
         .name("reaper".into())
         .spawn(|| loop {
-            wait_sigchld(Duration::from_secs(5));
+            wait_sigchld();
             reap_orphans();
         })?;
     Ok(())
 }
 
-fn wait_sigchld(timeout: Duration) {
-    // SAFETY: sigset on a local; sigtimedwait only reads it.
+fn wait_sigchld() {
+    // SAFETY: sigset on a local; sigwaitinfo only reads it (and may write no info: null).
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGCHLD);
-        let ts = libc::timespec {
-            tv_sec: timeout.as_secs() as libc::time_t,
-            tv_nsec: timeout.subsec_nanos() as libc::c_long,
-        };
-        libc::sigtimedwait(&set, std::ptr::null_mut(), &ts);
+        libc::sigwaitinfo(&set, std::ptr::null_mut());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The children files and the /proc scan see the same children.
+    #[test]
+    fn both_ways_of_listing_children_agree() {
+        let mut child = spawn_owned(
+            Command::new("sleep")
+                .arg("30")
+                .stdin(std::process::Stdio::null()),
+        )
+        .unwrap();
+        let pid = child.id() as i32;
+        let files = from_children_files().expect("CONFIG_PROC_CHILDREN");
+        let scan = from_proc_scan();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(files.contains(&pid), "{files:?} lacks {pid}");
+        assert!(scan.contains(&pid), "{scan:?} lacks {pid}");
     }
 }
