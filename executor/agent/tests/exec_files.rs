@@ -305,3 +305,28 @@ mod raw {
         assert!(msg.contains("only valid after write_file"), "{msg}");
     }
 }
+
+/// The first call runs on the standing handler thread; one that comes while it is busy gets a
+/// thread of its own and is not held up, and the standing thread serves again afterwards.
+#[test]
+fn calls_are_served_while_the_standing_thread_is_busy() {
+    let agent = TestAgent::start();
+    let slow = {
+        let c = agent.client();
+        std::thread::spawn(move || c.exec_output(&["sleep", "2"], &Default::default()))
+    };
+    // Ping until the slow call is surely being served, then check it still is.
+    for _ in 0..5 {
+        assert_eq!(agent.client().ping().unwrap().readiness, Readiness::Ready);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        !slow.is_finished(),
+        "pings were answered while the exec ran"
+    );
+    let (st, _, _) = slow.join().unwrap().unwrap();
+    assert!(st.success());
+    for _ in 0..3 {
+        assert_eq!(agent.client().ping().unwrap().readiness, Readiness::Ready);
+    }
+}

@@ -1,5 +1,5 @@
 //! The guest side: accepts connections and serves one request per connection,
-//! each on its own thread.
+//! on a standing thread when it is idle, else on a thread of its own.
 
 pub mod exec;
 pub mod files;
@@ -13,7 +13,8 @@ pub mod python;
 pub mod reaper;
 pub mod system;
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::frame::{read_message, write_message, FrameError};
@@ -33,6 +34,38 @@ pub struct Agent {
     started: Instant,
     readiness: Mutex<Readiness>,
     python: python::Interpreter,
+}
+
+/// The standing handler thread: it takes a connection only while idle.
+struct Standing {
+    idle: Arc<AtomicBool>,
+    tx: mpsc::Sender<Conn>,
+}
+
+impl Standing {
+    fn start(agent: Arc<Agent>) -> std::io::Result<Self> {
+        let idle = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel::<Conn>();
+        let flag = Arc::clone(&idle);
+        std::thread::Builder::new()
+            .name("standing".into())
+            .spawn(move || loop {
+                flag.store(true, Ordering::Release);
+                let Ok(conn) = rx.recv() else { return };
+                agent.handle(conn);
+            })?;
+        Ok(Self { idle, tx })
+    }
+
+    /// Hands `conn` to the standing thread if it is idle; gives it back otherwise.
+    fn offer(&self, conn: Conn) -> Result<(), Conn> {
+        // Only the accept loop clears the flag, once per connection it hands over, so the
+        // thread is given at most one at a time.
+        if !self.idle.swap(false, Ordering::AcqRel) {
+            return Err(conn);
+        }
+        self.tx.send(conn).map_err(|mpsc::SendError(conn)| conn)
+    }
 }
 
 impl Agent {
@@ -77,14 +110,22 @@ impl Agent {
     }
 
     /// Accept loop; returns only if accepting fails persistently.
+    ///
+    /// One handler thread stands ready, started before any snapshot is taken. A clone's first
+    /// call (the Wake) then runs on a thread it already has: a new thread costs a clone about
+    /// 0.2 MiB of its own guest pages (the thread's kernel objects, stacks and mappings;
+    /// docs/performance.md). Calls that come while it is busy get a thread each, as before.
     pub fn serve(self: &Arc<Self>, listener: &Listener) -> std::io::Result<()> {
+        let standing = Standing::start(Arc::clone(self))?;
         let mut consecutive_errors = 0;
         loop {
             match listener.accept() {
                 Ok(conn) => {
                     consecutive_errors = 0;
-                    let agent = Arc::clone(self);
-                    std::thread::spawn(move || agent.handle(conn));
+                    if let Err(conn) = standing.offer(conn) {
+                        let agent = Arc::clone(self);
+                        std::thread::spawn(move || agent.handle(conn));
+                    }
                 }
                 Err(e) => {
                     // EMFILE and friends are transient; a dead listener is not.
