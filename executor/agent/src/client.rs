@@ -243,13 +243,15 @@ pub struct ReseedOutcome {
     pub identity_set: bool,
 }
 
-/// What [`AgentClient::prepare_snapshot`] did: MemFree (KiB) before and after, and the warm
-/// interpreter's objects frozen (0 without one).
+/// What [`AgentClient::prepare_snapshot`] did: MemFree (KiB) before and after, the warm
+/// interpreter's objects frozen (0 without one), and whether the agent had closed the call's
+/// connection (so was done with it) within 2 s of its answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PreparedSnapshot {
     pub free_kib_before: u64,
     pub free_kib_after: u64,
     pub python_objects_frozen: u64,
+    pub closed: bool,
 }
 
 /// What a [`AgentClient::wake`] did.
@@ -411,6 +413,25 @@ impl Call {
     /// Reads the next response; an agent `Error` becomes `ClientError::Agent`. The wait for
     /// a frame to begin is the stream's read timeout; once it began, the whole frame must
     /// arrive within the stall timeout (its buffer grows only as bytes do).
+    /// After the answer: waits up to `limit` for the agent to close the connection, which it
+    /// does once its handler is done with the call. Ok(false) if it did not in time.
+    fn closed_within(&mut self, limit: Duration) -> Result<bool> {
+        let io = |e: io::Error| ClientError::from(FrameError::Io(e));
+        let before = self.stream.read_timeout().map_err(io)?;
+        let limit = before.map_or(limit, |t| t.min(limit));
+        self.stream.set_read_timeout(Some(limit)).map_err(io)?;
+        let closed = match read_frame_len(&mut self.stream) {
+            Err(FrameError::Closed) => Ok(true),
+            Err(FrameError::Io(e)) if timed_out(&e) => Ok(false),
+            Ok(_) => Err(ClientError::Protocol(
+                "the agent sent more after its answer".into(),
+            )),
+            Err(e) => Err(e.into()),
+        };
+        self.stream.set_read_timeout(before).map_err(io)?;
+        closed
+    }
+
     fn recv(&mut self) -> Result<Kind> {
         let len = match read_frame_len(&mut self.stream) {
             Ok(len) => len,
@@ -912,14 +933,20 @@ impl AgentClient {
             request::Kind::PrepareSnapshot(pb::PrepareSnapshotRequest {}),
             None,
         )?;
-        match s.recv()? {
-            Kind::PrepareSnapshot(r) => Ok(PreparedSnapshot {
+        let prepared = match s.recv()? {
+            Kind::PrepareSnapshot(r) => PreparedSnapshot {
                 free_kib_before: r.free_kib_before,
                 free_kib_after: r.free_kib_after,
                 python_objects_frozen: r.python_objects_frozen,
-            }),
-            other => Err(unexpected("prepare_snapshot", &other)),
-        }
+                closed: false,
+            },
+            other => return Err(unexpected("prepare_snapshot", &other)),
+        };
+        // The snapshot follows at once: let the agent finish with this call first, so the
+        // snapshot holds its handler idle (a clone then answers its first call on a thread it
+        // already has). Not fatal: a snapshot taken meanwhile only costs clones a thread.
+        let closed = s.closed_within(Duration::from_secs(2))?;
+        Ok(PreparedSnapshot { closed, ..prepared })
     }
 }
 

@@ -330,3 +330,26 @@ fn calls_are_served_while_the_standing_thread_is_busy() {
         assert_eq!(agent.client().ping().unwrap().readiness, Readiness::Ready);
     }
 }
+
+/// A call that comes while the standing thread is idle runs on it: the command's parent
+/// thread (the one whose `children` list holds it) is named `standing`.
+#[test]
+fn an_idle_agent_serves_a_call_on_its_standing_thread() {
+    let agent = TestAgent::start();
+    let script = "for t in /proc/$PPID/task/*; do grep -qw $$ $t/children && cat $t/comm; done";
+    let mut comm = String::new();
+    // It is idle again once the previous call's connection has closed; allow for a slow start.
+    for _ in 0..50 {
+        let (st, out, _) = agent
+            .client()
+            .exec_output(&["sh", "-c", script], &Default::default())
+            .unwrap();
+        assert!(st.success());
+        comm = String::from_utf8_lossy(&out).trim().to_string();
+        if comm == "standing" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(comm, "standing");
+}

@@ -145,6 +145,7 @@ pub(crate) fn warm_and_snapshot(
             free_mib_before = p.free_kib_before / 1024,
             free_mib_after = p.free_kib_after / 1024,
             python_objects_frozen = p.python_objects_frozen,
+            agent_done = p.closed,
             "guest prepared for the snapshot"
         ),
         Err(e) if e.is_unknown_request() => {

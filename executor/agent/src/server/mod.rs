@@ -49,10 +49,18 @@ impl Standing {
         let flag = Arc::clone(&idle);
         std::thread::Builder::new()
             .name("standing".into())
-            .spawn(move || loop {
+            .spawn(move || {
                 flag.store(true, Ordering::Release);
-                let Ok(conn) = rx.recv() else { return };
-                agent.handle(conn);
+                while let Ok(mut conn) = rx.recv() {
+                    // A call that panics ends that call, not the standing thread.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        agent.handle(&mut conn)
+                    }));
+                    // Idle again before the connection closes: a host that waits for the close
+                    // after PrepareSnapshot's answer snapshots it idle, so clones have it free.
+                    flag.store(true, Ordering::Release);
+                    drop(conn);
+                }
             })?;
         Ok(Self { idle, tx })
     }
@@ -122,9 +130,9 @@ impl Agent {
             match listener.accept() {
                 Ok(conn) => {
                     consecutive_errors = 0;
-                    if let Err(conn) = standing.offer(conn) {
+                    if let Err(mut conn) = standing.offer(conn) {
                         let agent = Arc::clone(self);
-                        std::thread::spawn(move || agent.handle(conn));
+                        std::thread::spawn(move || agent.handle(&mut conn));
                     }
                 }
                 Err(e) => {
@@ -140,13 +148,13 @@ impl Agent {
         }
     }
 
-    fn handle(&self, mut conn: Conn) {
-        if let Err(e) = self.dispatch(&mut conn) {
+    fn handle(&self, conn: &mut Conn) {
+        if let Err(e) = self.dispatch(conn) {
             let message = format!("{e:#}");
             let code = error_code(&e) as i32;
             // Best effort: the peer may already be gone.
             let _ = write_message(
-                &mut conn,
+                conn,
                 &pb::Response {
                     kind: Some(Kind::Error(pb::Error { message, code })),
                 },
