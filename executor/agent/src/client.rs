@@ -410,9 +410,6 @@ impl Call {
         Ok(())
     }
 
-    /// Reads the next response; an agent `Error` becomes `ClientError::Agent`. The wait for
-    /// a frame to begin is the stream's read timeout; once it began, the whole frame must
-    /// arrive within the stall timeout (its buffer grows only as bytes do).
     /// After the answer: waits up to `limit` for the agent to close the connection, which it
     /// does once its handler is done with the call. Ok(false) if it did not in time.
     fn closed_within(&mut self, limit: Duration) -> Result<bool> {
@@ -432,6 +429,9 @@ impl Call {
         closed
     }
 
+    /// Reads the next response; an agent `Error` becomes `ClientError::Agent`. The wait for
+    /// a frame to begin is the stream's read timeout; once it began, the whole frame must
+    /// arrive within the stall timeout (its buffer grows only as bytes do).
     fn recv(&mut self) -> Result<Kind> {
         let len = match read_frame_len(&mut self.stream) {
             Ok(len) => len,
@@ -933,20 +933,20 @@ impl AgentClient {
             request::Kind::PrepareSnapshot(pb::PrepareSnapshotRequest {}),
             None,
         )?;
-        let prepared = match s.recv()? {
-            Kind::PrepareSnapshot(r) => PreparedSnapshot {
-                free_kib_before: r.free_kib_before,
-                free_kib_after: r.free_kib_after,
-                python_objects_frozen: r.python_objects_frozen,
-                closed: false,
-            },
+        let r = match s.recv()? {
+            Kind::PrepareSnapshot(r) => r,
             other => return Err(unexpected("prepare_snapshot", &other)),
         };
         // The snapshot follows at once: let the agent finish with this call first, so the
         // snapshot holds its handler idle (a clone then answers its first call on a thread it
         // already has). Not fatal: a snapshot taken meanwhile only costs clones a thread.
         let closed = s.closed_within(Duration::from_secs(2))?;
-        Ok(PreparedSnapshot { closed, ..prepared })
+        Ok(PreparedSnapshot {
+            free_kib_before: r.free_kib_before,
+            free_kib_after: r.free_kib_after,
+            python_objects_frozen: r.python_objects_frozen,
+            closed,
+        })
     }
 }
 

@@ -306,8 +306,8 @@ mod raw {
     }
 }
 
-/// The first call runs on the standing handler thread; one that comes while it is busy gets a
-/// thread of its own and is not held up, and the standing thread serves again afterwards.
+/// A call that comes while another is being served (on the standing thread or not) gets a
+/// thread of its own and is not held up, and calls are served again afterwards.
 #[test]
 fn calls_are_served_while_the_standing_thread_is_busy() {
     let agent = TestAgent::start();
