@@ -122,18 +122,7 @@ async fn next_branch_event(
 
 /// The deadline a client set on its call (`grpc-timeout`), if any.
 fn call_deadline<T>(req: &Request<T>) -> Option<Duration> {
-    let v = req.metadata().get("grpc-timeout")?.to_str().ok()?;
-    let (n, unit) = v.split_at(v.len().checked_sub(1)?);
-    let n: u64 = n.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
+    crate::hop::grpc_timeout(req.metadata().get("grpc-timeout")?.to_str().ok()?)
 }
 
 fn sandbox_msg(r: &SandboxRow) -> pb::Sandbox {

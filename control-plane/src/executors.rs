@@ -1,5 +1,5 @@
-//! gRPC clients for the executors' internal API, one lazily connected channel per address,
-//! each call carrying the executor's own token (`executor:ID` in the tokens file) or else the
+//! gRPC clients for the executors' internal API, one lazily made connection per address
+//! ([`Hop`]), each call carrying the executor's own token (`executor:ID` in the tokens file) or else the
 //! cluster's shared executor token.
 
 use std::collections::HashMap;
@@ -13,14 +13,16 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::Status;
 
-pub type ExecClient = ExecutorClient<InterceptedService<Channel, Bearer>>;
+use crate::hop::{Hop, Plain};
+
+pub type ExecClient = ExecutorClient<InterceptedService<Hop, Bearer>>;
 
 pub struct ExecutorPool {
     bearer: Bearer,
     /// Executors with tokens of their own, by id.
     own: HashMap<String, Bearer>,
     tls: Option<ClientTlsConfig>,
-    channels: Mutex<HashMap<String, Channel>>,
+    hops: Mutex<HashMap<String, Hop>>,
 }
 
 impl ExecutorPool {
@@ -38,41 +40,49 @@ impl ExecutorPool {
                 .collect::<Result<_, tine_rpc::auth::TokenError>>()
                 .map_err(|e| e.to_string())?,
             tls,
-            channels: Mutex::new(HashMap::new()),
+            hops: Mutex::new(HashMap::new()),
         })
     }
 
     /// A client for executor `id` at `addr`, presenting that executor's token.
     pub fn client(&self, id: &str, addr: &str) -> Result<ExecClient, Status> {
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        let channel = match channels.get(addr) {
-            Some(c) => c.clone(),
+        let mut hops = self.hops.lock().unwrap_or_else(|p| p.into_inner());
+        let hop = match hops.get(addr) {
+            Some(h) => h.clone(),
             None => {
-                let mut ep = Endpoint::from_shared(addr.to_string())
-                    .map_err(|e| Status::internal(format!("executor address {addr:?}: {e}")))?
-                    .connect_timeout(Duration::from_secs(5))
-                    .tcp_nodelay(true)
-                    .http2_keep_alive_interval(Duration::from_secs(30));
-                if addr.starts_with("https://") {
-                    let tls = self.tls.clone().ok_or_else(|| {
-                        Status::failed_precondition(format!(
-                            "executor {addr} speaks TLS but the control plane has no CA for executors (--executor-ca)"
-                        ))
-                    })?;
-                    ep = ep
-                        .tls_config(tls)
-                        .map_err(|e| Status::internal(format!("TLS for {addr}: {e}")))?;
-                }
-                let c = ep.connect_lazy();
-                channels.insert(addr.to_string(), c.clone());
-                c
+                let plain = addr.parse().ok().and_then(|u| Plain::new(&u).ok());
+                let h = match plain {
+                    Some(p) => Hop::Plain(p),
+                    None => Hop::Channel(self.channel(addr)?),
+                };
+                hops.insert(addr.to_string(), h.clone());
+                h
             }
         };
-        Ok(ExecutorClient::with_interceptor(
-            channel,
-            self.own.get(id).unwrap_or(&self.bearer).clone(),
+        Ok(
+            ExecutorClient::with_interceptor(hop, self.own.get(id).unwrap_or(&self.bearer).clone())
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
         )
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES))
+    }
+
+    /// tonic's lazily connected channel to `addr` (`https://`, with the executors' CA).
+    fn channel(&self, addr: &str) -> Result<Channel, Status> {
+        let mut ep = Endpoint::from_shared(addr.to_string())
+            .map_err(|e| Status::internal(format!("executor address {addr:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(30));
+        if addr.starts_with("https://") {
+            let tls = self.tls.clone().ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "executor {addr} speaks TLS but the control plane has no CA for executors (--executor-ca)"
+                ))
+            })?;
+            ep = ep
+                .tls_config(tls)
+                .map_err(|e| Status::internal(format!("TLS for {addr}: {e}")))?;
+        }
+        Ok(ep.connect_lazy())
     }
 }

@@ -7,6 +7,7 @@ pub mod audit;
 pub mod calls;
 pub mod db;
 pub mod executors;
+pub mod hop;
 pub mod lock_wait;
 pub mod metrics;
 pub mod paging;
