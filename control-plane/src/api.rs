@@ -1394,12 +1394,18 @@ impl Sandboxes for Api {
 }
 
 /// A call whose connection to its executor broke (the executor died or restarted) is
-/// UNAVAILABLE and names the executor; tonic reports it as UNKNOWN "transport error".
+/// UNAVAILABLE and names the executor. tonic's channel reports it as UNKNOWN "transport
+/// error"; the direct hop as UNAVAILABLE caused by [`crate::hop::Unreachable`].
 fn executor_lost(executor: &str, e: Status) -> Status {
-    let broken = e.code() == Code::Unknown
-        && (e.message() == "transport error"
-            || std::iter::successors(std::error::Error::source(&e), |s| s.source())
-                .any(|s| s.is::<tonic::transport::Error>()));
+    let from_the_hop = || {
+        std::iter::successors(std::error::Error::source(&e), |s| s.source())
+            .any(|s| s.is::<tonic::transport::Error>() || s.is::<crate::hop::Unreachable>())
+    };
+    let broken = match e.code() {
+        Code::Unknown => e.message() == "transport error" || from_the_hop(),
+        Code::Unavailable => from_the_hop(),
+        _ => false,
+    };
     if broken {
         Status::unavailable(format!(
             "executor {executor} stopped answering (it died or restarted): {}",

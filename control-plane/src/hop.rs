@@ -8,7 +8,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use http::uri::{Authority, Scheme};
 use http::{Request, Response, Uri};
@@ -22,7 +22,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// How long a new connection may take; tonic's endpoint had the same.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// HTTP/2 pings on an idle connection, so one the network dropped is found.
+/// HTTP/2 pings while calls are open, so a connection the network dropped is found.
 const KEEP_ALIVE: Duration = Duration::from_secs(30);
 
 /// One executor's transport, cheap to clone (clones share the connection).
@@ -39,7 +39,7 @@ impl Service<Request<Body>> for Hop {
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         match self {
-            // Readiness is per call: it waits for the connection's stream capacity.
+            // Nothing to wait for: a call finds or makes its connection when it is sent.
             Hop::Plain(_) => Poll::Ready(Ok(())),
             Hop::Channel(c) => c.poll_ready(cx).map_err(Into::into),
         }
@@ -53,11 +53,32 @@ impl Service<Request<Body>> for Hop {
             }
             Hop::Channel(c) => {
                 let f = c.call(req);
-                Box::pin(async move { f.await.map_err(Into::into) })
+                Box::pin(async move {
+                    f.await.map_err(|e| -> BoxError {
+                        // The same code for a passed deadline whichever the transport.
+                        let timed_out = std::iter::successors(
+                            Some(&e as &(dyn std::error::Error + 'static)),
+                            |s| s.source(),
+                        )
+                        .any(|s| s.is::<tonic::TimeoutExpired>());
+                        if timed_out {
+                            Box::new(tonic::Status::deadline_exceeded(e.to_string()))
+                        } else {
+                            Box::new(e)
+                        }
+                    })
+                })
             }
         }
     }
 }
+
+/// The source of the UNAVAILABLE status of a call that got no answer from its executor (no
+/// connection, or it broke before the answer), so callers can tell it from an executor's own
+/// UNAVAILABLE.
+#[derive(Debug, thiserror::Error)]
+#[error("the executor's connection failed")]
+pub struct Unreachable;
 
 /// A plain HTTP/2 connection to one executor, made on the first call and made again on the
 /// next call after it closed.
@@ -71,6 +92,9 @@ struct PlainInner {
     live: Mutex<Option<SendRequest<Body>>>,
     /// Held while connecting, so calls that find no connection make one between them.
     connecting: tokio::sync::Mutex<()>,
+    /// When the last attempt to connect failed, and why: calls that waited for that attempt
+    /// fail with it rather than each trying again in turn.
+    failed: Mutex<Option<(Instant, String)>>,
 }
 
 impl Plain {
@@ -89,6 +113,7 @@ impl Plain {
                 authority,
                 live: Mutex::new(None),
                 connecting: tokio::sync::Mutex::new(()),
+                failed: Mutex::new(None),
             }),
         })
     }
@@ -98,7 +123,8 @@ impl Plain {
         live.as_ref().filter(|s| !s.is_closed()).cloned()
     }
 
-    async fn sender(&self) -> Result<SendRequest<Body>, BoxError> {
+    /// The live connection, or a new one. `asked`: when the call began to wait for it.
+    async fn sender(&self, asked: Instant) -> Result<SendRequest<Body>, String> {
         if let Some(s) = self.live() {
             return Ok(s);
         }
@@ -106,6 +132,32 @@ impl Plain {
         if let Some(s) = self.live() {
             return Ok(s);
         }
+        let failed_meanwhile = {
+            let failed = self.inner.failed.lock().unwrap_or_else(|p| p.into_inner());
+            failed
+                .as_ref()
+                .filter(|(at, _)| *at >= asked)
+                .map(|(at, why)| format!("{why} ({:?} ago)", at.elapsed()))
+        };
+        if let Some(why) = failed_meanwhile {
+            return Err(why);
+        }
+        match self.connect().await {
+            Ok(send) => {
+                *self.inner.failed.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                *self.inner.live.lock().unwrap_or_else(|p| p.into_inner()) = Some(send.clone());
+                Ok(send)
+            }
+            Err(e) => {
+                let why = e.to_string();
+                *self.inner.failed.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((Instant::now(), why.clone()));
+                Err(why)
+            }
+        }
+    }
+
+    async fn connect(&self) -> Result<SendRequest<Body>, BoxError> {
         let addr = self.inner.authority.as_str();
         let tcp = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(addr))
             .await
@@ -122,48 +174,73 @@ impl Plain {
                 tracing::debug!(executor = %peer, "executor connection ended: {e}");
             }
         });
-        *self.inner.live.lock().unwrap_or_else(|p| p.into_inner()) = Some(send.clone());
         Ok(send)
     }
 
-    /// Errors before an answer are UNAVAILABLE and name the executor, as tonic's channel's
-    /// transport errors are turned into where it matters ([`crate::api`]).
+    /// Forget the live connection: it gave a request back unsent. (A new one another call
+    /// made meanwhile would be forgotten too; its calls keep it, and the next makes another.)
+    fn forget(&self) {
+        *self.inner.live.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// The call's `grpc-timeout` holds from here to the answer's headers, connecting
+    /// included, as in tonic's channel (a passed deadline is DEADLINE_EXCEEDED). Errors
+    /// before an answer are UNAVAILABLE, name the executor and have [`Unreachable`] as their
+    /// source.
     async fn send(&self, req: Request<Body>) -> Result<Response<Body>, BoxError> {
-        let addr = self.inner.authority.as_str();
-        let unavailable = |what: &str, e: BoxError| {
-            Box::new(tonic::Status::unavailable(format!(
-                "executor {addr}: {what}: {e}"
-            ))) as BoxError
+        let deadline = req
+            .headers()
+            .get("grpc-timeout")
+            .and_then(|v| grpc_timeout(v.to_str().ok()?));
+        let answer = self.answer(req);
+        match deadline {
+            Some(d) => tokio::time::timeout(d, answer).await.unwrap_or_else(|_| {
+                Err(Box::new(tonic::Status::deadline_exceeded(format!(
+                    "executor {}: no answer within the call's deadline of {d:?}",
+                    self.inner.authority
+                ))))
+            }),
+            None => answer.await,
+        }
+    }
+
+    async fn answer(&self, req: Request<Body>) -> Result<Response<Body>, BoxError> {
+        let unreachable = |what: &str, e: &dyn std::fmt::Display| -> BoxError {
+            let mut st = tonic::Status::unavailable(format!(
+                "executor {}: {what}: {e}",
+                self.inner.authority
+            ));
+            st.set_source(Arc::new(Unreachable));
+            Box::new(st)
         };
-        let mut send = self
-            .sender()
-            .await
-            .map_err(|e| unavailable("no connection", e))?;
-        send.ready()
-            .await
-            .map_err(|e| unavailable("connection closed", e.into()))?;
+        let asked = Instant::now();
         // HTTP/2 needs the scheme and authority on every request; tonic's client gives a path.
         let (mut head, body) = req.into_parts();
         let mut parts = std::mem::take(&mut head.uri).into_parts();
         parts.scheme = Some(Scheme::HTTP);
         parts.authority = Some(self.inner.authority.clone());
         head.uri = Uri::from_parts(parts)?;
-        // tonic's channel holds a call to its deadline until the answer's headers; so does this.
-        let deadline = head
-            .headers
-            .get("grpc-timeout")
-            .and_then(|v| grpc_timeout(v.to_str().ok()?));
-        let answer = send.send_request(Request::from_parts(head, body));
-        let resp = match deadline {
-            Some(d) => tokio::time::timeout(d, answer).await.map_err(|_| {
-                tonic::Status::deadline_exceeded(format!(
-                    "executor {addr}: no answer within the call's deadline of {d:?}"
-                ))
-            })?,
-            None => answer.await,
+        let mut req = Request::from_parts(head, body);
+        // A connection the executor has closed (it restarted, say) can look live until it is
+        // used: a request it gives back unsent goes once more, on a new connection.
+        let mut again = true;
+        loop {
+            let mut send = self
+                .sender(asked)
+                .await
+                .map_err(|e| unreachable("no connection", &e))?;
+            match send.try_send_request(req).await {
+                Ok(resp) => return Ok(resp.map(Body::new)),
+                Err(mut e) => match e.take_message() {
+                    Some(unsent) if again => {
+                        self.forget();
+                        req = unsent;
+                        again = false;
+                    }
+                    _ => return Err(unreachable("no answer", &e.into_error())),
+                },
+            }
         }
-        .map_err(|e| unavailable("no answer", e.into()))?;
-        Ok(resp.map(Body::new))
     }
 }
 
@@ -212,21 +289,25 @@ mod tests {
         assert!(Plain::new(&"http://executor".parse().unwrap()).is_err());
     }
 
-    /// A gRPC server (the health service) on `listener` until `stop` fires.
+    /// A gRPC server (the health service) on `listener` until `stop` fires; `accepted`
+    /// counts its connections.
     fn serve(
         listener: tokio::net::TcpListener,
         stop: tokio::sync::oneshot::Receiver<()>,
+        accepted: Arc<std::sync::atomic::AtomicUsize>,
     ) -> tokio::task::JoinHandle<()> {
+        use tokio_stream::StreamExt;
         let (_reporter, health) = tonic_health::server::health_reporter();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(move |c| {
+            accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            c
+        });
         tokio::spawn(async move {
             tonic::transport::Server::builder()
                 .add_service(health)
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    async {
-                        let _ = stop.await;
-                    },
-                )
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = stop.await;
+                })
                 .await
                 .unwrap();
         })
@@ -239,29 +320,41 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn calls_go_direct_and_reconnect_after_the_executor_restarts() {
+    async fn calls_share_one_connection_and_a_new_one_is_made_after_a_restart() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = || accepted.load(std::sync::atomic::Ordering::SeqCst);
         let (stop, stopped) = tokio::sync::oneshot::channel();
-        let server = serve(listener, stopped);
+        let server = serve(listener, stopped, accepted.clone());
         let hop = Hop::Plain(Plain::new(&format!("http://{addr}").parse().unwrap()).unwrap());
-        for _ in 0..3 {
-            assert_eq!(check(&hop).await.unwrap(), 1, "SERVING");
-        }
+        // The first calls all at once, with no connection yet: they make one between them.
+        let first = futures::future::join_all((0..8).map(|_| check(&hop))).await;
+        assert!(
+            first.iter().all(|r| r.as_ref().ok() == Some(&1)),
+            "{first:?}"
+        );
+        assert_eq!(check(&hop).await.unwrap(), 1, "SERVING");
+        assert_eq!(count(), 1, "one connection");
 
+        // The executor restarts on the same address: the next call gets through, on a new
+        // connection, though the old one may still look open when it is made.
+        stop.send(()).unwrap();
+        server.await.unwrap();
+        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let server = serve(listener, stopped, accepted.clone());
+        assert_eq!(check(&hop).await.unwrap(), 1);
+        assert_eq!(count(), 2);
+
+        // It is gone: the call is UNAVAILABLE, names it, and says the connection failed.
         stop.send(()).unwrap();
         server.await.unwrap();
         let e = check(&hop).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
         assert!(e.message().contains(&addr.to_string()), "{e:?}");
-
-        // The executor comes back on the same address: the next call connects anew.
-        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel();
-        let server = serve(listener, stopped);
-        assert_eq!(check(&hop).await.unwrap(), 1);
-        stop.send(()).unwrap();
-        server.await.unwrap();
+        let source = std::error::Error::source(&e).expect("a source");
+        assert!(source.is::<Unreachable>(), "{source:?}");
     }
 
     #[tokio::test]
