@@ -731,11 +731,7 @@ impl Db {
             return Err(DbError::SnapshotExists(s.tag.clone()));
         }
         if s.state == NewState::Ready {
-            sqlx::query("INSERT OR IGNORE INTO snapshot_copies (tag, executor_id) VALUES (?, ?)")
-                .bind(&s.tag)
-                .bind(&s.executor_id)
-                .execute(&mut *tx)
-                .await?;
+            record_copy(&mut tx, &s.tag, &s.executor_id).await?;
         }
         tx.commit().await?;
         Ok(())
@@ -773,11 +769,7 @@ impl Db {
         if r.rows_affected() == 0 {
             return Err(DbError::NotWriting(tag.to_string()));
         }
-        sqlx::query("INSERT OR IGNORE INTO snapshot_copies (tag, executor_id) VALUES (?, ?)")
-            .bind(tag)
-            .bind(executor_id)
-            .execute(&mut *tx)
-            .await?;
+        record_copy(&mut tx, tag, executor_id).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -1075,22 +1067,51 @@ impl Db {
     }
 }
 
-/// Replace the executor's list of held snapshots with `tags` (unknown tags are ignored).
+/// How long a copy recorded here stands without its executor's report listing it. A report
+/// is taken on the executor before it is sent, so one taken just before a snapshot was
+/// installed can arrive after the control plane recorded that copy; it must not drop it.
+pub const COPY_GRACE_MS: i64 = 5_000;
+
+/// Record that `executor` holds `tag`, as of now.
+async fn record_copy(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tag: &str,
+    executor: &str,
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO snapshot_copies (tag, executor_id, recorded_ms) VALUES (?, ?, ?) \
+         ON CONFLICT(tag, executor_id) DO UPDATE SET recorded_ms = excluded.recorded_ms",
+    )
+    .bind(tag)
+    .bind(executor)
+    .bind(now_ms())
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Replace the executor's list of held snapshots with `tags` (unknown tags, and snapshots
+/// not complete, are ignored), keeping copies recorded within [`COPY_GRACE_MS`].
 async fn set_copies(
     tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     executor: &str,
     tags: &[String],
 ) -> Result<()> {
-    sqlx::query("DELETE FROM snapshot_copies WHERE executor_id = ?")
+    let now = now_ms();
+    sqlx::query("DELETE FROM snapshot_copies WHERE executor_id = ? AND recorded_ms < ?")
         .bind(executor)
+        .bind(now - COPY_GRACE_MS)
         .execute(&mut **tx)
         .await?;
     for tag in tags {
         sqlx::query(
             // Only complete snapshots: one still being written is the branch's to finish.
-            "INSERT OR IGNORE INTO snapshot_copies (tag, executor_id) SELECT tag, ? FROM snapshots WHERE tag = ? AND state = 'ready'",
+            "INSERT INTO snapshot_copies (tag, executor_id, recorded_ms) \
+             SELECT tag, ?, ? FROM snapshots WHERE tag = ? AND state = 'ready' \
+             ON CONFLICT(tag, executor_id) DO UPDATE SET recorded_ms = excluded.recorded_ms",
         )
         .bind(executor)
+        .bind(now)
         .bind(tag)
         .execute(&mut **tx)
         .await?;
@@ -1178,6 +1199,49 @@ mod tests {
             );
             tokio::time::sleep(CHECKPOINT_EVERY / 4).await;
         }
+        db.close().await;
+    }
+
+    /// A report taken before a snapshot was installed, arriving after the copy was recorded,
+    /// keeps the copy; reports later than the grace drop a copy they do not list.
+    #[tokio::test]
+    async fn a_report_older_than_a_recorded_copy_keeps_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("copies.db")).await.unwrap();
+        let old_report = ExecutorReport::default();
+        db.upsert_executor("ex", "http://127.0.0.1:1", &old_report, "p")
+            .await
+            .unwrap();
+        db.insert_snapshot(&writing("t", i64::MAX)).await.unwrap();
+        db.finish_snapshot("t", "ex", None, None).await.unwrap();
+        assert!(db.heartbeat("ex", &old_report, "p").await.unwrap());
+        let held = vec![("ex".to_string(), "t".to_string())];
+        assert_eq!(db.copies().await.unwrap(), held, "kept within the grace");
+
+        // Recorded long ago: a report that does not list it drops it, one that does keeps it.
+        let age = |db: &Db| {
+            let pool = db.pool.clone();
+            async move {
+                sqlx::query("UPDATE snapshot_copies SET recorded_ms = ?")
+                    .bind(now_ms() - COPY_GRACE_MS - 1)
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+            }
+        };
+        age(&db).await;
+        let listing = ExecutorReport {
+            cached_tags: vec!["t".into()],
+            ..Default::default()
+        };
+        assert!(db.heartbeat("ex", &listing, "p").await.unwrap());
+        assert_eq!(db.copies().await.unwrap(), held, "listed: kept");
+        age(&db).await;
+        assert!(db.heartbeat("ex", &old_report, "p").await.unwrap());
+        assert!(
+            db.copies().await.unwrap().is_empty(),
+            "gone from the report"
+        );
         db.close().await;
     }
 
