@@ -29,10 +29,18 @@ pub fn set_time(unix_nanos: u64) -> anyhow::Result<()> {
 /// (RNDADDENTROPY, needs CAP_SYS_ADMIN); otherwise it is written to
 /// /dev/urandom, which mixes it in without crediting.
 pub fn add_entropy(entropy: &[u8]) -> anyhow::Result<bool> {
-    let mut dev = OpenOptions::new()
-        .write(true)
-        .open("/dev/urandom")
-        .context("opening /dev/urandom")?;
+    let files = WAKE_FILES.lock().unwrap_or_else(|e| e.into_inner());
+    let opened;
+    let mut dev = match files.as_ref() {
+        Some(f) => &f.urandom,
+        None => {
+            opened = OpenOptions::new()
+                .write(true)
+                .open("/dev/urandom")
+                .context("opening /dev/urandom")?;
+            &opened
+        }
+    };
     if entropy.is_empty() {
         return Ok(false);
     }
@@ -70,7 +78,73 @@ pub fn set_identity(hostname: &str, machine_id: &str) -> anyhow::Result<()> {
     if unsafe { libc::sethostname(hostname.as_ptr().cast(), hostname.len()) } != 0 {
         return Err(std::io::Error::last_os_error()).context("sethostname");
     }
-    write_identity(std::path::Path::new("/etc"), hostname, machine_id)
+    let files = WAKE_FILES.lock().unwrap_or_else(|e| e.into_inner());
+    match files.as_ref() {
+        Some(f) if f.linked() => write_identity_in_place(f, hostname, machine_id),
+        _ => write_identity(std::path::Path::new("/etc"), hostname, machine_id),
+    }
+}
+
+/// The files a clone's Wake writes, opened when the parent prepares its snapshot, so a clone
+/// changes only their contents. Opening them in each clone walks their paths and takes and
+/// drops references on their dentries and inodes, and writing a file aside and renaming it
+/// makes a new inode and dentry: kernel pages every clone would copy out of the snapshot.
+struct WakeFiles {
+    urandom: std::fs::File,
+    hostname: std::fs::File,
+    machine_id: std::fs::File,
+}
+
+/// Set by [`prepare_snapshot`]; also the one-writer-at-a-time lock of the identity files.
+static WAKE_FILES: std::sync::Mutex<Option<WakeFiles>> = std::sync::Mutex::new(None);
+
+impl WakeFiles {
+    /// `<etc>/hostname` and `<etc>/machine-id` (made if missing) and the random device.
+    fn open(etc: &std::path::Path, random: &std::path::Path) -> anyhow::Result<WakeFiles> {
+        let rw = |path: std::path::PathBuf| {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .with_context(|| format!("opening {}", path.display()))
+        };
+        Ok(WakeFiles {
+            urandom: OpenOptions::new()
+                .write(true)
+                .open(random)
+                .with_context(|| format!("opening {}", random.display()))?,
+            hostname: rw(etc.join("hostname"))?,
+            machine_id: rw(etc.join("machine-id"))?,
+        })
+    }
+
+    /// Both identity files are still in the tree: not removed or renamed over since they
+    /// were opened (else the Wake writes them by path, as without them).
+    fn linked(&self) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        [&self.hostname, &self.machine_id]
+            .iter()
+            .all(|f| f.metadata().is_ok_and(|m| m.nlink() > 0))
+    }
+}
+
+/// Each file's contents replaced where they are (same inode and page): written from the
+/// start, then cut to length. The Wake is a clone's first call, so no reader of its own
+/// is there to see a file half written.
+fn write_identity_in_place(f: &WakeFiles, hostname: &str, machine_id: &str) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt;
+    for (file, name, value) in [
+        (&f.hostname, "hostname", hostname),
+        (&f.machine_id, "machine-id", machine_id),
+    ] {
+        let line = format!("{value}\n");
+        file.write_all_at(line.as_bytes(), 0)
+            .and_then(|()| file.set_len(line.len() as u64))
+            .with_context(|| format!("writing /etc/{name}"))?;
+    }
+    Ok(())
 }
 
 fn check_identity(hostname: &str, machine_id: &str) -> anyhow::Result<()> {
@@ -124,6 +198,15 @@ fn mem_free_kib() -> u64 {
 /// after (KiB).
 pub fn prepare_snapshot() -> anyhow::Result<(u64, u64)> {
     let before = mem_free_kib();
+    // Opened now, as the files are when the snapshot is taken; without them a clone opens
+    // and replaces them as before.
+    let opened = WakeFiles::open(
+        std::path::Path::new("/etc"),
+        std::path::Path::new("/dev/urandom"),
+    );
+    *WAKE_FILES.lock().unwrap_or_else(|e| e.into_inner()) = opened
+        .map_err(|e| eprintln!("tine-agent: clones will open their identity files: {e:#}"))
+        .ok();
     // SAFETY: sync has no arguments and cannot fail.
     unsafe { libc::sync() };
     std::fs::write("/proc/sys/vm/drop_caches", b"3").context("writing /proc/sys/vm/drop_caches")?;
@@ -162,6 +245,37 @@ mod tests {
             2,
             "no temp files left"
         );
+    }
+
+    #[test]
+    fn prepared_files_are_rewritten_in_place() {
+        use std::os::unix::fs::MetadataExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let (etc, random) = (tmp.path().join("etc"), tmp.path().join("random"));
+        std::fs::create_dir(&etc).unwrap();
+        std::fs::write(etc.join("hostname"), "a-rather-long-parent-name\n").unwrap();
+        std::fs::write(&random, "").unwrap();
+        let files = WakeFiles::open(&etc, &random).unwrap();
+        let ino = |n: &str| std::fs::metadata(etc.join(n)).unwrap().ino();
+        let before = (ino("hostname"), ino("machine-id"));
+        let read = |n: &str| std::fs::read_to_string(etc.join(n)).unwrap();
+        let id = "0123456789abcdef0123456789abcdef";
+        write_identity_in_place(&files, "child-1", id).unwrap();
+        assert_eq!(read("hostname"), "child-1\n", "shorter: cut to length");
+        assert_eq!(read("machine-id"), format!("{id}\n"), "made when missing");
+        write_identity_in_place(&files, "child-1-longer", id).unwrap();
+        assert_eq!(read("hostname"), "child-1-longer\n");
+        assert_eq!((ino("hostname"), ino("machine-id")), before, "same inodes");
+        assert!(files.linked());
+        assert_eq!(
+            std::fs::read_dir(&etc).unwrap().count(),
+            2,
+            "no other files"
+        );
+        // Replaced behind the agent's back: the opened file is no longer the tree's.
+        std::fs::write(tmp.path().join("new"), "other\n").unwrap();
+        std::fs::rename(tmp.path().join("new"), etc.join("hostname")).unwrap();
+        assert!(!files.linked());
     }
 
     #[test]
