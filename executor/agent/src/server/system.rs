@@ -31,8 +31,8 @@ pub fn set_time(unix_nanos: u64) -> anyhow::Result<()> {
 pub fn add_entropy(entropy: &[u8]) -> anyhow::Result<bool> {
     let files = WAKE_FILES.lock().unwrap_or_else(|e| e.into_inner());
     let opened;
-    let mut dev = match files.as_ref() {
-        Some(f) => &f.urandom,
+    let mut dev = match files.as_ref().and_then(|f| f.urandom.as_ref()) {
+        Some(f) => f,
         None => {
             opened = OpenOptions::new()
                 .write(true)
@@ -74,14 +74,16 @@ pub fn add_entropy(entropy: &[u8]) -> anyhow::Result<bool> {
 /// Both are checked first: the host names them, but nothing unchecked reaches a syscall.
 pub fn set_identity(hostname: &str, machine_id: &str) -> anyhow::Result<()> {
     check_identity(hostname, machine_id)?;
+    // One caller at a time sets the kernel's name and the files, so they agree.
+    let files = WAKE_FILES.lock().unwrap_or_else(|e| e.into_inner());
     // SAFETY: a valid buffer of the given length.
     if unsafe { libc::sethostname(hostname.as_ptr().cast(), hostname.len()) } != 0 {
         return Err(std::io::Error::last_os_error()).context("sethostname");
     }
-    let files = WAKE_FILES.lock().unwrap_or_else(|e| e.into_inner());
+    let etc = std::path::Path::new("/etc");
     match files.as_ref() {
-        Some(f) if f.linked() => write_identity_in_place(f, hostname, machine_id),
-        _ => write_identity(std::path::Path::new("/etc"), hostname, machine_id),
+        Some(f) => f.write_identity(etc, hostname, machine_id),
+        None => write_identity(etc, hostname, machine_id),
     }
 }
 
@@ -89,62 +91,76 @@ pub fn set_identity(hostname: &str, machine_id: &str) -> anyhow::Result<()> {
 /// changes only their contents. Opening them in each clone walks their paths and takes and
 /// drops references on their dentries and inodes, and writing a file aside and renaming it
 /// makes a new inode and dentry: kernel pages every clone would copy out of the snapshot.
+/// A file that could not be opened (missing, say) is written by path, as without them.
 struct WakeFiles {
-    urandom: std::fs::File,
-    hostname: std::fs::File,
-    machine_id: std::fs::File,
+    urandom: Option<std::fs::File>,
+    hostname: Option<std::fs::File>,
+    machine_id: Option<std::fs::File>,
 }
 
-/// Set by [`prepare_snapshot`]; also the one-writer-at-a-time lock of the identity files.
+/// Set by [`prepare_snapshot`]; also the one-writer-at-a-time lock of the identity.
 static WAKE_FILES: std::sync::Mutex<Option<WakeFiles>> = std::sync::Mutex::new(None);
 
 impl WakeFiles {
-    /// `<etc>/hostname` and `<etc>/machine-id` (made if missing) and the random device.
-    fn open(etc: &std::path::Path, random: &std::path::Path) -> anyhow::Result<WakeFiles> {
-        let rw = |path: std::path::PathBuf| {
+    /// The random device and `<etc>/hostname` and `<etc>/machine-id` as they are (none is
+    /// made: a guest without one keeps it missing until a Wake names it).
+    fn open(etc: &std::path::Path, random: &std::path::Path) -> WakeFiles {
+        let rw = |name: &str| {
             OpenOptions::new()
                 .read(true)
                 .write(true)
-                .create(true)
-                .truncate(false)
-                .open(&path)
-                .with_context(|| format!("opening {}", path.display()))
+                .open(etc.join(name))
+                .ok()
         };
-        Ok(WakeFiles {
-            urandom: OpenOptions::new()
-                .write(true)
-                .open(random)
-                .with_context(|| format!("opening {}", random.display()))?,
-            hostname: rw(etc.join("hostname"))?,
-            machine_id: rw(etc.join("machine-id"))?,
-        })
+        WakeFiles {
+            urandom: OpenOptions::new().write(true).open(random).ok(),
+            hostname: rw("hostname"),
+            machine_id: rw("machine-id"),
+        }
     }
 
-    /// Both identity files are still in the tree: not removed or renamed over since they
-    /// were opened (else the Wake writes them by path, as without them).
-    fn linked(&self) -> bool {
-        use std::os::unix::fs::MetadataExt;
-        [&self.hostname, &self.machine_id]
-            .iter()
-            .all(|f| f.metadata().is_ok_and(|m| m.nlink() > 0))
+    /// Each identity file rewritten through its open descriptor while that is still the file
+    /// at its path; otherwise (missing when opened, removed, renamed away or replaced since)
+    /// written by path.
+    fn write_identity(
+        &self,
+        etc: &std::path::Path,
+        hostname: &str,
+        machine_id: &str,
+    ) -> anyhow::Result<()> {
+        for (file, name, value) in [
+            (&self.hostname, "hostname", hostname),
+            (&self.machine_id, "machine-id", machine_id),
+        ] {
+            let path = etc.join(name);
+            match file.as_ref().filter(|f| same_file(f, &path)) {
+                Some(f) => rewrite_in_place(f, value)
+                    .with_context(|| format!("writing {}", path.display()))?,
+                None => write_aside(etc, name, value)?,
+            }
+        }
+        Ok(())
     }
 }
 
-/// Each file's contents replaced where they are (same inode and page): written from the
-/// start, then cut to length. The Wake is a clone's first call, so no reader of its own
-/// is there to see a file half written.
-fn write_identity_in_place(f: &WakeFiles, hostname: &str, machine_id: &str) -> anyhow::Result<()> {
-    use std::os::unix::fs::FileExt;
-    for (file, name, value) in [
-        (&f.hostname, "hostname", hostname),
-        (&f.machine_id, "machine-id", machine_id),
-    ] {
-        let line = format!("{value}\n");
-        file.write_all_at(line.as_bytes(), 0)
-            .and_then(|()| file.set_len(line.len() as u64))
-            .with_context(|| format!("writing /etc/{name}"))?;
+/// `f` is the file at `path` (same device and inode; `path` followed through symlinks).
+fn same_file(f: &std::fs::File, path: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (f.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
     }
-    Ok(())
+}
+
+/// The file's contents replaced where they are (same inode and page): written from the start,
+/// then cut to length. Unlike a rename, a reader in between can see the new line followed by
+/// the rest of a longer old one; the Wake is a clone's first call, so that window is the
+/// microseconds before any work of the clone's own.
+fn rewrite_in_place(f: &std::fs::File, value: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let line = format!("{value}\n");
+    f.write_all_at(line.as_bytes(), 0)?;
+    f.set_len(line.len() as u64)
 }
 
 fn check_identity(hostname: &str, machine_id: &str) -> anyhow::Result<()> {
@@ -171,14 +187,17 @@ fn write_identity(etc: &std::path::Path, hostname: &str, machine_id: &str) -> an
     // on their way, and both would write and rename the same temporary files.
     static WRITING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = WRITING.lock().unwrap_or_else(|e| e.into_inner());
-    for (name, value) in [("hostname", hostname), ("machine-id", machine_id)] {
-        let path = etc.join(name);
-        let tmp = etc.join(format!(".{name}.tine"));
-        std::fs::write(&tmp, format!("{value}\n"))
-            .and_then(|()| std::fs::rename(&tmp, &path))
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(())
+    write_aside(etc, "hostname", hostname)?;
+    write_aside(etc, "machine-id", machine_id)
+}
+
+/// `<etc>/<name>` replaced whole by a file holding `value`, written aside and renamed over it.
+fn write_aside(etc: &std::path::Path, name: &str, value: &str) -> anyhow::Result<()> {
+    let path = etc.join(name);
+    let tmp = etc.join(format!(".{name}.tine"));
+    std::fs::write(&tmp, format!("{value}\n"))
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// MemFree from /proc/meminfo, in KiB (0 if unreadable).
@@ -204,9 +223,7 @@ pub fn prepare_snapshot() -> anyhow::Result<(u64, u64)> {
         std::path::Path::new("/etc"),
         std::path::Path::new("/dev/urandom"),
     );
-    *WAKE_FILES.lock().unwrap_or_else(|e| e.into_inner()) = opened
-        .map_err(|e| eprintln!("tine-agent: clones will open their identity files: {e:#}"))
-        .ok();
+    *WAKE_FILES.lock().unwrap_or_else(|e| e.into_inner()) = Some(opened);
     // SAFETY: sync has no arguments and cannot fail.
     unsafe { libc::sync() };
     std::fs::write("/proc/sys/vm/drop_caches", b"3").context("writing /proc/sys/vm/drop_caches")?;
@@ -248,34 +265,53 @@ mod tests {
     }
 
     #[test]
-    fn prepared_files_are_rewritten_in_place() {
+    fn prepared_files_are_rewritten_in_place_while_they_are_the_files_at_their_paths() {
         use std::os::unix::fs::MetadataExt;
         let tmp = tempfile::tempdir().unwrap();
         let (etc, random) = (tmp.path().join("etc"), tmp.path().join("random"));
         std::fs::create_dir(&etc).unwrap();
         std::fs::write(etc.join("hostname"), "a-rather-long-parent-name\n").unwrap();
+        std::fs::write(etc.join("machine-id"), "parent\n").unwrap();
         std::fs::write(&random, "").unwrap();
-        let files = WakeFiles::open(&etc, &random).unwrap();
+        let files = WakeFiles::open(&etc, &random);
         let ino = |n: &str| std::fs::metadata(etc.join(n)).unwrap().ino();
         let before = (ino("hostname"), ino("machine-id"));
         let read = |n: &str| std::fs::read_to_string(etc.join(n)).unwrap();
         let id = "0123456789abcdef0123456789abcdef";
-        write_identity_in_place(&files, "child-1", id).unwrap();
+        files.write_identity(&etc, "child-1", id).unwrap();
         assert_eq!(read("hostname"), "child-1\n", "shorter: cut to length");
-        assert_eq!(read("machine-id"), format!("{id}\n"), "made when missing");
-        write_identity_in_place(&files, "child-1-longer", id).unwrap();
+        assert_eq!(read("machine-id"), format!("{id}\n"));
+        files.write_identity(&etc, "child-1-longer", id).unwrap();
         assert_eq!(read("hostname"), "child-1-longer\n");
         assert_eq!((ino("hostname"), ino("machine-id")), before, "same inodes");
-        assert!(files.linked());
+
+        // Renamed away and a new one made: the new one is written, by path.
+        std::fs::rename(etc.join("hostname"), tmp.path().join("hostname.bak")).unwrap();
+        std::fs::write(etc.join("hostname"), "other\n").unwrap();
+        files.write_identity(&etc, "child-2", id).unwrap();
+        assert_eq!(read("hostname"), "child-2\n");
+        let bak = std::fs::read_to_string(tmp.path().join("hostname.bak")).unwrap();
+        assert_eq!(bak, "child-1-longer\n", "the old file is left alone");
         assert_eq!(
             std::fs::read_dir(&etc).unwrap().count(),
             2,
             "no other files"
         );
-        // Replaced behind the agent's back: the opened file is no longer the tree's.
-        std::fs::write(tmp.path().join("new"), "other\n").unwrap();
-        std::fs::rename(tmp.path().join("new"), etc.join("hostname")).unwrap();
-        assert!(!files.linked());
+    }
+
+    #[test]
+    fn a_file_missing_when_prepared_is_neither_made_then_nor_left_missing() {
+        let tmp = tempfile::tempdir().unwrap();
+        let etc = tmp.path();
+        std::fs::write(etc.join("hostname"), "parent\n").unwrap();
+        let files = WakeFiles::open(etc, &etc.join("no-random-device"));
+        assert!(files.urandom.is_none() && files.machine_id.is_none());
+        assert!(!etc.join("machine-id").exists(), "not made by preparing");
+        let id = "0123456789abcdef0123456789abcdef";
+        files.write_identity(etc, "child-1", id).unwrap();
+        let read = |n: &str| std::fs::read_to_string(etc.join(n)).unwrap();
+        assert_eq!(read("machine-id"), format!("{id}\n"));
+        assert_eq!(read("hostname"), "child-1\n");
     }
 
     #[test]
