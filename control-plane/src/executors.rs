@@ -4,7 +4,6 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
 
 use tine_proto::executor::v1::executor_client::ExecutorClient;
 use tine_rpc::auth::Bearer;
@@ -70,9 +69,9 @@ impl ExecutorPool {
     fn channel(&self, addr: &str) -> Result<Channel, Status> {
         let mut ep = Endpoint::from_shared(addr.to_string())
             .map_err(|e| Status::internal(format!("executor address {addr:?}: {e}")))?
-            .connect_timeout(Duration::from_secs(5))
+            .connect_timeout(crate::hop::CONNECT_TIMEOUT)
             .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(30));
+            .http2_keep_alive_interval(crate::hop::KEEP_ALIVE);
         if addr.starts_with("https://") {
             let tls = self.tls.clone().ok_or_else(|| {
                 Status::failed_precondition(format!(

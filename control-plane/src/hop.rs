@@ -20,10 +20,10 @@ use tonic::transport::Channel;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// How long a new connection may take; tonic's endpoint had the same.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a new connection may take, on either transport.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// HTTP/2 pings while calls are open, so a connection the network dropped is found.
-const KEEP_ALIVE: Duration = Duration::from_secs(30);
+pub(crate) const KEEP_ALIVE: Duration = Duration::from_secs(30);
 
 /// One executor's transport, cheap to clone (clones share the connection).
 #[derive(Clone)]

@@ -168,6 +168,9 @@ pub enum Readiness {
     Failed(String),
 }
 
+/// The longest period between [`AgentClient::wait_ready`]'s pings.
+pub const WAIT_READY_MAX_PERIOD: Duration = Duration::from_millis(100);
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PingInfo {
     pub agent_version: String,
@@ -175,6 +178,10 @@ pub struct PingInfo {
     pub readiness: Readiness,
     /// The warm-up code configured in the guest ("" if none).
     pub warmup_command: String,
+    /// How long the agent had been ready when it answered, by its own clock (None: not
+    /// ready, or an agent that does not say). A clone's counts from its parent's warm-up. From the guest: a figure, never trusted for
+    /// more than a measurement, and never more than `uptime`.
+    pub ready_for: Option<Duration>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -569,15 +576,11 @@ impl AgentClient {
     /// retried (the guest may still be booting); a failed warm-up is
     /// returned immediately.
     pub fn wait_ready(&self, timeout: Duration) -> Result<PingInfo> {
-        self.wait_ready_polling(
-            timeout,
-            Duration::from_millis(5),
-            Duration::from_millis(100),
-        )
+        self.wait_ready_polling(timeout, Duration::from_millis(5), WAIT_READY_MAX_PERIOD)
     }
 
     /// Like [`Self::wait_ready`], polling every `first` at first and backing off to `max`.
-    /// Fork readiness uses a fixed 1 ms period so the measured time is not the backoff's.
+    /// Readiness of a clone by separate calls polls from 1 ms so its time is not the backoff's.
     pub fn wait_ready_polling(
         &self,
         timeout: Duration,
@@ -979,11 +982,18 @@ fn ping_info(p: pb::PingResponse) -> Result<PingInfo> {
             )))
         }
     };
+    let ready_for = match (&readiness, p.ready_ms) {
+        (Readiness::Ready, Some(at)) if at <= p.uptime_ms => {
+            Some(Duration::from_millis(p.uptime_ms - at))
+        }
+        _ => None,
+    };
     Ok(PingInfo {
         agent_version: p.agent_version,
         uptime: Duration::from_millis(p.uptime_ms),
         readiness,
         warmup_command: p.warmup_command,
+        ready_for,
     })
 }
 

@@ -113,7 +113,9 @@ fn warmup_reports_warming_then_ready() {
     let c = agent.client();
     let p = c.ping().unwrap();
     assert_eq!(p.readiness, Readiness::Warming);
+    assert_eq!(p.ready_for, None);
     assert!(p.warmup_command.contains("warmed = 'yes'"));
+    let seen_warming = p.uptime;
     let err = c.wait_ready(Duration::from_millis(100)).unwrap_err();
     assert!(
         matches!(&err, ClientError::NotReady { detail, .. } if detail.contains("warmed = 'yes'")),
@@ -123,6 +125,12 @@ fn warmup_reports_warming_then_ready() {
     std::fs::write(&release, "").unwrap();
     let p = c.wait_ready(Duration::from_secs(60)).unwrap();
     assert_eq!(p.readiness, Readiness::Ready);
+    // It says when it became ready (by its own clock): after it was seen warming.
+    let ready_for = p.ready_for.expect("a ready agent says since when");
+    assert!(
+        p.uptime - ready_for > seen_warming,
+        "{p:?} seen warming at {seen_warming:?}"
+    );
     // The warm-up ran in the same interpreter that serves evals.
     assert_eq!(c.eval("warmed").unwrap().value.as_deref(), Some("'yes'"));
 }

@@ -16,6 +16,8 @@ fn ping_reports_version_and_ready() {
     assert_eq!(p.agent_version, env!("CARGO_PKG_VERSION"));
     assert_eq!(p.readiness, Readiness::Ready);
     assert_eq!(p.warmup_command, "");
+    // With no warm-up it has been ready since it started.
+    assert_eq!(p.ready_for, Some(p.uptime));
 }
 
 #[test]

@@ -33,6 +33,8 @@ pub enum Readiness {
 pub struct Agent {
     started: Instant,
     readiness: Mutex<Readiness>,
+    /// Time since `started` at which readiness became Ready (Ping's `ready_ms`).
+    ready_at: std::sync::OnceLock<std::time::Duration>,
     python: python::Interpreter,
 }
 
@@ -78,7 +80,9 @@ impl Standing {
 
 impl Agent {
     pub fn new(config: &crate::config::AgentConfig) -> Arc<Self> {
+        let ready_at = std::sync::OnceLock::new();
         let readiness = if config.warmup.trim().is_empty() {
+            let _ = ready_at.set(std::time::Duration::ZERO);
             Readiness::Ready
         } else {
             Readiness::Warming
@@ -86,6 +90,7 @@ impl Agent {
         Arc::new(Self {
             started: Instant::now(),
             readiness: Mutex::new(readiness),
+            ready_at,
             python: python::Interpreter::new(config.python.clone(), config.warmup.clone()),
         })
     }
@@ -100,7 +105,10 @@ impl Agent {
         let agent = Arc::clone(self);
         std::thread::spawn(move || {
             let state = match agent.python.warm_up() {
-                Ok(()) => Readiness::Ready,
+                Ok(()) => {
+                    let _ = agent.ready_at.set(agent.started.elapsed());
+                    Readiness::Ready
+                }
                 Err(e) => {
                     eprintln!("tine-agent: warm-up failed: {e:#}");
                     Readiness::Failed(format!("{e:#}"))
@@ -259,7 +267,12 @@ impl Agent {
     }
 
     fn ping(&self) -> pb::PingResponse {
-        let (readiness, warmup_error) = match self.readiness() {
+        let state = self.readiness();
+        let ready_ms = match state {
+            Readiness::Ready => self.ready_at.get().map(|d| d.as_millis() as u64),
+            _ => None,
+        };
+        let (readiness, warmup_error) = match state {
             Readiness::Ready => (pb::Readiness::Ready, String::new()),
             Readiness::Warming => (pb::Readiness::Warming, String::new()),
             Readiness::Failed(e) => (pb::Readiness::Failed, e),
@@ -270,6 +283,7 @@ impl Agent {
             readiness: readiness as i32,
             warmup_error,
             warmup_command: self.python.warmup_code().to_owned(),
+            ready_ms,
         }
     }
 }
