@@ -179,8 +179,9 @@ pub struct PingInfo {
     /// The warm-up code configured in the guest ("" if none).
     pub warmup_command: String,
     /// How long the agent had been ready when it answered, by its own clock (None: not
-    /// ready, or an agent that does not say). A clone's counts from its parent's warm-up. From the guest: a figure, never trusted for
-    /// more than a measurement, and never more than `uptime`.
+    /// ready, or an agent that does not say). A clone's counts from its parent's warm-up.
+    /// From the guest: a figure, never trusted for more than a measurement, and never more
+    /// than `uptime`.
     pub ready_for: Option<Duration>,
 }
 
