@@ -58,7 +58,13 @@ impl Job {
         for (i, share) in self.shares.iter().enumerate() {
             let target = shell_quote(&format!("/host{}", share.dir.display()));
             let what = shell_quote(&format!("share {}", share.dir.display()));
-            let ro = if share.writable { "" } else { ",ro" };
+            // A read-only share (the cache) does not change under a run either: cached as the
+            // host root is. A writable one is where results are written: no caching.
+            let ro = if share.writable {
+                ""
+            } else {
+                ",ro,cache=loose"
+            };
             s.push_str(&format!(
                 "mkdir -p {target} 2>/dev/null\nmount -t 9p -o trans=virtio,version=9p2000.L,msize=262144{ro} {} {target} || fail {what}\n",
                 share_tag(i)
@@ -197,7 +203,7 @@ mod tests {
             "{s}"
         );
         assert!(
-            s.contains("msize=262144,ro tineshare1 /host/tmp/cache || fail"),
+            s.contains("msize=262144,ro,cache=loose tineshare1 /host/tmp/cache || fail"),
             "{s}"
         );
     }

@@ -99,7 +99,10 @@ fail() {{
 {insmods}# Loopback for jobs that serve and call on 127.0.0.1 (e.g. `tine up`).
 ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up 2>/dev/null
 mkdir -p /host
-mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144 {HOST_TAG} /host || fail "mount 9p {HOST_TAG}"
+# cache=loose: the host root does not change under a run, so L1 keeps what it read (file pages,
+# attributes, lookups). Without it every process faults its binary in over 9p again and every
+# open and stat is a round trip to the host (a Python start, e.g. moto_server's, takes minutes).
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=262144 {HOST_TAG} /host || fail "mount 9p {HOST_TAG}"
 mount -t proc proc /host/proc || fail "mount /host/proc"
 mount -t sysfs sysfs /host/sys || fail "mount /host/sys"
 mount -t devtmpfs devtmpfs /host/dev || fail "mount /host/dev"

@@ -9,8 +9,11 @@
 set -u
 T=$1 IMG=$2 W=$3 VENV=$4
 rm -rf "$W"; mkdir -p "$W"
-ok() { echo "CHECK $1 ok"; }
-fail() { echo "CHECK $1 FAIL $2"; }
+# Each check says when it was reached (seconds since the start), so a slow run shows where.
+T0=$(date +%s)
+at() { echo "[multihost +$(($(date +%s) - T0)) s] $1"; }
+ok() { echo "CHECK $1 ok"; at "$1"; }
+fail() { echo "CHECK $1 FAIL $2"; at "$1"; }
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 wait_port() { i=0; while [ $i -lt 100 ] && ! python3 -c "import socket,sys; socket.create_connection(('127.0.0.1', $1), 0.2)" 2>/dev/null; do sleep 0.2; i=$((i + 1)); done; }
 PIDS=""
