@@ -41,6 +41,20 @@ fn where_linux_boots_within(
     limit_secs: Option<u32>,
     argv: &[&str],
 ) -> (i32, String) {
+    let run = lab_run(lab_cpus, limit_secs, argv, true);
+    (run.code, run.out)
+}
+
+/// One command where Linux boots: its exit code and output, and whether it is a second run.
+struct LabRun {
+    code: i32,
+    out: String,
+    retried: bool,
+}
+
+/// [`where_linux_boots_within`]; with `retry_lab`, a run the lab itself failed (L1 died or
+/// stalled past the limit) is run once more.
+fn lab_run(lab_cpus: u32, limit_secs: Option<u32>, argv: &[&str], retry_lab: bool) -> LabRun {
     let direct = !std::path::Path::new("/sys/module/kvm_pvm").exists()
         && std::fs::read_to_string("/proc/cpuinfo")
             .map(|c| c.split_whitespace().any(|w| w == "vmx" || w == "svm"))
@@ -80,18 +94,27 @@ fn where_linux_boots_within(
         );
         (out.status.code().unwrap_or(-1), text)
     };
-    let (code, text) = run(&mut cmd);
+    let (code, out) = run(&mut cmd);
     // The lab's L1 is a software-emulated CPU running nested KVM; under load its kernel has been
     // seen to die on its own, and (rarely, with two CPUs) to stall so that not even the guest's
     // first console line comes out. That is the lab failing, not the code under test: retry
     // once, and say so in the log. A test assertion failure is never retried.
-    if !direct && (lab_died(&text) || lab_timed_out(&text)) {
+    if retry_lab && !direct && (lab_died(&out) || lab_timed_out(&out)) {
         eprintln!(
-            "NOTE: the nested lab's L1 died or stalled past its limit (not the guest under test; see docs/lab.md); retrying once:\n{text}"
+            "NOTE: the nested lab's L1 died or stalled past its limit (not the guest under test; see docs/lab.md); retrying once:\n{out}"
         );
-        return run(&mut cmd);
+        let (code, out) = run(&mut cmd);
+        return LabRun {
+            code,
+            out,
+            retried: true,
+        };
     }
-    (code, text)
+    LabRun {
+        code,
+        out,
+        retried: false,
+    }
 }
 
 fn lab_died(out: &str) -> bool {
@@ -273,12 +296,14 @@ fn scenario_args_within(
     );
     let mut argv = vec!["sh", path.as_str(), TINE, image, work.as_str()];
     argv.extend_from_slice(extra);
-    let (mut code, mut out) = where_linux_boots_within(lab_cpus, limit_secs, &argv);
+    let first = lab_run(lab_cpus, limit_secs, &argv, true);
+    let (mut code, mut out) = (first.code, first.out);
     // A run that failed because a guest died under the lab's emulated CPU (while booting, or a
     // triple fault the VMM logged; seen rarely, and never on the same run twice) is retried
     // once, loudly; any other failure and a second death are reported as they are. A run that
-    // passed is never rerun, whatever it logged. (A scenario past the lab's limit was already
-    // retried by `where_linux_boots_on`.)
+    // passed is never rerun, whatever it logged. A scenario runs at most twice: one the lab
+    // already ran again (L1 died or stalled) is not retried here, and this retry is not
+    // retried by the lab, so a long scenario cannot take four of its limits.
     let failed = code != 0
         || out
             .lines()
@@ -286,9 +311,10 @@ fn scenario_args_within(
     let guest_died = out.contains("CHECK ready FAIL VM exited")
         || out.contains("CHECK ready FAIL not ready after")
         || out.contains("guest triple fault");
-    if failed && guest_died {
+    if failed && guest_died && !first.retried {
         eprintln!("NOTE: the guest VM died (an open lab issue, see docs/fork.md); retrying the scenario once:\n{out}");
-        (code, out) = where_linux_boots_within(lab_cpus, limit_secs, &argv);
+        let second = lab_run(lab_cpus, limit_secs, &argv, false);
+        (code, out) = (second.code, second.out);
     }
     let checks: Vec<&str> = out.lines().filter(|l| l.starts_with("CHECK ")).collect();
     for name in expected {

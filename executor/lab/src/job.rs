@@ -47,7 +47,7 @@ impl Share {
     }
 }
 
-/// The 9p mount tag of the i-th writable share.
+/// The 9p mount tag of the i-th share.
 pub fn share_tag(i: usize) -> String {
     format!("tineshare{i}")
 }

@@ -180,7 +180,7 @@ mod tests {
         assert!(pos("insmod /lib/9p.ko") < pos("mount -t 9p"));
         assert!(pos("mount -t 9p") < pos("chroot /host"));
         assert!(pos("$m start") < pos("chroot /host") && pos("chroot /host") < pos("$m exit"));
-        assert!(s.contains(",ro,") && s.contains(" host /host"));
+        assert!(s.contains(",ro,cache=loose,") && s.contains(" host /host"));
     }
 
     /// With the lab kernel cached, every L1 module must resolve to a file.
