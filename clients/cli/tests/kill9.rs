@@ -472,9 +472,11 @@ async fn services_killed_mid_operation_come_back_consistent() {
     println!("  -- kill -9 the control plane mid-spawn");
     let (events, end) = c.spawn_and_kill(6, "control plane").await;
     println!("     the spawn saw {} events, then {end}", events.len());
-    assert_ne!(
-        end, "ended",
-        "the stream cannot end cleanly without its server"
+    // The stream ends cleanly only if the control plane had sent every child before the
+    // signal landed (a fast host can spawn six tiny guests first); otherwise it breaks.
+    assert!(
+        events.len() == 6 || end != "ended",
+        "the stream ended cleanly without its server, missing children: {events:?}"
     );
     c.start_cp();
     c.until_registered().await;
