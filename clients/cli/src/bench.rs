@@ -911,10 +911,10 @@ fn print_phase_table(rows: &[(usize, Vec<SpawnPhases>)]) -> Vec<String> {
     println!("\nspawn phases per child (ms, p50 / p90), as the host measured them:");
     println!("  handoff = child record + a pre-started worker handed the snapshot; restore = KVM restore in the worker;");
     println!("  running = vCPUs started + report back; agent = first agent answer (Wake: clock, entropy, identity in one exchange);");
-    println!("  fixup = separate clock + reseed calls (only agents from before Wake)");
+    println!("  fixup = separate clock + reseed calls (only agents from before Wake); tries = connections to the agent until its first answer (p50 / max)");
     let names = SpawnPhases::default().named().map(|(name, _)| name);
     let header: Vec<String> = names.iter().map(|n| format!("{n:>17}")).collect();
-    println!("{:>6} {}", "N", header.join(" "));
+    println!("{:>6} {} {:>9}", "N", header.join(" "), "tries");
     let mut json = Vec::new();
     for (n, phases) in rows {
         if phases.is_empty() {
@@ -934,11 +934,21 @@ fn print_phase_table(rows: &[(usize, Vec<SpawnPhases>)]) -> Vec<String> {
             .iter()
             .map(|(_, (a, b))| format!("{:>17}", format!("{a:.2} / {b:.2}")))
             .collect();
-        println!("{n:>6} {}", cells.join(" "));
-        let fields: Vec<String> = cols
+        let mut tries: Vec<u32> = phases.iter().map(|p| p.agent_attempts).collect();
+        tries.sort_unstable();
+        let (tries_p50, tries_max) = (tries[tries.len() / 2], tries[tries.len() - 1]);
+        println!(
+            "{n:>6} {} {:>9}",
+            cells.join(" "),
+            format!("{tries_p50} / {tries_max}")
+        );
+        let mut fields: Vec<String> = cols
             .iter()
             .map(|(k, (a, b))| format!("\"{k}_p50_ms\":{a:.3},\"{k}_p90_ms\":{b:.3}"))
             .collect();
+        fields.push(format!(
+            "\"agent_attempts_p50\":{tries_p50},\"agent_attempts_max\":{tries_max}"
+        ));
         json.push(format!("{{\"n\":{n},{}}}", fields.join(",")));
     }
     json

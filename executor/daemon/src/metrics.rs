@@ -14,6 +14,8 @@ pub struct ExecutorMetrics {
     pub vms_running: IntGauge,
     /// Children that did not become ready, by reason.
     pub spawn_failures: IntCounterVec,
+    /// Connections to children's agents beyond the first before they answered.
+    pub agent_retries: IntCounter,
     /// VMMs that exited on their own after they were ready (guest power-off, crash).
     pub vm_exits: IntCounter,
     /// Of those, the ones the kernel killed at their memory limit.
@@ -51,6 +53,12 @@ impl ExecutorMetrics {
             &["reason"],
         )
         .expect("metric");
+        let agent_retries = IntCounter::new(
+            "tine_executor_spawn_agent_retries_total",
+            "Connections to a child's agent beyond the first before it answered (a guest not \
+             yet listening, or slow to answer)",
+        )
+        .expect("metric");
         let vm_exits = IntCounter::new(
             "tine_executor_vm_exits_total",
             "VMMs that exited on their own after their child was ready",
@@ -66,6 +74,7 @@ impl ExecutorMetrics {
             Box::new(pool_idle.clone()),
             Box::new(vms_running.clone()),
             Box::new(spawn_failures.clone()),
+            Box::new(agent_retries.clone()),
             Box::new(vm_exits.clone()),
             Box::new(oom_kills.clone()),
         ] {
@@ -77,6 +86,7 @@ impl ExecutorMetrics {
             pool_idle,
             vms_running,
             spawn_failures,
+            agent_retries,
             vm_exits,
             oom_kills,
         }
@@ -92,6 +102,8 @@ impl ExecutorMetrics {
                 .with_label_values(&[name])
                 .observe(d.as_secs_f64());
         }
+        self.agent_retries
+            .inc_by(u64::from(p.agent_attempts.saturating_sub(1)));
     }
 }
 

@@ -212,6 +212,11 @@ async fn executor_api_end_to_end() {
         text.contains("tine_executor_spawn_failures_total{reason=\"full\"} 1"),
         "{text}"
     );
+    // Readiness here does not wait for an agent (hand-made guests): no retries to count.
+    assert!(
+        text.contains("tine_executor_spawn_agent_retries_total 0"),
+        "{text}"
+    );
 
     // Branch a running child: the branch is a child of its snapshot, made from that sandbox,
     // and spawnable here once a slot is free.
