@@ -171,6 +171,38 @@ pub enum Readiness {
 /// The longest period between [`AgentClient::wait_ready`]'s pings.
 pub const WAIT_READY_MAX_PERIOD: Duration = Duration::from_millis(100);
 
+/// How long a caller that polls a guest (a ping, a Wake) waits for each answer. A connection
+/// refused or reset (no listener yet) fails at once and is retried soon; an attempt that used
+/// its whole wait found a guest that is slow, not gone, so the next waits twice as long. A
+/// fixed wait piles retries on an overloaded guest: it still serves each abandoned call, on a
+/// thread of its own, and gets slower still (docs/performance.md, "Wake retries").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AnswerWait {
+    next: Duration,
+}
+
+impl Default for AnswerWait {
+    fn default() -> Self {
+        Self {
+            next: Duration::from_secs(2),
+        }
+    }
+}
+
+impl AnswerWait {
+    /// How long the next attempt may wait.
+    pub fn next(&self) -> Duration {
+        self.next
+    }
+
+    /// After an attempt that took `took` and brought no answer.
+    pub fn after_failure(&mut self, took: Duration) {
+        if took >= self.next {
+            self.next = self.next.saturating_mul(2);
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PingInfo {
     pub agent_version: String,
@@ -591,12 +623,14 @@ impl AgentClient {
         let start = Instant::now();
         let mut backoff = first;
         let mut last: Option<Result<PingInfo>> = None;
+        let mut wait = AnswerWait::default();
         loop {
             let left = timeout.saturating_sub(start.elapsed());
             if left.is_zero() {
                 break;
             }
-            match self.ping_within(left.min(Duration::from_secs(2))) {
+            let tried = Instant::now();
+            match self.ping_within(left.min(wait.next())) {
                 Ok(p) => match &p.readiness {
                     Readiness::Ready => return Ok(p),
                     Readiness::Failed(msg) => {
@@ -607,7 +641,10 @@ impl AgentClient {
                     }
                     Readiness::Warming => last = Some(Ok(p)),
                 },
-                Err(e) => last = Some(Err(e)),
+                Err(e) => {
+                    wait.after_failure(tried.elapsed());
+                    last = Some(Err(e));
+                }
             }
             std::thread::sleep(backoff.min(timeout.saturating_sub(start.elapsed())));
             backoff = (backoff * 2).min(max);
@@ -1030,4 +1067,26 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
         }
     }
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AnswerWait;
+    use std::time::Duration;
+
+    #[test]
+    fn an_attempt_that_used_its_whole_wait_makes_the_next_wait_twice_as_long() {
+        let s = Duration::from_secs;
+        let mut w = AnswerWait::default();
+        assert_eq!(w.next(), s(2));
+        // Refused or reset at once: the guest is not there yet, the wait stays.
+        w.after_failure(Duration::from_millis(3));
+        assert_eq!(w.next(), s(2));
+        w.after_failure(s(2));
+        assert_eq!(w.next(), s(4));
+        w.after_failure(s(4));
+        assert_eq!(w.next(), s(8));
+        w.after_failure(s(1));
+        assert_eq!(w.next(), s(8));
+    }
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
 use tine_agent::client::{
-    AgentClient, ClientError, CloneIdentity, Connector, Readiness as AgentReadiness,
+    AgentClient, AnswerWait, ClientError, CloneIdentity, Connector, Readiness as AgentReadiness,
 };
 
 use crate::config::Readiness;
@@ -104,7 +104,9 @@ pub fn make_ready(
     let woke = {
         let _s = tracing::info_span!("spawn.agent").entered();
         let mut backoff = Duration::from_millis(1);
-        let mut wait = WakeWait::default();
+        // Longer after each attempt that used its whole wait: retries must not pile up on a
+        // guest that is slow to answer.
+        let mut wait = AnswerWait::default();
         loop {
             // The agent's listener survived the snapshot, so the first attempt normally
             // succeeds as soon as the guest runs; retries only cover a guest slow to get there.
@@ -114,7 +116,7 @@ pub fn make_ready(
                 SystemTime::now(),
                 &seed,
                 identity.as_ref(),
-                wait.next.min(left()),
+                wait.next().min(left()),
             );
             match answer {
                 Ok(w) => break Some(w),
@@ -147,34 +149,6 @@ pub fn make_ready(
     }
     phases.fixup = t2.elapsed();
     Ok(())
-}
-
-/// How long the host waits for the answer to each Wake. A connection refused or reset (the
-/// guest not yet running its listener) fails at once and is retried after a short backoff; an
-/// attempt that used its whole wait found a guest that is slow, not gone, so the next one
-/// waits twice as long. A fixed wait made an overloaded host (100 children on one lab CPU)
-/// pile retries on its guests: each abandoned Wake is still served by the guest, on a thread of
-/// its own, which slowed every guest further.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct WakeWait {
-    next: Duration,
-}
-
-impl Default for WakeWait {
-    fn default() -> Self {
-        Self {
-            next: Duration::from_secs(2),
-        }
-    }
-}
-
-impl WakeWait {
-    /// After an attempt that took `took` and brought no answer.
-    fn after_failure(&mut self, took: Duration) {
-        if took >= self.next {
-            self.next = self.next.saturating_mul(2);
-        }
-    }
 }
 
 /// After a failed attempt to reach a child's agent: Ok to try again, or why not (its VMM
@@ -341,24 +315,6 @@ pub(crate) fn read_with_timeout(
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
-    #[test]
-    fn a_wake_that_used_its_whole_wait_makes_the_next_wait_twice_as_long() {
-        let s = Duration::from_secs;
-        let mut w = super::WakeWait::default();
-        assert_eq!(w.next, s(2));
-        // Refused or reset at once: the guest is not there yet, the wait stays.
-        w.after_failure(Duration::from_millis(3));
-        assert_eq!(w.next, s(2));
-        w.after_failure(s(2));
-        assert_eq!(w.next, s(4));
-        w.after_failure(s(4));
-        assert_eq!(w.next, s(8));
-        w.after_failure(s(1));
-        assert_eq!(w.next, s(8));
-    }
-
     #[test]
     fn a_sandbox_id_makes_a_hostname() {
         assert_eq!(
