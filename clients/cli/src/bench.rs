@@ -911,7 +911,7 @@ fn print_phase_table(rows: &[(usize, Vec<SpawnPhases>)]) -> Vec<String> {
     println!("\nspawn phases per child (ms, p50 / p90), as the host measured them:");
     println!("  handoff = child record + a pre-started worker handed the snapshot; restore = KVM restore in the worker;");
     println!("  running = vCPUs started + report back; agent = first agent answer (Wake: clock, entropy, identity in one exchange);");
-    println!("  fixup = separate clock + reseed calls (only agents from before Wake); tries = connections to the agent until its first answer (p50 / max)");
+    println!("  fixup = separate clock + reseed calls (only agents from before Wake); tries = Wake connections to the agent until its first answer (p50 / max, ready children)");
     let names = SpawnPhases::default().named().map(|(name, _)| name);
     let header: Vec<String> = names.iter().map(|n| format!("{n:>17}")).collect();
     println!("{:>6} {} {:>9}", "N", header.join(" "), "tries");
@@ -934,9 +934,9 @@ fn print_phase_table(rows: &[(usize, Vec<SpawnPhases>)]) -> Vec<String> {
             .iter()
             .map(|(_, (a, b))| format!("{:>17}", format!("{a:.2} / {b:.2}")))
             .collect();
-        let mut tries: Vec<u32> = phases.iter().map(|p| p.agent_attempts).collect();
-        tries.sort_unstable();
-        let (tries_p50, tries_max) = (tries[tries.len() / 2], tries[tries.len() - 1]);
+        let mut tries: Vec<f64> = phases.iter().map(|p| f64::from(p.agent_attempts)).collect();
+        tries.sort_by(|a, b| a.total_cmp(b));
+        let (tries_p50, tries_max) = (pct(&tries, 0.5), tries[tries.len() - 1]);
         println!(
             "{n:>6} {} {:>9}",
             cells.join(" "),

@@ -476,7 +476,7 @@ async fn services_killed_mid_operation_come_back_consistent() {
     // signal landed (a fast host can spawn six tiny guests first); otherwise it breaks.
     assert!(
         events.len() == 6 || end != "ended",
-        "the stream ended cleanly without its server, missing children: {events:?}"
+        "the stream ended cleanly ({end}) without its server, missing children: {events:?}"
     );
     c.start_cp();
     c.until_registered().await;

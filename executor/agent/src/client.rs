@@ -579,7 +579,19 @@ impl AgentClient {
         if self.cancel.as_ref().is_some_and(Cancel::is_cancelled) {
             return Err(ClientError::Cancelled);
         }
+        let started = Instant::now();
         let stream = self.connector.connect(timeout.or(self.io_timeout))?;
+        if let Some(t) = timeout {
+            // A call's own timeout (ping, Wake) bounds all of it: what the handshake took is
+            // not given again to the answer, so a caller's deadline holds.
+            let left = t.saturating_sub(started.elapsed());
+            stream
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .map_err(|source| ClientError::Local {
+                    what: "setting socket timeout",
+                    source,
+                })?;
+        }
         let cancel = match &self.cancel {
             Some(c) => Some((c.clone(), c.register(&stream)?)),
             None => None,
@@ -620,10 +632,21 @@ impl AgentClient {
         first: Duration,
         max: Duration,
     ) -> Result<PingInfo> {
+        self.wait_ready_paced(timeout, first, max, &mut AnswerWait::default())
+    }
+
+    /// Like [`Self::wait_ready_polling`], with the wait for each answer carried across calls:
+    /// a caller that polls in slices keeps what earlier slices learned about a slow guest.
+    pub fn wait_ready_paced(
+        &self,
+        timeout: Duration,
+        first: Duration,
+        max: Duration,
+        wait: &mut AnswerWait,
+    ) -> Result<PingInfo> {
         let start = Instant::now();
         let mut backoff = first;
         let mut last: Option<Result<PingInfo>> = None;
-        let mut wait = AnswerWait::default();
         loop {
             let left = timeout.saturating_sub(start.elapsed());
             if left.is_zero() {
@@ -892,7 +915,7 @@ impl AgentClient {
 
     /// A clone's first call, in one exchange: set its clock to `time`, mix `entropy` into its
     /// kernel RNG, give it `identity`, and have its warm interpreter reseeded before its next
-    /// eval; answers with what a ping says. `timeout` bounds connecting. An agent older than
+    /// eval; answers with what a ping says. `timeout` bounds the call, connecting included. An agent older than
     /// this call answers with an error for which [`ClientError::is_unknown_request`] holds.
     pub fn wake(
         &self,

@@ -14,7 +14,7 @@ pub struct ExecutorMetrics {
     pub vms_running: IntGauge,
     /// Children that did not become ready, by reason.
     pub spawn_failures: IntCounterVec,
-    /// Connections to children's agents beyond the first before they answered.
+    /// Wake connections to agents beyond the first, for children that became ready.
     pub agent_retries: IntCounter,
     /// VMMs that exited on their own after they were ready (guest power-off, crash).
     pub vm_exits: IntCounter,
@@ -55,8 +55,8 @@ impl ExecutorMetrics {
         .expect("metric");
         let agent_retries = IntCounter::new(
             "tine_executor_spawn_agent_retries_total",
-            "Connections to a child's agent beyond the first before it answered (a guest not \
-             yet listening, or slow to answer)",
+            "Wake connections to a child's agent beyond the first before it answered, for \
+             children that became ready (a guest not yet listening, or slow to answer)",
         )
         .expect("metric");
         let vm_exits = IntCounter::new(

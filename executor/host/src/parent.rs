@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
+use tine_agent::client::{AnswerWait, WAIT_READY_MAX_PERIOD};
 use tine_proto::names::Tag;
 use tine_vmm::snapshot::file::SnapshotHeader;
 use tine_vmm::DEFAULT_CMDLINE;
@@ -105,10 +106,18 @@ pub(crate) fn warm_and_snapshot(
     wait_restored(report, ready_timeout)?
         .ok_or_else(|| HostError::ParentBootFailed { log: vmm_log(work) })?;
     let client = agent(&work.join("vsock.sock"));
+    let mut wait = AnswerWait::default();
     loop {
         let left = ready_timeout.saturating_sub(started.elapsed());
-        // In slices, so a VMM that died is reported as such rather than as a timeout.
-        match client.wait_ready(left.min(Duration::from_secs(5))) {
+        // In slices, so a VMM that died is reported as such rather than as a timeout; each at
+        // least as long as the wait a slow guest has earned, which carries across them.
+        let slice = left.min(Duration::from_secs(5).max(wait.next()));
+        match client.wait_ready_paced(
+            slice,
+            Duration::from_millis(5),
+            WAIT_READY_MAX_PERIOD,
+            &mut wait,
+        ) {
             Ok(_) => break,
             Err(e) => {
                 if let Some(dead) = exited(vmm) {

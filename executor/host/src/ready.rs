@@ -38,8 +38,9 @@ pub struct SpawnPhases {
     pub fixup: Duration,
     /// All of it, as the caller saw it.
     pub total: Duration,
-    /// Connections the host opened to the agent until its first answer (1 when the first
-    /// Wake was answered; 0 when readiness did not wait for the agent).
+    /// Wake connections the host opened to the agent until its first answer (1 when the
+    /// first was answered; 0 when readiness did not wait for the agent). A child that never
+    /// became ready reports no phases, so these are of ready children only.
     pub agent_attempts: u32,
 }
 
@@ -201,11 +202,15 @@ fn separate_fixups(
     seed: &[u8],
     identity: Option<CloneIdentity>,
 ) -> Result<()> {
+    // In slices, so a VMM that died is reported as such; each at least as long as the wait a
+    // slow guest has earned, which carries across them.
+    let mut wait = AnswerWait::default();
     loop {
-        match client.wait_ready_polling(
-            Duration::from_secs(5),
+        match client.wait_ready_paced(
+            Duration::from_secs(5).max(wait.next()),
             Duration::from_millis(1),
             Duration::from_millis(20),
+            &mut wait,
         ) {
             Ok(_) => break,
             Err(e) => keep_waiting(process, dir, deadline, timeout, &e)?,
