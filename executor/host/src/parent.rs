@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use tine_agent::client::{AnswerWait, WAIT_READY_MAX_PERIOD};
+use tine_agent::client::{AnswerWait, ClientError, WAIT_READY_MAX_PERIOD};
 use tine_proto::names::Tag;
 use tine_vmm::snapshot::file::SnapshotHeader;
 use tine_vmm::DEFAULT_CMDLINE;
@@ -119,6 +119,13 @@ pub(crate) fn warm_and_snapshot(
             &mut wait,
         ) {
             Ok(_) => break,
+            // A warm-up that failed stays failed: no point polling until the deadline.
+            Err(e @ ClientError::WarmupFailed { .. }) => {
+                return Err(HostError::ParentNotReady {
+                    console,
+                    reason: e.to_string(),
+                })
+            }
             Err(e) => {
                 if let Some(dead) = exited(vmm) {
                     return Err(dead);

@@ -206,13 +206,23 @@ fn separate_fixups(
     // slow guest has earned, which carries across them.
     let mut wait = AnswerWait::default();
     loop {
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_secs(1));
         match client.wait_ready_paced(
-            Duration::from_secs(5).max(wait.next()),
+            Duration::from_secs(5).max(wait.next()).min(left),
             Duration::from_millis(1),
             Duration::from_millis(20),
             &mut wait,
         ) {
             Ok(_) => break,
+            // A warm-up that failed stays failed: no point polling until the deadline.
+            Err(e @ ClientError::WarmupFailed { .. }) => {
+                return Err(HostError::Fixup {
+                    step: "waiting for the clone's warm-up",
+                    reason: e.to_string(),
+                })
+            }
             Err(e) => keep_waiting(process, dir, deadline, timeout, &e)?,
         }
     }
