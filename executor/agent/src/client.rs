@@ -915,8 +915,9 @@ impl AgentClient {
 
     /// A clone's first call, in one exchange: set its clock to `time`, mix `entropy` into its
     /// kernel RNG, give it `identity`, and have its warm interpreter reseeded before its next
-    /// eval; answers with what a ping says. `timeout` bounds the call, connecting included. An agent older than
-    /// this call answers with an error for which [`ClientError::is_unknown_request`] holds.
+    /// eval; answers with what a ping says. `timeout` bounds the call, connecting included.
+    /// An agent older than this call answers with an error for which
+    /// [`ClientError::is_unknown_request`] holds.
     pub fn wake(
         &self,
         time: std::time::SystemTime,
