@@ -195,6 +195,12 @@ impl AnswerWait {
         self.next
     }
 
+    /// How long a caller that polls in slices (to notice a dead VMM between them) gives the
+    /// next slice: 5 s, or the wait a slow guest has earned if longer, at most `left`.
+    pub fn slice(&self, left: Duration) -> Duration {
+        Duration::from_secs(5).max(self.next).min(left)
+    }
+
     /// After an attempt that took `took` and brought no answer.
     pub fn after_failure(&mut self, took: Duration) {
         if took >= self.next {
@@ -1112,5 +1118,9 @@ mod tests {
         assert_eq!(w.next(), s(8));
         w.after_failure(s(1));
         assert_eq!(w.next(), s(8));
+        // A polling slice is as long as the earned wait, never past what is left.
+        assert_eq!(w.slice(s(60)), s(8));
+        assert_eq!(w.slice(s(3)), s(3));
+        assert_eq!(AnswerWait::default().slice(s(60)), s(5));
     }
 }

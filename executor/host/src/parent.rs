@@ -111,9 +111,8 @@ pub(crate) fn warm_and_snapshot(
         let left = ready_timeout.saturating_sub(started.elapsed());
         // In slices, so a VMM that died is reported as such rather than as a timeout; each at
         // least as long as the wait a slow guest has earned, which carries across them.
-        let slice = left.min(Duration::from_secs(5).max(wait.next()));
         match client.wait_ready_paced(
-            slice,
+            wait.slice(left),
             Duration::from_millis(5),
             WAIT_READY_MAX_PERIOD,
             &mut wait,

@@ -210,7 +210,7 @@ fn separate_fixups(
             .saturating_duration_since(Instant::now())
             .max(Duration::from_secs(1));
         match client.wait_ready_paced(
-            Duration::from_secs(5).max(wait.next()).min(left),
+            wait.slice(left),
             Duration::from_millis(1),
             Duration::from_millis(20),
             &mut wait,
