@@ -42,8 +42,11 @@ const INSERT_SANDBOX: &str = "INSERT INTO sandboxes (id, tag, executor_id, state
      memory_limit_mib, cpu_millis, expires_ms) VALUES (?, ?, ?, 'starting', ?, ?, ?, ?)";
 const SET_SANDBOX_READY: &str = "UPDATE sandboxes SET state = 'ready', ready_us = ? \
      WHERE id = ? AND state = 'starting' RETURNING *";
-const END_SANDBOX: &str = "UPDATE sandboxes SET state = ?, error = ? WHERE id = ? \
-     AND state IN ('starting', 'ready') RETURNING *";
+/// Only a live sandbox ends, and only once; but a kill its executor confirmed also ends one a
+/// heartbeat marked lost meanwhile: that heartbeat was composed after the kill, so the loss it
+/// saw was the kill itself.
+const END_SANDBOX: &str = "UPDATE sandboxes SET state = ?1, error = ?2 WHERE id = ?3 \
+     AND (state IN ('starting', 'ready') OR (?1 = 'killed' AND state = 'lost')) RETURNING *";
 const SANDBOX_AT: &str =
     "SELECT s.*, e.addr FROM sandboxes s JOIN executors e ON e.id = s.executor_id WHERE s.id = ?";
 
@@ -996,7 +999,8 @@ impl Db {
 
     /// End a sandbox that is still live (starting or ready); returns its row if this call
     /// ended it. An ended one keeps how it ended: the first verdict (killed, expired, failed
-    /// with its reason) is never overwritten by a later one.
+    /// with its reason) is never overwritten by a later one. A lost one counts as live for
+    /// `Killed` alone: callers pass it only once the executor confirmed the kill.
     pub async fn end_sandbox(
         &self,
         id: &str,
@@ -1321,6 +1325,62 @@ mod tests {
         assert_eq!(db.sandbox_at("nope").await.unwrap(), None);
         // A constraint still fails the call: the same id twice.
         assert!(db.insert_sandboxes(&rows, (0, 0), None).await.is_err());
+        db.close().await;
+    }
+
+    /// A heartbeat composed just after a kill reaches the executor marks the child lost before
+    /// the kill is recorded (seen in CI: `KILLED` read back as `LOST`). The confirmed kill
+    /// still ends it as killed; nothing else overrides a loss, and an ended child stays ended.
+    #[tokio::test]
+    async fn a_confirmed_kill_ends_a_child_a_heartbeat_marked_lost_meanwhile() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("kill.db")).await.unwrap();
+        db.upsert_executor("ex", "http://127.0.0.1:1", &ExecutorReport::default(), "p")
+            .await
+            .unwrap();
+        db.insert_snapshot(&NewSnapshot {
+            state: NewState::Ready,
+            executor_id: "ex".into(),
+            ..writing("base", 0)
+        })
+        .await
+        .unwrap();
+        let rows = [
+            ("sb-1".to_string(), "base".to_string(), "ex".to_string()),
+            ("sb-2".to_string(), "base".to_string(), "ex".to_string()),
+        ];
+        db.insert_sandboxes(&rows, (256, 500), None).await.unwrap();
+        for (id, _, _) in &rows {
+            db.set_sandbox_ready(id, 1).await.unwrap().unwrap();
+        }
+        // A negative grace puts the cut-off in the future: both children count as old.
+        db.reconcile_sandboxes("ex", &[], -60_000).await.unwrap();
+        for (id, _, _) in &rows {
+            assert_eq!(
+                db.sandbox(id).await.unwrap().unwrap().state(),
+                SandboxState::Lost
+            );
+        }
+        assert_eq!(
+            db.end_sandbox("sb-2", SandboxState::Failed, Some("late"))
+                .await
+                .unwrap(),
+            None,
+            "only a kill overrides a loss"
+        );
+        let killed = db
+            .end_sandbox("sb-1", SandboxState::Killed, None)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((killed.state(), killed.error), (SandboxState::Killed, None));
+        assert_eq!(
+            db.end_sandbox("sb-1", SandboxState::Killed, Some("again"))
+                .await
+                .unwrap(),
+            None,
+            "ended once"
+        );
         db.close().await;
     }
 
