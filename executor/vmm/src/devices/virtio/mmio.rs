@@ -280,25 +280,34 @@ impl VirtioMmio {
     /// it it was restored. Does nothing for any other.
     pub fn activate_restored(&mut self) {
         if std::mem::take(&mut self.activate_pending) {
-            self.activate_device();
-            self.device.after_restore();
+            self.activated = true;
+            let queues = self.device_queues();
+            self.device.activate_restored(
+                self.mem.clone(),
+                queues,
+                self.irq.clone(),
+                self.acked_features,
+            );
         }
     }
 
     fn activate_device(&mut self) {
         self.activated = true;
-        // The device gets its own copies; the transport's stay for register reads.
-        let queues = self
-            .queues
-            .iter()
-            .map(|q| Queue::try_from(q.state()).expect("validated queue state"))
-            .collect();
+        let queues = self.device_queues();
         self.device.activate(
             self.mem.clone(),
             queues,
             self.irq.clone(),
             self.acked_features,
         );
+    }
+
+    /// The device gets its own copies of the queues; the transport's stay for register reads.
+    fn device_queues(&self) -> Vec<Queue> {
+        self.queues
+            .iter()
+            .map(|q| Queue::try_from(q.state()).expect("validated queue state"))
+            .collect()
     }
 
     pub fn set_paused(&mut self, paused: bool) {

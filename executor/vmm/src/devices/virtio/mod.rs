@@ -152,4 +152,17 @@ pub trait VirtioDevice: Send {
     fn kind(&self) -> VirtioKind;
     /// Called once after an activated device was restored from a snapshot.
     fn after_restore(&mut self);
+    /// Activate a device restored from a snapshot with its saved queue positions, then tell
+    /// it it was restored. A device whose own thread could act between the two steps
+    /// overrides this to take them as one.
+    fn activate_restored(
+        &mut self,
+        mem: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        irq: IrqLine,
+        acked_features: u64,
+    ) {
+        self.activate(mem, queues, irq, acked_features);
+        self.after_restore();
+    }
 }

@@ -59,6 +59,12 @@ pub(super) struct DeviceState {
 }
 
 impl DeviceState {
+    fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqLine) {
+        self.mem = Some(mem);
+        self.queues = queues;
+        self.irq = Some(irq);
+    }
+
     /// The guest made buffers available on `queue`, whichever way the notification came.
     pub(super) fn on_queue_notify(&mut self, queue: usize) {
         if queue == TX {
@@ -285,10 +291,22 @@ impl VirtioDevice for Vsock {
     }
 
     fn activate(&mut self, mem: GuestMemoryMmap, queues: Vec<Queue>, irq: IrqLine, _features: u64) {
+        self.state.lock().unwrap().activate(mem, queues, irq);
+    }
+
+    fn activate_restored(
+        &mut self,
+        mem: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        irq: IrqLine,
+        _features: u64,
+    ) {
+        // Under one lock: between the two, the device thread could fill the receive queue
+        // (a host connection that arrived before the restore), and the guest would then drop
+        // the connection it had just accepted while the host waits on it.
         let mut g = self.state.lock().unwrap();
-        g.mem = Some(mem);
-        g.queues = queues;
-        g.irq = Some(irq);
+        g.activate(mem, queues, irq);
+        g.send_transport_reset();
     }
 
     fn queue_notify(&mut self, queue: u16) {
@@ -401,6 +419,13 @@ mod tests {
             stop: EventFd::new(EFD_NONBLOCK).unwrap(),
             thread: None,
         };
+        let (mem, queues, irq) = guest_rings();
+        v.activate(mem.clone(), queues, irq, 0);
+        (v, mem)
+    }
+
+    /// Guest memory with the three queues laid out at [`ring`], and an interrupt line.
+    fn guest_rings() -> (GuestMemoryMmap, Vec<Queue>, IrqLine) {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let queues = (0..3)
             .map(|q| {
@@ -414,8 +439,7 @@ mod tests {
             })
             .collect();
         let irq = IrqLine::new(EventFd::new(EFD_NONBLOCK).unwrap());
-        v.activate(mem.clone(), queues, irq, 0);
-        (v, mem)
+        (mem, queues, irq)
     }
 
     /// One OP_REQUEST from guest port 1234 to host port `port` on the transmit queue.
@@ -514,6 +538,53 @@ mod tests {
         let mut hb = [0u8; HDR_LEN];
         mem.read_slice(&mut hb, GuestAddress(0xa_0000)).unwrap();
         assert_eq!(Header::parse(&hb).op, OP_REQUEST);
+    }
+
+    /// Wait (at most 10 s) until `done` holds of the device's state.
+    fn wait_for(v: &Vsock, done: impl Fn(&DeviceState) -> bool) {
+        let t0 = std::time::Instant::now();
+        while !done(&v.state.lock().unwrap()) {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(10),
+                "the device thread did not get there"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_connection_from_before_the_restore_waits_for_the_reset_with_the_thread_running() {
+        // As in a restored VMM: the device thread runs, and a host client connected before
+        // the vCPUs started. Its request is held until the guest has taken the reset, however
+        // the thread's work falls around the activation.
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let mut v = Vsock::new(3, &uds).unwrap();
+        let mut first = std::os::unix::net::UnixStream::connect(&uds).unwrap();
+        first.write_all(b"CONNECT 52\n").unwrap();
+        wait_for(&v, |g| g.muxer.ctrl.len() == 1);
+        let (mem, queues, irq) = guest_rings();
+        post_buffer(&mem, EVT, 0, 0x9_0000, 4, 0);
+        post_buffer(&mem, RX, 0, 0xa_0000, 4096, 0);
+        v.activate_restored(mem.clone(), queues, irq, 0);
+        assert_eq!(used_idx(&mem, EVT), 1, "the reset was sent");
+        // A second client wakes the thread, which fills the receive queue if it may, under
+        // the same lock as it reads the request.
+        let mut second = std::os::unix::net::UnixStream::connect(&uds).unwrap();
+        second.write_all(b"CONNECT 53\n").unwrap();
+        wait_for(&v, |g| g.muxer.ctrl.len() == 2 || used_idx(&mem, RX) > 0);
+        assert_eq!(
+            used_idx(&mem, RX),
+            0,
+            "held back while the reset is untaken"
+        );
+        post_buffer(&mem, EVT, 0, 0x9_0000, 4, 1);
+        v.queue_notify(EVT as u16);
+        assert_eq!(used_idx(&mem, RX), 1, "then the oldest request goes in");
+        let mut hb = [0u8; HDR_LEN];
+        mem.read_slice(&mut hb, GuestAddress(0xa_0000)).unwrap();
+        let h = Header::parse(&hb);
+        assert_eq!((h.op, h.dst_port), (OP_REQUEST, 52));
     }
 
     #[test]
