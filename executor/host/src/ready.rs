@@ -105,20 +105,16 @@ pub fn make_ready(
     let woke = {
         let _s = tracing::info_span!("spawn.agent").entered();
         let mut backoff = Duration::from_millis(1);
-        // Longer after each attempt that used its whole wait: retries must not pile up on a
-        // guest that is slow to answer.
-        let mut wait = AnswerWait::default();
         loop {
             // The agent's listener survived the snapshot, so the first attempt normally
-            // succeeds as soon as the guest runs; retries only cover a guest slow to get there.
+            // succeeds as soon as the guest runs. It may wait until the deadline: a connection
+            // the VMM accepted is one the guest accepted, and the VMM holds it back until the
+            // guest has dropped the connections of before the snapshot. So no answer yet means
+            // a slow guest, and a second call would only add to its work (each abandoned call
+            // is still served, on a thread of its own; docs/performance.md, "Wake retries").
+            // A refused or closed connection, or a VMM that died, fails the call at once.
             phases.agent_attempts += 1;
-            let tried = Instant::now();
-            let answer = client.wake(
-                SystemTime::now(),
-                &seed,
-                identity.as_ref(),
-                wait.next().min(left()),
-            );
+            let answer = client.wake(SystemTime::now(), &seed, identity.as_ref(), left());
             match answer {
                 Ok(w) => break Some(w),
                 Err(e) if e.is_unknown_request() => break None,
@@ -130,10 +126,7 @@ pub fn make_ready(
                         reason: e.to_string(),
                     })
                 }
-                Err(e) => {
-                    keep_waiting(process, dir, deadline, timeout, &e)?;
-                    wait.after_failure(tried.elapsed());
-                }
+                Err(e) => keep_waiting(process, dir, deadline, timeout, &e)?,
             }
             std::thread::sleep(backoff);
             backoff = (backoff * 2).min(Duration::from_millis(20));
