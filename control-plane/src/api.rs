@@ -267,8 +267,8 @@ impl Api {
                 Ok(mut c) => {
                     let kill = c.kill(xpb::KillRequest { id: id.clone() });
                     match tokio::time::timeout(Duration::from_secs(5), kill).await {
-                        Ok(Ok(_)) => Ok(()),
-                        Ok(Err(e)) if e.code() == Code::NotFound => Ok(()),
+                        Ok(Ok(r)) => Ok(r.into_inner().existed),
+                        Ok(Err(e)) if e.code() == Code::NotFound => Ok(false),
                         Ok(Err(e)) if e.code() == Code::Unavailable => {
                             Err((e.message().into(), true))
                         }
@@ -279,7 +279,7 @@ impl Api {
                 Err(e) => Err((e.message().to_string(), true)),
             };
             match killed {
-                Ok(()) => self.record_expiry(&at).await,
+                Ok(existed) => self.record_expiry(&at, existed).await,
                 Err((why, executor_down)) => {
                     tracing::warn!(sandbox = %id, executor = %at.sandbox.executor_id, "killing an expired sandbox: {why}; trying again");
                     if executor_down {
@@ -290,16 +290,19 @@ impl Api {
         }
     }
 
-    async fn record_expiry(&self, at: &SandboxAt) {
+    /// `existed`: its executor had it and stopped it.
+    async fn record_expiry(&self, at: &SandboxAt, existed: bool) {
         let id = &at.sandbox.id;
         let lived_s = (now_ms() - at.sandbox.created_ms).max(0) / 1000;
         let reason = format!("expired: its timeout ran out after {lived_s} s");
-        match self
-            .ctx
-            .db
-            .end_sandbox(id, SandboxState::Killed, Some(&reason))
-            .await
-        {
+        let db = &self.ctx.db;
+        let ended = if existed {
+            db.end_killed(id, Some(&reason)).await
+        } else {
+            db.end_sandbox(id, SandboxState::Killed, Some(&reason))
+                .await
+        };
+        match ended {
             Ok(Some(_)) => {
                 tracing::info!(sandbox = %id, lived_s, "sandbox expired");
                 self.ctx
@@ -972,14 +975,20 @@ impl Api {
         let mut row = at.sandbox;
         if row.state().is_live() {
             let mut c = self.ctx.executors.client(&row.executor_id, &at.addr)?;
-            c.kill(xpb::KillRequest { id: id.to_string() }).await?;
-            // Ended meanwhile (expired, failed): it keeps how it ended.
-            row = match self
-                .ctx
-                .db
-                .end_sandbox(id, SandboxState::Killed, None)
+            let existed = c
+                .kill(xpb::KillRequest { id: id.to_string() })
                 .await?
-            {
+                .into_inner()
+                .existed;
+            let db = &self.ctx.db;
+            let ended = if existed {
+                db.end_killed(id, None).await?
+            } else {
+                db.end_sandbox(id, SandboxState::Killed, None).await?
+            };
+            // Ended meanwhile (expired, failed, or lost before the kill came): it keeps how it
+            // ended.
+            row = match ended {
                 Some(r) => r,
                 None => self
                     .ctx

@@ -42,11 +42,13 @@ const INSERT_SANDBOX: &str = "INSERT INTO sandboxes (id, tag, executor_id, state
      memory_limit_mib, cpu_millis, expires_ms) VALUES (?, ?, ?, 'starting', ?, ?, ?, ?)";
 const SET_SANDBOX_READY: &str = "UPDATE sandboxes SET state = 'ready', ready_us = ? \
      WHERE id = ? AND state = 'starting' RETURNING *";
-/// Only a live sandbox ends, and only once; but a kill its executor confirmed also ends one a
-/// heartbeat marked lost meanwhile: that heartbeat was composed after the kill, so the loss it
-/// saw was the kill itself.
-const END_SANDBOX: &str = "UPDATE sandboxes SET state = ?1, error = ?2 WHERE id = ?3 \
-     AND (state IN ('starting', 'ready') OR (?1 = 'killed' AND state = 'lost')) RETURNING *";
+const END_SANDBOX: &str = "UPDATE sandboxes SET state = ?, error = ? WHERE id = ? \
+     AND state IN ('starting', 'ready') RETURNING *";
+/// [`END_SANDBOX`] for a kill its executor confirmed (it had the child and stopped it): that
+/// also ends a sandbox a heartbeat marked lost meanwhile, since the executor still had it when
+/// the kill came, so what the heartbeat missed was the kill itself.
+const END_KILLED: &str = "UPDATE sandboxes SET state = 'killed', error = ? WHERE id = ? \
+     AND state IN ('starting', 'ready', 'lost') RETURNING *";
 const SANDBOX_AT: &str =
     "SELECT s.*, e.addr FROM sandboxes s JOIN executors e ON e.id = s.executor_id WHERE s.id = ?";
 
@@ -999,8 +1001,7 @@ impl Db {
 
     /// End a sandbox that is still live (starting or ready); returns its row if this call
     /// ended it. An ended one keeps how it ended: the first verdict (killed, expired, failed
-    /// with its reason) is never overwritten by a later one. A lost one counts as live for
-    /// `Killed` alone: callers pass it only once the executor confirmed the kill.
+    /// with its reason) is never overwritten by a later one.
     pub async fn end_sandbox(
         &self,
         id: &str,
@@ -1013,6 +1014,20 @@ impl Db {
         Ok(sqlx::query_as(END_SANDBOX)
             .bind(state.as_str())
             .bind(error)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    /// End a sandbox as killed once its executor said it had it and stopped it: as
+    /// [`Db::end_sandbox`], but a sandbox marked lost in the meantime ends too (see
+    /// `END_KILLED`).
+    pub async fn end_killed(&self, id: &str, reason: Option<&str>) -> Result<Option<SandboxRow>> {
+        if let Ran::Done(row) = self.hot.end_killed(id, reason)? {
+            return Ok(row);
+        }
+        Ok(sqlx::query_as(END_KILLED)
+            .bind(reason)
             .bind(id)
             .fetch_optional(&self.pool)
             .await?)
@@ -1329,8 +1344,9 @@ mod tests {
     }
 
     /// A heartbeat composed just after a kill reaches the executor marks the child lost before
-    /// the kill is recorded (seen in CI: `KILLED` read back as `LOST`). The confirmed kill
-    /// still ends it as killed; nothing else overrides a loss, and an ended child stays ended.
+    /// the kill is recorded (seen in CI: `KILLED` read back as `LOST`). A kill the executor
+    /// confirmed still ends it as killed; nothing else overrides a loss, and an ended child
+    /// stays ended.
     #[tokio::test]
     async fn a_confirmed_kill_ends_a_child_a_heartbeat_marked_lost_meanwhile() {
         let dir = tempfile::tempdir().unwrap();
@@ -1368,18 +1384,27 @@ mod tests {
             None,
             "only a kill overrides a loss"
         );
-        let killed = db
-            .end_sandbox("sb-1", SandboxState::Killed, None)
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!((killed.state(), killed.error), (SandboxState::Killed, None));
         assert_eq!(
-            db.end_sandbox("sb-1", SandboxState::Killed, Some("again"))
+            db.end_sandbox("sb-2", SandboxState::Killed, None)
                 .await
                 .unwrap(),
             None,
+            "a kill the executor did not confirm leaves a loss as it is"
+        );
+        let killed = db.end_killed("sb-1", None).await.unwrap().unwrap();
+        assert_eq!((killed.state(), killed.error), (SandboxState::Killed, None));
+        assert_eq!(
+            db.end_killed("sb-1", Some("again")).await.unwrap(),
+            None,
             "ended once"
+        );
+        db.end_reported("ex", &[("sb-2".into(), "crashed".into(), false)])
+            .await
+            .unwrap();
+        assert_eq!(
+            db.end_killed("sb-2", None).await.unwrap(),
+            None,
+            "nor a failed one"
         );
         db.close().await;
     }

@@ -165,6 +165,18 @@ impl Hot {
         })
     }
 
+    pub(super) fn end_killed(
+        &self,
+        id: &str,
+        reason: Option<&str>,
+    ) -> rusqlite::Result<Ran<Option<SandboxRow>>> {
+        self.run(|c| {
+            let mut st = c.prepare_cached(super::END_KILLED)?;
+            let row = first_returned(st.query_map(rusqlite::params![reason, id], sandbox_row)?);
+            row
+        })
+    }
+
     pub(super) fn sandbox_at(&self, id: &str) -> rusqlite::Result<Ran<Option<SandboxAt>>> {
         self.run(|c| {
             c.prepare_cached(super::SANDBOX_AT)?
