@@ -281,13 +281,32 @@ impl Muxer {
     }
 
     fn reset_conn(&mut self, token: u64) {
-        if let Some(c) = self.conns.get(&token) {
-            if c.state != ConnState::Handshake(Vec::new()) && c.local_port != 0 {
-                let h = self.header(c.local_port, c.peer_port, OP_RST);
-                self.ctrl.push_back(h);
-            }
+        let Some(c) = self.conns.get(&token) else {
+            return;
+        };
+        let (local, peer) = (c.local_port, c.peer_port);
+        let known_to_guest = match c.state {
+            ConnState::Handshake(_) => false,
+            // A request still waiting for a receive buffer is taken back, so the guest never
+            // hears of the connection rather than accepting it only to be reset: this is how
+            // a caller that gave up is withdrawn, and the guest may be slow already.
+            ConnState::Requested => !self.withdraw_request(local, peer),
+            ConnState::Established => true,
+        };
+        if known_to_guest && local != 0 {
+            let h = self.header(local, peer, OP_RST);
+            self.ctrl.push_back(h);
         }
         self.remove_conn(token);
+    }
+
+    /// Take back the REQUEST for `local` -> `peer` if the guest was not given it yet; whether
+    /// it was still queued.
+    fn withdraw_request(&mut self, local: u32, peer: u32) -> bool {
+        let queued = self.ctrl.len();
+        self.ctrl
+            .retain(|h| !(h.op == OP_REQUEST && h.src_port == local && h.dst_port == peer));
+        self.ctrl.len() < queued
     }
 
     /// One packet from the guest.
@@ -495,6 +514,44 @@ mod tests {
         assert_eq!(parse_connect(b"CONNECT 52\r"), Some(52));
         assert_eq!(parse_connect(b"CONNECT x"), None);
         assert_eq!(parse_connect(b"HELLO 52"), None);
+    }
+
+    /// A client that hangs up before its request reached the guest is withdrawn without a
+    /// word to the guest; one that hangs up after is reset.
+    #[test]
+    fn a_client_that_gives_up_first_is_never_offered_to_the_guest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v.sock");
+        let mut m = Muxer::bind(3, &path).unwrap();
+        let connect = |m: &mut Muxer| {
+            let mut client = UnixStream::connect(&path).unwrap();
+            client.write_all(b"CONNECT 52\n").unwrap();
+            m.accept();
+            let token = *m.conns.keys().max().unwrap();
+            m.on_stream_event(token, EventSet::IN);
+            (client, token)
+        };
+        let (client, token) = connect(&mut m);
+        drop(client);
+        m.on_stream_event(token, EventSet::IN | EventSet::HANG_UP);
+        assert!(m.conns.is_empty(), "withdrawn");
+        assert!(
+            m.ctrl.is_empty(),
+            "its request was taken back, and no reset sent"
+        );
+        assert!(m.next_for_guest(4096, &mut [0u8; 16]).is_none());
+
+        let (client, token) = connect(&mut m);
+        let (req, _) = m.next_for_guest(4096, &mut [0u8; 16]).unwrap();
+        assert_eq!(req.op, OP_REQUEST);
+        drop(client);
+        m.on_stream_event(token, EventSet::IN | EventSet::HANG_UP);
+        let (rst, _) = m.next_for_guest(4096, &mut [0u8; 16]).unwrap();
+        assert_eq!(
+            (rst.op, rst.src_port, rst.dst_port),
+            (OP_RST, req.src_port, 52),
+            "the guest was offered it: it is told"
+        );
     }
 
     /// A host client's CONNECT becomes a REQUEST to the guest; the guest's RESPONSE sends the
