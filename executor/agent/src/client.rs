@@ -105,6 +105,15 @@ impl Connector {
     /// guest kernel, not the agent, answers a connection request) and is left as the stream's
     /// read timeout.
     pub fn connect(&self, timeout: Option<Duration>) -> Result<UnixStream> {
+        let bound = timeout.map_or(STALL_TIMEOUT, |t| t.min(STALL_TIMEOUT));
+        self.connect_within(bound, timeout)
+    }
+
+    /// [`connect`](Self::connect), with all of `bound` for the guest kernel to answer:
+    /// for a call whose own timeout bounds it. A guest on an overloaded host can take longer
+    /// than [`STALL_TIMEOUT`] to get to a connection request, and giving up only makes the
+    /// caller connect again, to a guest with more to do.
+    pub fn connect_within(&self, bound: Duration, timeout: Option<Duration>) -> Result<UnixStream> {
         let (path, port) = match self {
             Self::Unix(p) => (p, None),
             Self::Vsock { uds, port } => (uds, Some(*port)),
@@ -123,9 +132,7 @@ impl Connector {
                 })
         };
         if let Some(port) = port {
-            set_timeout(Some(
-                timeout.map_or(STALL_TIMEOUT, |t| t.min(STALL_TIMEOUT)),
-            ))?;
+            set_timeout(Some(bound))?;
             handshake(&stream, port).map_err(|msg| ClientError::Handshake { target, port, msg })?;
         }
         set_timeout(timeout)?;
@@ -586,7 +593,10 @@ impl AgentClient {
             return Err(ClientError::Cancelled);
         }
         let started = Instant::now();
-        let stream = self.connector.connect(timeout.or(self.io_timeout))?;
+        let stream = match timeout {
+            Some(t) => self.connector.connect_within(t, Some(t))?,
+            None => self.connector.connect(self.io_timeout)?,
+        };
         if let Some(t) = timeout {
             // A call's own timeout (ping, Wake) bounds all of it: what the handshake took is
             // not given again to the answer, so a caller's deadline holds.

@@ -126,6 +126,13 @@ pub fn make_ready(
                         reason: e.to_string(),
                     })
                 }
+                // It waited until the deadline (give or take the scheduling of this thread).
+                Err(e @ ClientError::NoAnswer(_)) => {
+                    return Err(HostError::NotReady {
+                        timeout,
+                        last: e.to_string(),
+                    })
+                }
                 Err(e) => keep_waiting(process, dir, deadline, timeout, &e)?,
             }
             std::thread::sleep(backoff);
