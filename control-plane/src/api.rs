@@ -295,14 +295,7 @@ impl Api {
         let id = &at.sandbox.id;
         let lived_s = (now_ms() - at.sandbox.created_ms).max(0) / 1000;
         let reason = format!("expired: its timeout ran out after {lived_s} s");
-        let db = &self.ctx.db;
-        let ended = if existed {
-            db.end_killed(id, Some(&reason)).await
-        } else {
-            db.end_sandbox(id, SandboxState::Killed, Some(&reason))
-                .await
-        };
-        match ended {
+        match self.ctx.db.end_killed(id, Some(&reason), existed).await {
             Ok(Some(_)) => {
                 tracing::info!(sandbox = %id, lived_s, "sandbox expired");
                 self.ctx
@@ -980,15 +973,9 @@ impl Api {
                 .await?
                 .into_inner()
                 .existed;
-            let db = &self.ctx.db;
-            let ended = if existed {
-                db.end_killed(id, None).await?
-            } else {
-                db.end_sandbox(id, SandboxState::Killed, None).await?
-            };
             // Ended meanwhile (expired, failed, or lost before the kill came): it keeps how it
             // ended.
-            row = match ended {
+            row = match self.ctx.db.end_killed(id, None, existed).await? {
                 Some(r) => r,
                 None => self
                     .ctx

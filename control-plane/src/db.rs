@@ -1019,10 +1019,18 @@ impl Db {
             .await?)
     }
 
-    /// End a sandbox as killed once its executor said it had it and stopped it: as
-    /// [`Db::end_sandbox`], but a sandbox marked lost in the meantime ends too (see
-    /// `END_KILLED`).
-    pub async fn end_killed(&self, id: &str, reason: Option<&str>) -> Result<Option<SandboxRow>> {
+    /// End a sandbox as killed after a kill its executor answered: as [`Db::end_sandbox`];
+    /// but when the executor had it (and so stopped it), a sandbox marked lost in the meantime
+    /// ends too (see `END_KILLED`).
+    pub async fn end_killed(
+        &self,
+        id: &str,
+        reason: Option<&str>,
+        executor_had_it: bool,
+    ) -> Result<Option<SandboxRow>> {
+        if !executor_had_it {
+            return self.end_sandbox(id, SandboxState::Killed, reason).await;
+        }
         if let Ran::Done(row) = self.hot.end_killed(id, reason)? {
             return Ok(row);
         }
@@ -1385,16 +1393,14 @@ mod tests {
             "only a kill overrides a loss"
         );
         assert_eq!(
-            db.end_sandbox("sb-2", SandboxState::Killed, None)
-                .await
-                .unwrap(),
+            db.end_killed("sb-2", None, false).await.unwrap(),
             None,
             "a kill the executor did not confirm leaves a loss as it is"
         );
-        let killed = db.end_killed("sb-1", None).await.unwrap().unwrap();
+        let killed = db.end_killed("sb-1", None, true).await.unwrap().unwrap();
         assert_eq!((killed.state(), killed.error), (SandboxState::Killed, None));
         assert_eq!(
-            db.end_killed("sb-1", Some("again")).await.unwrap(),
+            db.end_killed("sb-1", Some("again"), true).await.unwrap(),
             None,
             "ended once"
         );
@@ -1402,7 +1408,7 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(
-            db.end_killed("sb-2", None).await.unwrap(),
+            db.end_killed("sb-2", None, true).await.unwrap(),
             None,
             "nor a failed one"
         );
