@@ -178,11 +178,12 @@ pub enum Readiness {
 /// The longest period between [`AgentClient::wait_ready`]'s pings.
 pub const WAIT_READY_MAX_PERIOD: Duration = Duration::from_millis(100);
 
-/// How long a caller that polls a guest (a ping, a Wake) waits for each answer. A connection
-/// refused or reset (no listener yet) fails at once and is retried soon; an attempt that used
-/// its whole wait found a guest that is slow, not gone, so the next waits twice as long. A
-/// fixed wait piles retries on an overloaded guest: it still serves each abandoned call, on a
-/// thread of its own, and gets slower still (docs/performance.md, "Wake retries").
+/// How long a caller that polls a guest (the pings of `wait_ready`) waits for each answer; a
+/// clone's Wake does not poll, it waits until its deadline (executor/host, `make_ready`). A
+/// connection refused or reset (no listener yet) fails at once and is retried soon; an attempt
+/// that used its whole wait found a guest that is slow, not gone, so the next waits twice as
+/// long. A fixed wait piles retries on an overloaded guest: it still serves each abandoned
+/// call, on a thread of its own, and gets slower still (docs/performance.md, "Wake retries").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AnswerWait {
     next: Duration,
