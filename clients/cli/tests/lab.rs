@@ -8,6 +8,7 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::time::Instant;
 
 const TINE: &str = env!("CARGO_BIN_EXE_tine");
 
@@ -92,14 +93,31 @@ fn lab_run(lab_cpus: u32, limit_secs: Option<u32>, argv: &[&str], retry_lab: boo
         .args(argv);
         c
     };
+    // What the timing line names: the command and its first arguments, without directories.
+    let what = argv
+        .iter()
+        .map(|a| {
+            Path::new(a)
+                .file_name()
+                .map_or(*a, |n| n.to_str().unwrap_or(a))
+        })
+        .take(4)
+        .collect::<Vec<_>>()
+        .join(" ");
     let run = |cmd: &mut Command| {
+        let started = Instant::now();
         let out = cmd.output().expect("running tine");
         let text = format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        (out.status.code().unwrap_or(-1), text)
+        let code = out.status.code().unwrap_or(-1);
+        log_time(
+            &format!("lab ({lab_cpus} CPU): {what}: exit {code}"),
+            started,
+        );
+        (code, text)
     };
     let (code, out) = run(&mut cmd);
     // The lab's L1 is a software-emulated CPU running nested KVM; under load its kernel has been
@@ -124,6 +142,18 @@ fn lab_run(lab_cpus: u32, limit_secs: Option<u32>, argv: &[&str], retry_lab: boo
     }
 }
 
+/// One line per lab run or host build with its wall time, on the test process's own stderr:
+/// it bypasses the harness's capture, so CI's log shows where the lab phase's time goes even
+/// when every test passes.
+fn log_time(what: &str, started: Instant) {
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr().lock(),
+        "[lab timing] {:>6.0} s  {what}",
+        started.elapsed().as_secs_f64()
+    );
+}
+
 fn lab_died(out: &str) -> bool {
     out.contains("L1 stopped") && out.contains("without reporting the command's exit status")
 }
@@ -135,10 +165,12 @@ fn lab_timed_out(out: &str) -> bool {
 
 /// Runs `tine <args>` on the host, which must succeed; returns its stdout.
 fn tine_on_host(args: &[&str]) -> String {
+    let started = Instant::now();
     let out = Command::new(TINE)
         .args(args)
         .output()
         .unwrap_or_else(|e| panic!("tine {args:?}: {e}"));
+    log_time(&format!("host: tine {}", args.join(" ")), started);
     assert!(
         out.status.success(),
         "tine {args:?}: {}{}",
