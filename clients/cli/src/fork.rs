@@ -113,6 +113,11 @@ pub struct ForkArgs {
     /// Print one JSON object per child instead of a table.
     #[arg(long)]
     json: bool,
+    /// Hold the snapshot's memory in huge pages before forking (before the clock), and
+    /// restore every child from that copy, as an executor does for a snapshot it spawns from
+    /// often (a one-shot `tine fork` otherwise maps memory.img).
+    #[arg(long)]
+    hold_image: bool,
     #[arg(long)]
     allow_pvm: bool,
 }
@@ -134,6 +139,9 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
         network: None,
         resources: Default::default(),
     };
+    if a.hold_image {
+        host.hold_image(&a.tag)?;
+    }
     let t0 = Instant::now();
     let results = std::sync::Mutex::new((Vec::new(), 0usize));
     let print = |o: SpawnOutcome| {

@@ -512,6 +512,7 @@ fn snapshot_a_warm_parent_and_fork_children() {
             "identity-distinct",
             "new-child-clean",
             "fork-20",
+            "cpu-marks",
             "bench",
         ],
     );

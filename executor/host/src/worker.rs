@@ -393,12 +393,14 @@ fn one_malloc_arena() {
 /// Body of `<worker_exe> __vmm-worker`: wait for a job on stdin (EOF: the daemon went away, exit
 /// quietly), restore, signal, run.
 pub fn worker_main() -> anyhow::Result<i32> {
+    let mut cpu = CpuMarks::new();
     one_malloc_arena();
     // Made while the worker waits, so a restore starts with it (None: the restore makes its
     // own, and says why if that fails too).
     let shell = tine_vmm::vm::Shell::new().ok();
     // Likewise the seccomp filters, so a spawn does not compile them.
     let ahead = crate::confine::Ahead::prepare();
+    cpu.mark("ahead");
     {
         let mut out = std::io::stdout().lock();
         out.write_all(&[IDLE])?;
@@ -434,6 +436,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
         }
         _ => None,
     };
+    cpu.mark("job");
     // Own session: signals to the daemon's process group do not reach the VM.
     // SAFETY: setsid has no memory effects.
     unsafe { libc::setsid() };
@@ -467,6 +470,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
         job.dir.clone()
     };
     let console = || open_console(Some(&dir.join("console.log")));
+    cpu.mark("view");
     let vm = match &job.vm {
         JobVm::Probe { .. } => return probe(&job, t0, ahead),
         JobVm::Restore { snapshot, memory } => {
@@ -486,6 +490,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
                         opts,
                         tine_vmm::vm::VmOptions::default(),
                     )?;
+                    cpu.mark("restore");
                     prefault_working_set(&vm, &snapshot);
                     vm
                 }
@@ -501,22 +506,77 @@ pub fn worker_main() -> anyhow::Result<i32> {
         }
         JobVm::Boot(b) => boot(b, &dir, console()?, tap, shell)?,
     };
+    cpu.mark(match &job.vm {
+        JobVm::Boot(_) => "boot",
+        JobVm::Restore {
+            memory: JobMemory::Lazy,
+            ..
+        } => "restore",
+        _ => "prefault",
+    });
     let restore = t0.elapsed();
     let control = crate::control::bind(&dir).context("binding the control socket")?;
     let t1 = Instant::now();
     // Everything the VM needs is open: from here on no guest code runs unconfined.
     tine_vmm::vm::install_signal_handlers()?;
     lock_down(&job, ahead)?;
+    cpu.mark("lock-down");
     let running = vm.start()?;
+    cpu.mark("start");
     report(Restored {
         restore,
         start: t1.elapsed(),
     });
+    eprintln!("tine-vmm: main thread CPU ms: {cpu}");
     // Shared with the control thread for the rest of this process's life.
     let running: &'static tine_vmm::vm::RunningVm = Box::leak(Box::new(running));
     tine_vmm::thread_builder("control").spawn(move || crate::control::serve(control, running))?;
     let exit = running.wait_exit()?;
     Ok(exit.exit_code())
+}
+
+/// The worker's main thread's own CPU time (CLOCK_THREAD_CPUTIME_ID: the scheduler's count,
+/// not ticks) at each step from its start to the guest running, written to vmm.log: where a
+/// spawn's CPU goes, pre-start ("main" to "ahead", before any job) and per child (the rest).
+struct CpuMarks {
+    last: Duration,
+    steps: Vec<(&'static str, Duration)>,
+}
+
+impl CpuMarks {
+    /// Starts with what the thread used before main: the exec and dynamic loading.
+    fn new() -> CpuMarks {
+        let mut m = CpuMarks {
+            last: Duration::ZERO,
+            steps: Vec::new(),
+        };
+        m.mark("main");
+        m
+    }
+
+    fn mark(&mut self, step: &'static str) {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes the timespec we pass; this clock always exists.
+        if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
+            return;
+        }
+        let now = Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32);
+        self.steps.push((step, now.saturating_sub(self.last)));
+        self.last = now;
+    }
+}
+
+impl std::fmt::Display for CpuMarks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (step, d)) in self.steps.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{step} {:.1}", d.as_secs_f64() * 1e3)?;
+        }
+        Ok(())
+    }
 }
 
 /// Map the snapshot's recorded working set before the guest runs, copying the pages a child
@@ -533,10 +593,11 @@ fn prefault_working_set(vm: &Vm, snapshot: &Path) {
     let done = vm.prefault(&touched, &written);
     let method = done.method.map_or("none", |m| m.as_str());
     eprintln!(
-        "tine-vmm: prefaulted {} pages in {} runs ({method}), {} copied ahead, in {} us{}",
+        "tine-vmm: prefaulted {} pages in {} runs ({method}), {} copied ahead in {} us, all in {} us{}",
         done.pages,
         done.runs,
         done.copied,
+        done.copy_took.as_micros(),
         done.took.as_micros(),
         done.error.map(|e| format!("; {e}")).unwrap_or_default()
     );

@@ -974,6 +974,38 @@ fn children_prefault_their_snapshot_s_working_set() {
     assert!(log.contains("prefaulted 5 pages in 2 runs ("), "{log}");
     assert!(log.contains("1 copied ahead"), "{log}");
     assert!(!log.contains("(none)"), "some method mapped them: {log}");
+    // The worker's main thread says where its CPU went, step by step (just after its report,
+    // so possibly after the counts above).
+    let t0 = Instant::now();
+    let log = loop {
+        let log = log_of(&c);
+        if log.contains("main thread CPU ms: ") || t0.elapsed() > Duration::from_secs(10) {
+            break log;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let marks = log
+        .lines()
+        .find_map(|l| l.strip_prefix("tine-vmm: main thread CPU ms: "))
+        .unwrap_or_else(|| panic!("no CPU marks in: {log}"));
+    let steps: Vec<&str> = marks
+        .split(", ")
+        .filter_map(|s| s.split_once(' ').map(|(step, _)| step))
+        .collect();
+    assert_eq!(
+        steps,
+        [
+            "main",
+            "ahead",
+            "job",
+            "view",
+            "restore",
+            "prefault",
+            "lock-down",
+            "start"
+        ],
+        "{log}"
+    );
 
     // Truncated: no prefault, and the child runs as before.
     let ws = snap.join(WORKING_SET_FILE);

@@ -65,6 +65,8 @@ pub struct Prefaulted {
     /// Contiguous runs they made (one request each).
     pub runs: usize,
     pub took: Duration,
+    /// Of `took`, copying the pages to be written.
+    pub copy_took: Duration,
     /// Why a method gave up, if one did.
     pub error: Option<String>,
 }
@@ -149,6 +151,7 @@ pub(crate) fn prefault(
         Ok(()) => done.copied = to_copy.iter().map(|r| r.len / PAGE).sum(),
         Err(e) => errors.push(format!("MADV_POPULATE_WRITE: {e}")),
     }
+    done.copy_took = t0.elapsed();
     if vm.check_extension_raw(KVM_CAP_PRE_FAULT_MEMORY.into()) > 0 {
         match runs
             .iter()

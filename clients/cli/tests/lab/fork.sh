@@ -74,10 +74,15 @@ c3=$(grep 'ready in' "$W/fork1" | awk '{print $1}')
   ! "$T" exec --socket "$(sock "$c3")" -- test -e /tmp/only-in-child1 && ok new-child-clean || fail new-child-clean "$c3"
 "$T" kill --all
 
-"$T" fork --tag warm -n "$BIG" --parallel "$PAR" --ready-timeout-secs 300 >"$W/forkbig" 2>&1
+# From a copy of the snapshot's memory held in huge pages, as an executor restores a hot one.
+"$T" fork --tag warm -n "$BIG" --parallel "$PAR" --hold-image --ready-timeout-secs 300 >"$W/forkbig" 2>&1
 tail -1 "$W/forkbig"
 n=$(grep -c 'ready in' "$W/forkbig")
 [ "$n" = "$BIG" ] && ok "fork-$BIG" || fail "fork-$BIG" "$n of $BIG ready: $(grep FAILED "$W/forkbig" | head -3)"
+# Each worker's main thread says where its CPU went, step by step (docs/performance.md).
+m=$(cat "$TINE_DATA_DIR"/vms/*/vmm.log | grep -c 'main thread CPU ms: main .*, prefault .*, start [0-9]')
+[ "$m" = "$BIG" ] && ok cpu-marks || fail cpu-marks "$m of $BIG vmm.logs carry the marks"
+cat "$TINE_DATA_DIR"/vms/*/vmm.log | grep 'main thread CPU' | head -3
 "$T" ls | tail -2
 "$T" kill --all
 
