@@ -10,7 +10,7 @@
 # TINE_FUZZ_RELEASE=1 builds them optimised, for long runs.
 #
 # Corpora grow in fuzz/corpus/TARGET (kept between local runs, not committed); a crash is
-# saved in fuzz/artifacts/TARGET/ and replays with `cargo +nightly fuzz run TARGET FILE`.
+# saved in fuzz/artifacts/TARGET/ and replays with `cargo +nightly fuzz run --dev TARGET FILE`.
 # Each crash found so far became a regression test next to the code it broke (see
 # docs/security.md, "Fuzzing").
 set -euo pipefail

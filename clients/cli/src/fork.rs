@@ -113,9 +113,10 @@ pub struct ForkArgs {
     /// Print one JSON object per child instead of a table.
     #[arg(long)]
     json: bool,
-    /// Hold the snapshot's memory in huge pages before forking (before the clock), and
-    /// restore every child from that copy, as an executor does for a snapshot it spawns from
-    /// often (a one-shot `tine fork` otherwise maps memory.img).
+    /// Copy the snapshot's memory into shared memory before forking (before the clock), in
+    /// huge pages where the host's shmem_enabled allows, and restore every child from that
+    /// copy, as an executor does for a snapshot it spawns from often (a one-shot `tine fork`
+    /// otherwise maps memory.img).
     #[arg(long)]
     hold_image: bool,
     #[arg(long)]

@@ -523,11 +523,13 @@ pub fn worker_main() -> anyhow::Result<i32> {
     cpu.mark("lock-down");
     let running = vm.start()?;
     cpu.mark("start");
+    // Before the report, so the line is there once the host has its child; a log that cannot
+    // be written costs the line, never the VM.
+    let _ = writeln!(std::io::stderr(), "tine-vmm: main thread CPU ms: {cpu}");
     report(Restored {
         restore,
         start: t1.elapsed(),
     });
-    eprintln!("tine-vmm: main thread CPU ms: {cpu}");
     // Shared with the control thread for the rest of this process's life.
     let running: &'static tine_vmm::vm::RunningVm = Box::leak(Box::new(running));
     tine_vmm::thread_builder("control").spawn(move || crate::control::serve(control, running))?;
@@ -536,15 +538,17 @@ pub fn worker_main() -> anyhow::Result<i32> {
 }
 
 /// The worker's main thread's own CPU time (CLOCK_THREAD_CPUTIME_ID: the scheduler's count,
-/// not ticks) at each step from its start to the guest running, written to vmm.log: where a
-/// spawn's CPU goes, pre-start ("main" to "ahead", before any job) and per child (the rest).
+/// not ticks) at each step from its start to the guest running, written to vmm.log before the
+/// report: where a spawn's CPU goes, pre-start ("main" to "ahead", before any job) and per
+/// child (the rest).
 struct CpuMarks {
     last: Duration,
     steps: Vec<(&'static str, Duration)>,
 }
 
 impl CpuMarks {
-    /// Starts with what the thread used before main: the exec and dynamic loading.
+    /// Starts with what the thread used before `worker_main`: the exec, dynamic loading, Rust's
+    /// start-up and the command line.
     fn new() -> CpuMarks {
         let mut m = CpuMarks {
             last: Duration::ZERO,
