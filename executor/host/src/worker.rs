@@ -481,7 +481,11 @@ pub fn worker_main() -> anyhow::Result<i32> {
                 tap,
             };
             let vm = match memory {
-                JobMemory::Lazy => restore_lazily(&snapshot, opts, shell)?,
+                JobMemory::Lazy => {
+                    let vm = restore_lazily(&snapshot, opts, shell)?;
+                    cpu.mark("restore");
+                    vm
+                }
                 JobMemory::Image | JobMemory::Held => {
                     let prepared = tine_vmm::vm::Prepared { image: held, shell };
                     let vm = Vm::restore_prepared(
@@ -492,6 +496,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
                     )?;
                     cpu.mark("restore");
                     prefault_working_set(&vm, &snapshot);
+                    cpu.mark("prefault");
                     vm
                 }
             };
@@ -504,16 +509,12 @@ pub fn worker_main() -> anyhow::Result<i32> {
             }
             vm
         }
-        JobVm::Boot(b) => boot(b, &dir, console()?, tap, shell)?,
+        JobVm::Boot(b) => {
+            let vm = boot(b, &dir, console()?, tap, shell)?;
+            cpu.mark("boot");
+            vm
+        }
     };
-    cpu.mark(match &job.vm {
-        JobVm::Boot(_) => "boot",
-        JobVm::Restore {
-            memory: JobMemory::Lazy,
-            ..
-        } => "restore",
-        _ => "prefault",
-    });
     let restore = t0.elapsed();
     let control = crate::control::bind(&dir).context("binding the control socket")?;
     let t1 = Instant::now();
@@ -523,9 +524,10 @@ pub fn worker_main() -> anyhow::Result<i32> {
     cpu.mark("lock-down");
     let running = vm.start()?;
     cpu.mark("start");
-    // Before the report, so the line is there once the host has its child; a log that cannot
-    // be written costs the line, never the VM.
-    let _ = writeln!(std::io::stderr(), "tine-vmm: main thread CPU ms: {cpu}");
+    // Before the report, so the line is there once the host has its child; in one write (see
+    // prefault_working_set); a log that cannot be written costs the line, never the VM.
+    let line = format!("tine-vmm: main thread CPU ms: {cpu}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
     report(Restored {
         restore,
         start: t1.elapsed(),
@@ -596,8 +598,8 @@ fn prefault_working_set(vm: &Vm, snapshot: &Path) {
     let written = load_page_list(snapshot, WRITTEN_SET_FILE, pages).unwrap_or_default();
     let done = vm.prefault(&touched, &written);
     let method = done.method.map_or("none", |m| m.as_str());
-    eprintln!(
-        "tine-vmm: prefaulted {} pages in {} runs ({method}), {} copied ahead in {} us, all in {} us{}",
+    let line = format!(
+        "tine-vmm: prefaulted {} pages in {} runs ({method}), {} copied ahead in {} us, all in {} us{}\n",
         done.pages,
         done.runs,
         done.copied,
@@ -605,6 +607,8 @@ fn prefault_working_set(vm: &Vm, snapshot: &Path) {
         done.took.as_micros(),
         done.error.map(|e| format!("; {e}")).unwrap_or_default()
     );
+    // One write: the log is unbuffered, so eprintln! would make a system call of each piece.
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
 /// Confine the worker (see [`crate::confine`]). Tests only: then make a call outside the

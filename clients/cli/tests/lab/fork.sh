@@ -80,12 +80,13 @@ tail -1 "$W/forkbig"
 n=$(grep -c 'ready in' "$W/forkbig")
 [ "$n" = "$BIG" ] && ok "fork-$BIG" || fail "fork-$BIG" "$n of $BIG ready: $(grep FAILED "$W/forkbig" | head -3)"
 # Each worker's main thread says where its CPU went, step by step (docs/performance.md).
+ids=$(grep 'ready in' "$W/forkbig" | awk '{print $1}')
 m=0
-for id in $(grep 'ready in' "$W/forkbig" | awk '{print $1}'); do
+for id in $ids; do
   grep -q 'main thread CPU ms: main .*, prefault .*, start [0-9]' "$TINE_DATA_DIR/vms/$id/vmm.log" && m=$((m + 1))
 done
 [ "$m" = "$BIG" ] && ok cpu-marks || fail cpu-marks "$m of $BIG vmm.logs carry the marks"
-for id in $(grep 'ready in' "$W/forkbig" | awk '{print $1}' | head -3); do
+for id in $(echo "$ids" | head -3); do
   grep 'main thread CPU' "$TINE_DATA_DIR/vms/$id/vmm.log"
 done
 "$T" ls | tail -2
