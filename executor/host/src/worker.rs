@@ -398,8 +398,9 @@ pub fn worker_main() -> anyhow::Result<i32> {
     // Made while the worker waits, so a restore starts with it (None: the restore makes its
     // own, and says why if that fails too).
     let shell = tine_vmm::vm::Shell::new().ok();
-    // Likewise the seccomp filters, so a spawn does not compile them.
-    let ahead = crate::confine::Ahead::prepare();
+    // Likewise what confinement needs of no job: core dumps off, the bounding set, its own
+    // mount namespace, the seccomp filters.
+    let mut ahead = crate::confine::Ahead::prepare();
     cpu.mark("ahead");
     {
         let mut out = std::io::stdout().lock();
@@ -440,13 +441,29 @@ pub fn worker_main() -> anyhow::Result<i32> {
     // Own session: signals to the daemon's process group do not reach the VM.
     // SAFETY: setsid has no memory effects.
     unsafe { libc::setsid() };
-    crate::confine::before_restore(&job.confine).context("confining the VMM")?;
+    crate::confine::before_restore(&job.confine, &mut ahead).context("confining the VMM")?;
     let t0 = Instant::now();
+    // A VMM that gives up root sees only its own files once it has entered the child's
+    // network namespace; one that keeps it goes back to the host's mounts now.
+    let view = match (job.confine.user, job.vm.view()) {
+        (Some(_), Some(view)) => Some(view),
+        _ => None,
+    };
+    let mounts = ahead
+        .take_mounts(view.is_some())
+        .context("confining the VMM")?;
     // The whole VMM lives in the child's namespace (its device threads too), so anything it
     // opens or sends stays on the child's side of the policy.
     let tap = match &job.netns {
         Some(ns) => {
-            crate::network::enter(ns)?;
+            // Made after this worker's mount namespace was (ip netns mounts it): opened in
+            // the host's tree.
+            let file = match &mounts {
+                Some(m) => m.open_host(ns),
+                None => std::fs::File::open(ns),
+            }
+            .with_context(|| format!("opening {}", ns.display()))?;
+            crate::network::enter(&file, ns)?;
             Some(
                 tine_vmm::devices::virtio::net::Tap::open(crate::network::TAP)
                     .with_context(|| format!("attaching to the tap in {}", ns.display()))?,
@@ -454,15 +471,13 @@ pub fn worker_main() -> anyhow::Result<i32> {
         }
         None => None,
     };
-    // A VMM that gives up root sees only its own files from here on.
-    let confined_view = match (job.confine.user, job.vm.view()) {
-        (Some(_), Some((snapshots, linked))) => {
-            tine_vmm::vm::read_host_facts();
-            crate::confine::view::enter(&job.dir, snapshots, &linked)
+    let confined_view = match view {
+        Some((snapshots, linked)) => {
+            crate::confine::view::enter(mounts, &job.dir, snapshots, &linked)
                 .context("confining the VMM")?;
             true
         }
-        _ => false,
+        None => false,
     };
     let dir = if confined_view {
         PathBuf::from(crate::confine::view::VM_DIR)

@@ -365,9 +365,50 @@ fn prestarted_workers_are_waiting_for_their_job() {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert!(call.starts_with(&want), "worker {pid}: {call}");
+        // What confinement needs of no job is done while it waits: a mount namespace of its
+        // own, no capability left to regain by an exec, no core dumps.
+        let proc = std::path::PathBuf::from(format!("/proc/{pid}"));
+        assert_ne!(
+            std::fs::read_link(proc.join("ns/mnt")).unwrap(),
+            std::fs::read_link("/proc/self/ns/mnt").unwrap(),
+            "worker {pid}"
+        );
+        assert_eq!(
+            proc_status(&proc.join("status"))["CapBnd"],
+            "0000000000000000"
+        );
+        let limits = std::fs::read_to_string(proc.join("limits")).unwrap();
+        let core = limits.lines().find(|l| l.starts_with("Max core file size"));
+        assert_eq!(
+            core.map(|l| l.split_whitespace().skip(4).take(2).collect::<Vec<_>>()),
+            Some(vec!["0", "0"]),
+            "{limits}"
+        );
     }
     // And they still take jobs.
     assert!(spawn(&host, ids(2)).iter().all(|o| o.result.is_ok()));
+    host.kill_all();
+}
+
+/// A worker told to keep the executor's user (`--vmm-uid-base off`) gets no view: having
+/// entered a mount namespace of its own while it waited, it goes back to the host's.
+fn workers_without_a_user_of_their_own_go_back_to_the_host_s_mounts() {
+    let tmp = data_dir_with_snapshot();
+    let mut cfg = config(tmp.path(), 4, 1);
+    cfg.confine.uid_base = None;
+    let host = Host::open_exclusive(cfg).unwrap();
+    host.fill_pool();
+    let out = spawn(&host, ids(1));
+    out[0].result.as_ref().expect("spawned");
+    let proc = std::path::PathBuf::from(format!("/proc/{}", out[0].pid.expect("a pid")));
+    assert_eq!(
+        std::fs::read_link(proc.join("ns/mnt")).unwrap(),
+        std::fs::read_link("/proc/self/ns/mnt").unwrap()
+    );
+    assert_eq!(
+        std::fs::read_link(proc.join("root")).unwrap(),
+        Path::new("/")
+    );
     host.kill_all();
 }
 
@@ -1687,7 +1728,7 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 23] = [
+    let tests: [(&str, fn()); 24] = [
         (
             "children_guest_ram_is_open_to_page_merging",
             children_guest_ram_is_open_to_page_merging,
@@ -1703,6 +1744,10 @@ fn main() {
         (
             "prestarted_workers_are_waiting_for_their_job",
             prestarted_workers_are_waiting_for_their_job,
+        ),
+        (
+            "workers_without_a_user_of_their_own_go_back_to_the_host_s_mounts",
+            workers_without_a_user_of_their_own_go_back_to_the_host_s_mounts,
         ),
         (
             "a_parent_that_cannot_boot_fails_with_its_vmm_s_reason",

@@ -2,8 +2,9 @@
 //! capabilities and may make only the system calls a VMM needs (a seccomp allow-list).
 //!
 //! Order inside the worker (see [`crate::worker::worker_main`]):
-//! 1. [`before_restore`], while it is still one thread: the capability bounding set and core
-//!    dumps go (threads made later inherit both);
+//! 1. while it waits for its job ([`Ahead`]), and again with the job for anything that failed
+//!    then ([`before_restore`]), while it is still one thread: the capability bounding set and
+//!    core dumps go (threads made later inherit both);
 //! 2. the restore opens everything the VM needs: /dev/kvm, the snapshot's memory, the tap,
 //!    the console and vmm.log, its vsock and control sockets;
 //! 3. [`lock_down`]: signal handlers, the user switch (which clears every capability on every
@@ -136,9 +137,8 @@ fn last_cap() -> u32 {
         .unwrap_or(40)
 }
 
-/// While the worker is one thread: empty its capability bounding set (so nothing it could
-/// ever exec regains one) and turn off core dumps (a dump would hold guest memory).
-pub fn before_restore(c: &WorkerConfinement) -> Result<(), ConfineError> {
+/// Turn off core dumps (a dump would hold guest memory).
+fn no_core_dumps() -> Result<(), ConfineError> {
     let no_core = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -151,32 +151,51 @@ pub fn before_restore(c: &WorkerConfinement) -> Result<(), ConfineError> {
     std::fs::write("/proc/self/coredump_filter", "0").map_err(|source| ConfineError::Sys {
         what: "keeping guest memory out of core dumps",
         source,
-    })?;
-    if c.user.is_some() {
-        for cap in 0..=last_cap() {
-            // SAFETY: prctl with integer arguments.
-            let r = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
-            // EINVAL: a capability this kernel does not have.
-            if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
-                sys("emptying the capability bounding set", r)?;
-            }
+    })
+}
+
+/// Empty the calling thread's capability bounding set, so nothing it could ever exec regains
+/// a capability; threads made later inherit it. Needs CAP_SETPCAP (root). It takes nothing
+/// from the capabilities the worker holds now (which the user switch clears).
+fn empty_bounding_set() -> Result<(), ConfineError> {
+    for cap in 0..=last_cap() {
+        // SAFETY: prctl with integer arguments.
+        let r = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
+        // EINVAL: a capability this kernel does not have.
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+            sys("emptying the capability bounding set", r)?;
         }
     }
     Ok(())
 }
 
 /// What confinement needs that no job decides, made while the worker starts, before it
-/// reports idle (as the VM shell is): the filters of the default mode
-/// ([`SeccompMode::Enforce`]), compiled. A failure is kept and reported by [`lock_down`], in
-/// the job's log.
+/// reports idle (as the VM shell is), while it is still one thread: core dumps off, the
+/// capability bounding set emptied (a root worker), a mount namespace of its own
+/// ([`view::Early`]), the host facts a confined view hides read, and the filters of the
+/// default mode ([`SeccompMode::Enforce`]) compiled. What failed here is done again for a job
+/// that needs it ([`before_restore`]), or fails that job saying why.
 pub struct Ahead {
     enforce: Result<Option<seccomp::Filters>, ConfineError>,
+    core: Result<(), ConfineError>,
+    bounding: Result<(), ConfineError>,
+    mounts: Option<Result<view::Early, ConfineError>>,
 }
 
 impl Ahead {
     pub fn prepare() -> Ahead {
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        let core = no_core_dumps();
+        // Only a root worker may be told to switch users and so to use either; for any other
+        // they would only fail.
+        let bounding = if root { empty_bounding_set() } else { Ok(()) };
+        tine_vmm::vm::read_host_facts();
         Ahead {
             enforce: seccomp::Filters::compile(SeccompMode::Enforce),
+            core,
+            bounding,
+            mounts: root.then(view::Early::enter),
         }
     }
 
@@ -188,6 +207,38 @@ impl Ahead {
             _ => seccomp::Filters::compile(mode),
         }
     }
+
+    /// For a job that enters a view (`for_view`), the mount namespace entered ahead to enter
+    /// it from (None: entering it ahead failed, which is said in the job's log, and the view
+    /// makes its own). Any other job goes back to the host's mounts here.
+    pub fn take_mounts(&mut self, for_view: bool) -> Result<Option<view::Early>, ConfineError> {
+        match (self.mounts.take(), for_view) {
+            (Some(Ok(early)), true) => Ok(Some(early)),
+            (Some(Err(e)), true) => {
+                eprintln!("tine-vmm: {e} (ahead); again with the job");
+                Ok(None)
+            }
+            (Some(Ok(early)), false) => early.leave().map(|()| None),
+            (Some(Err(_)), false) | (None, _) => Ok(None),
+        }
+    }
+}
+
+/// With the job, still one thread: whatever of core dumps off and (for a worker that switches
+/// users) the emptied bounding set failed ahead is done now, and the failure ahead said in
+/// the job's log.
+pub fn before_restore(c: &WorkerConfinement, ahead: &mut Ahead) -> Result<(), ConfineError> {
+    if let Err(e) = std::mem::replace(&mut ahead.core, Ok(())) {
+        eprintln!("tine-vmm: {e} (ahead); again with the job");
+        no_core_dumps()?;
+    }
+    if c.user.is_some() {
+        if let Err(e) = std::mem::replace(&mut ahead.bounding, Ok(())) {
+            eprintln!("tine-vmm: {e} (ahead); again with the job");
+            empty_bounding_set()?;
+        }
+    }
+    Ok(())
 }
 
 /// Switch users, then install the filter on every thread. After this the process can open
@@ -299,6 +350,9 @@ mod tests {
                 what: "compiling ahead",
                 source: std::io::Error::other("test"),
             }),
+            core: Ok(()),
+            bounding: Ok(()),
+            mounts: None,
         };
         assert!(failed().filters(SeccompMode::Enforce).is_err());
         assert_eq!(

@@ -11,6 +11,7 @@
 //! or a rebase's directory) are the host's; [`translate`] maps them into the view.
 
 use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -62,20 +63,19 @@ fn io(what: &'static str) -> impl FnOnce(std::io::Error) -> ConfineError {
 /// `snapshots`.
 /// `linked` are files outside `snapshots` that its snapshot links to (a fetched snapshot's
 /// memory image, assembled in the layer cache): each is shown read-only at its own path.
-pub fn enter(vm_dir: &Path, snapshots: &Path, linked: &[PathBuf]) -> Result<(), ConfineError> {
-    // SAFETY: unshare on the calling thread, with no memory effects.
-    sys("entering a mount namespace of its own", unsafe {
-        libc::unshare(libc::CLONE_NEWNS)
-    })?;
-    // Nothing mounted here propagates back to the host.
-    mount(
-        "making the mounts private",
-        None,
-        Path::new("/"),
-        None,
-        libc::MS_REC | libc::MS_PRIVATE,
-        None,
-    )?;
+/// `early`: the mount namespace the worker entered while it waited (None: it enters one now).
+pub fn enter(
+    early: Option<Early>,
+    vm_dir: &Path,
+    snapshots: &Path,
+    linked: &[PathBuf],
+) -> Result<(), ConfineError> {
+    // Entered now if not ahead; its handles on the host's tree are closed here, before
+    // anything of the guest's runs.
+    drop(match early {
+        Some(early) => early,
+        None => Early::enter()?,
+    });
     let root = vm_dir.join(".root");
     match std::fs::create_dir(&root) {
         Ok(()) => {}
@@ -198,8 +198,113 @@ pub fn enter(vm_dir: &Path, snapshots: &Path, linked: &[PathBuf]) -> Result<(), 
         libc::MS_REMOUNT | libc::MS_RDONLY | hardened,
         None,
     )?;
+    // A namespace entered early is the host's slave, and so are the binds made from it: cut the
+    // view's few mounts off, so nothing the host mounts later shows in it.
+    mount(
+        "making the view's mounts private",
+        None,
+        Path::new("/"),
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    )?;
     let _ = SNAPSHOTS.set(snapshots.to_path_buf());
     Ok(())
+}
+
+/// A mount namespace of the worker's own, entered while it waits for its job: copying the
+/// host's mount table (and, at the job, cutting the copy off) is per-mount work no job decides.
+/// It is the host's slave, so what the host mounts or unmounts meanwhile (a child's network
+/// namespace under /run/netns, an unmounted disk) reaches it instead of being pinned in a
+/// stale copy. Until the job it holds the host's root and mount namespace: a job with a view
+/// closes both as it enters it ([`enter`]); one without goes back ([`Early::leave`]).
+pub struct Early {
+    host_ns: OwnedFd,
+    host_root: OwnedFd,
+    /// The worker's working directory, restored when it goes back.
+    cwd: OwnedFd,
+}
+
+fn open_fd(what: &'static str, path: &str, flags: libc::c_int) -> Result<OwnedFd, ConfineError> {
+    let c = CString::new(path).expect("no NUL");
+    // SAFETY: open with a NUL-terminated path; the descriptor returned is ours.
+    let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) };
+    sys(what, fd)?;
+    // SAFETY: a fresh descriptor from open.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+impl Early {
+    /// Needs root (CAP_SYS_ADMIN) and a calling thread that is the process's only one.
+    pub fn enter() -> Result<Early, ConfineError> {
+        let what = "entering a mount namespace of its own";
+        let early = Early {
+            host_ns: open_fd(what, "/proc/self/ns/mnt", libc::O_RDONLY)?,
+            host_root: open_fd(what, "/", libc::O_PATH | libc::O_DIRECTORY)?,
+            cwd: open_fd(what, ".", libc::O_PATH | libc::O_DIRECTORY)?,
+        };
+        // SAFETY: unshare on the calling thread, with no memory effects.
+        sys(what, unsafe { libc::unshare(libc::CLONE_NEWNS) })?;
+        // Nothing mounted here propagates back to the host; what it mounts reaches here.
+        if let Err(e) = mount(
+            what,
+            None,
+            Path::new("/"),
+            None,
+            libc::MS_REC | libc::MS_SLAVE,
+            None,
+        ) {
+            let _ = early.leave();
+            return Err(e);
+        }
+        Ok(early)
+    }
+
+    /// Back to the host's mount namespace and working directory (a job without a view).
+    pub fn leave(self) -> Result<(), ConfineError> {
+        // SAFETY: setns and fchdir on descriptors we own; the calling thread is the only one.
+        unsafe {
+            sys(
+                "going back to the host's mount namespace",
+                libc::setns(self.host_ns.as_raw_fd(), libc::CLONE_NEWNS),
+            )?;
+            sys(
+                "going back to its working directory",
+                libc::fchdir(self.cwd.as_raw_fd()),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Open `path` (absolute) for reading in the host's tree as it is now, mounts made since
+    /// this namespace was entered included (a path walk from the host's root follows the
+    /// host's mounts, whatever namespace the caller is in).
+    pub fn open_host(&self, path: &Path) -> std::io::Result<std::fs::File> {
+        let rel = path.strip_prefix("/").map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{} is not absolute", path.display()),
+            )
+        })?;
+        let rel = if rel.as_os_str().is_empty() {
+            CString::new(".").unwrap()
+        } else {
+            cstr(rel)
+        };
+        // SAFETY: openat on a descriptor we own with a NUL-terminated relative path.
+        let fd = unsafe {
+            libc::openat(
+                self.host_root.as_raw_fd(),
+                rel.as_ptr(),
+                libc::O_RDONLY | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor from openat.
+        Ok(std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
 }
 
 /// `host_path` as this VMM sees it: unchanged outside a view; inside one, a path under the

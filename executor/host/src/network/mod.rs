@@ -388,7 +388,8 @@ pub fn open_tap_in(ns: &Path) -> Result<tine_vmm::devices::virtio::net::Tap> {
     })
 }
 
-/// Move the calling thread into namespace `ns` for good (a VMM worker, before it restores).
-pub fn enter(ns: &Path) -> Result<()> {
-    setup::setns(ns)
+/// Move the calling thread into the namespace open as `ns` (found at `path`) for good (a VMM
+/// worker, before it restores).
+pub fn enter(ns: &std::fs::File, path: &Path) -> Result<()> {
+    setup::setns_file(ns, path)
 }

@@ -166,9 +166,14 @@ pub(super) fn in_netns<T: Send>(ns: &Path, f: impl FnOnce() -> Result<T> + Send)
     })
 }
 
-pub(super) fn setns(ns: &Path) -> Result<()> {
-    use std::os::fd::AsRawFd;
+fn setns(ns: &Path) -> Result<()> {
     let f = std::fs::File::open(ns).map_err(HostError::io(format!("opening {}", ns.display())))?;
+    setns_file(&f, ns)
+}
+
+/// Enter the network namespace open as `f` (at `ns`, for errors).
+pub(super) fn setns_file(f: &std::fs::File, ns: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
     // SAFETY: setns on an open namespace file; affects the calling thread only.
     if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
         return Err(HostError::io(format!("entering {}", ns.display()))(
