@@ -541,7 +541,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
     cpu.mark("start");
     // Before the report, so the line is there once the host has its child; in one write (see
     // prefault_working_set); a log that cannot be written costs the line, never the VM.
-    let line = format!("tine-vmm: main thread CPU ms: {cpu}\n");
+    let line = cpu.lines();
     let _ = std::io::stderr().write_all(line.as_bytes());
     report(Restored {
         restore,
@@ -555,12 +555,12 @@ pub fn worker_main() -> anyhow::Result<i32> {
 }
 
 /// The worker's main thread's own CPU time (CLOCK_THREAD_CPUTIME_ID: the scheduler's count,
-/// not ticks) at each step from its start to the guest running, written to vmm.log before the
-/// report: where a spawn's CPU goes, pre-start ("main" to "ahead", before any job) and per
-/// child (the rest).
+/// not ticks) and page faults (getrusage(RUSAGE_THREAD): minor and major) at each step from
+/// its start to the guest running, written to vmm.log before the report: where a spawn's CPU
+/// goes, pre-start ("main" to "ahead", before any job) and per child (the rest).
 struct CpuMarks {
-    last: Duration,
-    steps: Vec<(&'static str, Duration)>,
+    last: (Duration, u64),
+    steps: Vec<(&'static str, Duration, u64)>,
 }
 
 impl CpuMarks {
@@ -568,7 +568,7 @@ impl CpuMarks {
     /// start-up and the command line.
     fn new() -> CpuMarks {
         let mut m = CpuMarks {
-            last: Duration::ZERO,
+            last: (Duration::ZERO, 0),
             steps: Vec::new(),
         };
         m.mark("main");
@@ -585,18 +585,38 @@ impl CpuMarks {
             return;
         }
         let now = Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32);
-        self.steps.push((step, now.saturating_sub(self.last)));
-        self.last = now;
+        // SAFETY: rusage is plain integers, for which zero is valid.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: getrusage writes the struct we pass.
+        let got = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+        let faults = if got == 0 {
+            (ru.ru_minflt + ru.ru_majflt) as u64
+        } else {
+            self.last.1
+        };
+        self.steps.push((
+            step,
+            now.saturating_sub(self.last.0),
+            faults.saturating_sub(self.last.1),
+        ));
+        self.last = (now, faults);
     }
-}
 
-impl std::fmt::Display for CpuMarks {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for (i, (step, d)) in self.steps.iter().enumerate() {
-            let sep = if i == 0 { "" } else { ", " };
-            write!(f, "{sep}{step} {:.1}", d.as_secs_f64() * 1e3)?;
-        }
-        Ok(())
+    /// The two vmm.log lines: CPU ms and page faults per step.
+    fn lines(&self) -> String {
+        let list = |f: &dyn Fn(Duration, u64) -> String| {
+            let items: Vec<String> = self
+                .steps
+                .iter()
+                .map(|(step, d, n)| format!("{step} {}", f(*d, *n)))
+                .collect();
+            items.join(", ")
+        };
+        format!(
+            "tine-vmm: main thread CPU ms: {}\ntine-vmm: main thread page faults: {}\n",
+            list(&|d, _| format!("{:.1}", d.as_secs_f64() * 1e3)),
+            list(&|_, n| n.to_string()),
+        )
     }
 }
 

@@ -1016,28 +1016,42 @@ fn children_prefault_their_snapshot_s_working_set() {
     assert!(log.contains("1 copied ahead"), "{log}");
     assert!(!log.contains("(none)"), "some method mapped them: {log}");
     // The worker's main thread says where its CPU went, step by step (before its report).
-    let marks = log
-        .lines()
-        .find_map(|l| l.strip_prefix("tine-vmm: main thread CPU ms: "))
-        .unwrap_or_else(|| panic!("no CPU marks in: {log}"));
-    let steps: Vec<&str> = marks
-        .split(", ")
-        .filter_map(|s| s.split_once(' ').map(|(step, _)| step))
-        .collect();
-    assert_eq!(
-        steps,
-        [
-            "main",
-            "ahead",
-            "job",
-            "view",
-            "restore",
-            "prefault",
-            "lock-down",
-            "start"
-        ],
-        "{log}"
-    );
+    // And its page faults, the same steps (whole numbers).
+    for (prefix, whole) in [
+        ("tine-vmm: main thread CPU ms: ", false),
+        ("tine-vmm: main thread page faults: ", true),
+    ] {
+        let marks = log
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no {prefix:?} in: {log}"));
+        let steps: Vec<(&str, &str)> = marks
+            .split(", ")
+            .filter_map(|s| s.split_once(' '))
+            .collect();
+        assert_eq!(
+            steps.iter().map(|(step, _)| *step).collect::<Vec<_>>(),
+            [
+                "main",
+                "ahead",
+                "job",
+                "view",
+                "restore",
+                "prefault",
+                "lock-down",
+                "start"
+            ],
+            "{log}"
+        );
+        for (step, v) in &steps {
+            let parsed = if whole {
+                v.parse::<u64>().is_ok()
+            } else {
+                v.parse::<f64>().is_ok()
+            };
+            assert!(parsed, "{step} {v:?}: {log}");
+        }
+    }
 
     // Truncated: no prefault, and the child runs as before.
     let ws = snap.join(WORKING_SET_FILE);
