@@ -393,7 +393,11 @@ fn one_malloc_arena() {
 /// Body of `<worker_exe> __vmm-worker`: wait for a job on stdin (EOF: the daemon went away, exit
 /// quietly), restore, signal, run.
 pub fn worker_main() -> anyhow::Result<i32> {
-    let mut cpu = CpuMarks::new();
+    // Its main thread's CPU and page faults per step, from its start (the exec, dynamic
+    // loading, Rust's start-up and the command line: "main") to the guest running; pre-start
+    // is "main" and "ahead", the rest is per child. Written to vmm.log before the report.
+    let mut cpu = tine_vmm::marks::Marks::from_thread_start();
+    cpu.mark("main");
     one_malloc_arena();
     // Made while the worker waits, so a restore starts with it (None: the restore makes its
     // own, and says why if that fails too).
@@ -537,11 +541,17 @@ pub fn worker_main() -> anyhow::Result<i32> {
     tine_vmm::vm::install_signal_handlers()?;
     lock_down(&job, ahead)?;
     cpu.mark("lock-down");
+    // A copy: starting takes the VM.
+    let vm_marks = vm.restore_marks().clone();
     let running = vm.start()?;
     cpu.mark("start");
     // Before the report, so the line is there once the host has its child; in one write (see
     // prefault_working_set); a log that cannot be written costs the line, never the VM.
-    let line = cpu.lines();
+    let line = format!(
+        "tine-vmm: main thread CPU ms: {}\ntine-vmm: main thread page faults: {}\n",
+        cpu.cpu_ms(),
+        cpu.faults()
+    ) + &restore_lines(&vm_marks);
     let _ = std::io::stderr().write_all(line.as_bytes());
     report(Restored {
         restore,
@@ -554,70 +564,16 @@ pub fn worker_main() -> anyhow::Result<i32> {
     Ok(exit.exit_code())
 }
 
-/// The worker's main thread's own CPU time (CLOCK_THREAD_CPUTIME_ID: the scheduler's count,
-/// not ticks) and page faults (getrusage(RUSAGE_THREAD): minor and major) at each step from
-/// its start to the guest running, written to vmm.log before the report: where a spawn's CPU
-/// goes, pre-start ("main" to "ahead", before any job) and per child (the rest).
-struct CpuMarks {
-    last: (Duration, u64),
-    steps: Vec<(&'static str, Duration, u64)>,
-}
-
-impl CpuMarks {
-    /// Starts with what the thread used before `worker_main`: the exec, dynamic loading, Rust's
-    /// start-up and the command line.
-    fn new() -> CpuMarks {
-        let mut m = CpuMarks {
-            last: (Duration::ZERO, 0),
-            steps: Vec::new(),
-        };
-        m.mark("main");
-        m
+/// The restore's own steps (see [`Vm::restore_marks`]) as two vmm.log lines; none for a boot.
+fn restore_lines(m: &tine_vmm::marks::Marks) -> String {
+    if m.steps().is_empty() {
+        return String::new();
     }
-
-    fn mark(&mut self, step: &'static str) {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: clock_gettime writes the timespec we pass; this clock always exists.
-        if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
-            return;
-        }
-        let now = Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32);
-        // SAFETY: rusage is plain integers, for which zero is valid.
-        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-        // SAFETY: getrusage writes the struct we pass.
-        let got = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
-        let faults = if got == 0 {
-            (ru.ru_minflt + ru.ru_majflt) as u64
-        } else {
-            self.last.1
-        };
-        self.steps.push((
-            step,
-            now.saturating_sub(self.last.0),
-            faults.saturating_sub(self.last.1),
-        ));
-        self.last = (now, faults);
-    }
-
-    /// The two vmm.log lines: CPU ms and page faults per step.
-    fn lines(&self) -> String {
-        let list = |f: &dyn Fn(Duration, u64) -> String| {
-            let items: Vec<String> = self
-                .steps
-                .iter()
-                .map(|(step, d, n)| format!("{step} {}", f(*d, *n)))
-                .collect();
-            items.join(", ")
-        };
-        format!(
-            "tine-vmm: main thread CPU ms: {}\ntine-vmm: main thread page faults: {}\n",
-            list(&|d, _| format!("{:.1}", d.as_secs_f64() * 1e3)),
-            list(&|_, n| n.to_string()),
-        )
-    }
+    format!(
+        "tine-vmm: restore CPU ms: {}\ntine-vmm: restore page faults: {}\n",
+        m.cpu_ms(),
+        m.faults()
+    )
 }
 
 /// Map the snapshot's recorded working set before the guest runs, copying the pages a child

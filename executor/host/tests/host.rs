@@ -1016,10 +1016,35 @@ fn children_prefault_their_snapshot_s_working_set() {
     assert!(log.contains("1 copied ahead"), "{log}");
     assert!(!log.contains("(none)"), "some method mapped them: {log}");
     // The worker's main thread says where its CPU went, step by step (before its report).
-    // And its page faults, the same steps (whole numbers).
-    for (prefix, whole) in [
-        ("tine-vmm: main thread CPU ms: ", false),
-        ("tine-vmm: main thread page faults: ", true),
+    // And its page faults, the same steps (whole numbers); then the restore's own parts.
+    let worker_steps = [
+        "main",
+        "ahead",
+        "job",
+        "view",
+        "restore",
+        "prefault",
+        "lock-down",
+        "start",
+    ];
+    let restore_steps = [
+        "load",
+        "ram",
+        "vm",
+        "devices",
+        "vcpus",
+        "irqchip",
+        "device-state",
+    ];
+    for (prefix, whole, expected) in [
+        ("tine-vmm: main thread CPU ms: ", false, &worker_steps[..]),
+        (
+            "tine-vmm: main thread page faults: ",
+            true,
+            &worker_steps[..],
+        ),
+        ("tine-vmm: restore CPU ms: ", false, &restore_steps[..]),
+        ("tine-vmm: restore page faults: ", true, &restore_steps[..]),
     ] {
         let marks = log
             .lines()
@@ -1031,16 +1056,7 @@ fn children_prefault_their_snapshot_s_working_set() {
             .collect();
         assert_eq!(
             steps.iter().map(|(step, _)| *step).collect::<Vec<_>>(),
-            [
-                "main",
-                "ahead",
-                "job",
-                "view",
-                "restore",
-                "prefault",
-                "lock-down",
-                "start"
-            ],
+            expected,
             "{log}"
         );
         for (step, v) in &steps {

@@ -11,6 +11,7 @@ pub mod error;
 pub mod host;
 pub mod kvm_stats;
 pub mod layout;
+pub mod marks;
 pub mod memory;
 pub mod prefault;
 pub mod regs;

@@ -164,6 +164,8 @@ pub struct Vm {
     vmgenid: Option<VmGenId>,
     /// KVM's counters for this VM (None: the host kernel has no statistics files).
     stats: Option<VmStats>,
+    /// The restoring thread's CPU and page faults per part of the restore (empty for a boot).
+    restore_marks: crate::marks::Marks,
 }
 
 /// The vCPU count as KVM and the MADT take it, or why not.
@@ -256,6 +258,7 @@ impl Vm {
             serial,
             options,
             vmgenid: None,
+            restore_marks: crate::marks::Marks::default(),
             stats,
         })
     }
@@ -319,7 +322,9 @@ impl Vm {
     ) -> Result<Self> {
         let Prepared { image, shell } = prepared;
         let t0 = Instant::now();
+        let mut marks = crate::marks::Marks::from_now();
         let snap = snapfile::load(dir)?;
+        marks.mark("load");
         let state = snap.state;
         let origin = Origin {
             dir: dir.to_path_buf(),
@@ -336,7 +341,8 @@ impl Vm {
             // The copy sits in huge pages; a private mapping gets them only when advised.
             ram.advise_huge_pages();
         }
-        let vm = Self::restore_state(dir, state, ram, opts, options, shell)?;
+        marks.mark("ram");
+        let vm = Self::restore_state(dir, state, ram, opts, options, shell, marks)?;
         tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), held, "restored");
         Ok(vm)
     }
@@ -361,7 +367,8 @@ impl Vm {
             }
             .into());
         }
-        let vm = Self::restore_state(dir, state, ram, opts, options, shell)?;
+        let marks = crate::marks::Marks::from_now();
+        let vm = Self::restore_state(dir, state, ram, opts, options, shell, marks)?;
         tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), "restored onto supplied RAM");
         Ok(vm)
     }
@@ -373,6 +380,7 @@ impl Vm {
         mut opts: RestoreOptions,
         options: VmOptions,
         shell: Option<Shell>,
+        mut marks: crate::marks::Marks,
     ) -> Result<Self> {
         let mut vm = Self::build(
             state.vcpus.len(),
@@ -382,6 +390,7 @@ impl Vm {
             options,
             shell,
         )?;
+        marks.mark("vm");
         for v in &state.virtio {
             let dev: Box<dyn VirtioDevice> = match v.kind {
                 VirtioKind::Vsock { guest_cid } => {
@@ -397,10 +406,13 @@ impl Vm {
             };
             vm.add_virtio(dev)?;
         }
+        marks.mark("devices");
         for (i, (fd, s)) in vm.vcpus.iter().zip(&state.vcpus).enumerate() {
             snapshot::vcpu::restore(fd, i, s)?;
         }
+        marks.mark("vcpus");
         snapshot::restore_vm(&vm.vm, &state.vm)?;
+        marks.mark("irqchip");
         // Devices last. Their registers only: a device that was active is activated by
         // `start` (a confined VMM starts only once confined), after which a restored vsock
         // raises an interrupt for its transport reset.
@@ -413,7 +425,16 @@ impl Vm {
             g.notify()?;
             vm.vmgenid = Some(g);
         }
+        marks.mark("device-state");
+        vm.restore_marks = marks;
         Ok(vm)
+    }
+
+    /// The restoring thread's CPU and page faults per part of the restore: the snapshot loaded
+    /// and checked, guest RAM mapped, the VM (memory slots, serial, vCPUs), its devices, vCPU
+    /// state, irqchip and clocks, device state and generation ID. Empty for a boot.
+    pub fn restore_marks(&self) -> &crate::marks::Marks {
+        &self.restore_marks
     }
 
     pub fn ram(&self) -> &GuestRam {
