@@ -1028,7 +1028,11 @@ fn children_prefault_their_snapshot_s_working_set() {
         "start",
     ];
     let restore_steps = [
-        "load",
+        "header",
+        "state-read",
+        "checksum",
+        "decode",
+        "chain",
         "ram",
         "vm",
         "devices",

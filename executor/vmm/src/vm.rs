@@ -323,8 +323,7 @@ impl Vm {
         let Prepared { image, shell } = prepared;
         let t0 = Instant::now();
         let mut marks = crate::marks::Marks::from_now();
-        let snap = snapfile::load(dir)?;
-        marks.mark("load");
+        let snap = snapfile::load_marked(dir, Some(&mut marks))?;
         let state = snap.state;
         let origin = Origin {
             dir: dir.to_path_buf(),
@@ -431,7 +430,8 @@ impl Vm {
     }
 
     /// The restoring thread's CPU and page faults per part of the restore: the snapshot loaded
-    /// and checked, guest RAM mapped, the VM (memory slots, serial, vCPUs), its devices, vCPU
+    /// and checked (header, state read, its checksum, decoded, the diff chain and memory image
+    /// opened; a lazy restore loads before and has none of these), guest RAM mapped, the VM (memory slots, serial, vCPUs), its devices, vCPU
     /// state, irqchip and clocks, device state and generation ID. Empty for a boot.
     pub fn restore_marks(&self) -> &crate::marks::Marks {
         &self.restore_marks

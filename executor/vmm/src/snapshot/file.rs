@@ -416,12 +416,28 @@ pub struct LoadedState {
 
 /// Read and check the header and state: host compatibility, sizes, checksum, decoding.
 pub fn load_state(dir: &Path) -> Result<LoadedState> {
+    load_state_marked(dir, None)
+}
+
+/// End step `step` of `marks`, if any are kept.
+fn mark(marks: &mut Option<&mut crate::marks::Marks>, step: &'static str) {
+    if let Some(m) = marks {
+        m.mark(step);
+    }
+}
+
+fn load_state_marked(
+    dir: &Path,
+    mut marks: Option<&mut crate::marks::Marks>,
+) -> Result<LoadedState> {
     let header = load_header(dir)?;
+    mark(&mut marks, "header");
     let state_path = dir.join(STATE_FILE);
     let body = fs::read(&state_path).map_err(|source| RestoreError::Unreadable {
         path: state_path.clone(),
         source,
     })?;
+    mark(&mut marks, "state-read");
     if body.len() as u64 != header.state_len {
         return Err(RestoreError::StateSize {
             path: state_path,
@@ -439,11 +455,13 @@ pub fn load_state(dir: &Path) -> Result<LoadedState> {
         }
         .into());
     }
+    mark(&mut marks, "checksum");
     let mut state: MachineState =
         bincode::deserialize(&body).map_err(|source| RestoreError::Decode {
             path: state_path,
             source,
         })?;
+    mark(&mut marks, "decode");
     state.vmgenid = header.vmgenid;
     if state.mem_size != header.mem_size || state.vcpus.len() as u32 != header.vcpus {
         return Err(RestoreError::HeaderStateMismatch {
@@ -462,7 +480,15 @@ pub fn load_state(dir: &Path) -> Result<LoadedState> {
 /// its ancestors are read (and checked to be the parents it was taken over), never their
 /// state or pages.
 pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
-    let LoadedState { header, state } = load_state(dir)?;
+    load_marked(dir, None)
+}
+
+/// [`load`], its parts marked on `marks` (header, state-read, checksum, decode, chain).
+pub fn load_marked(
+    dir: &Path,
+    mut marks: Option<&mut crate::marks::Marks>,
+) -> Result<LoadedSnapshot> {
+    let LoadedState { header, state } = load_state_marked(dir, marks.as_deref_mut())?;
     let mut overlays = Vec::new();
     let root = walk_chain(dir, &header, |here, d| {
         overlays.push(load_overlay(here, d, header.mem_size)?);
@@ -470,6 +496,7 @@ pub fn load(dir: &Path) -> Result<LoadedSnapshot> {
     })?;
     overlays.reverse();
     let memory = open_image(&root, header.mem_size)?;
+    mark(&mut marks, "chain");
     Ok(LoadedSnapshot {
         header,
         state,
