@@ -117,6 +117,10 @@ pub enum ConfineError {
     },
     #[error("capabilities remain after switching to user {uid}: {caps}")]
     CapsRemain { uid: u32, caps: String },
+    /// Left in a mount namespace or root no job may run in (its mounts shared with the host's,
+    /// or not the executor's root): this worker takes no job.
+    #[error("this worker cannot run a VM: {0}")]
+    Stranded(Box<ConfineError>),
 }
 
 fn sys(what: &'static str, r: libc::c_int) -> Result<(), ConfineError> {
@@ -213,12 +217,22 @@ impl Ahead {
     /// makes its own). Any other job goes back to the host's mounts here.
     pub fn take_mounts(&mut self, for_view: bool) -> Result<Option<view::Early>, ConfineError> {
         match (self.mounts.take(), for_view) {
+            (Some(Err(e @ ConfineError::Stranded(_))), _) => Err(e),
             (Some(Ok(early)), true) => Ok(Some(early)),
             (Some(Err(e)), true) => {
                 eprintln!("tine-vmm: {e} (ahead); again with the job");
                 Ok(None)
             }
-            (Some(Ok(early)), false) => early.leave().map(|()| None),
+            (Some(Ok(early)), false) => match early.leave() {
+                Ok(()) => Ok(None),
+                Err(e @ ConfineError::Stranded(_)) => Err(e),
+                // Still in its own namespace, the host's slave, at its own root: it mounts
+                // nothing, and what the host mounts reaches it where the host shares it.
+                Err(e) => {
+                    eprintln!("tine-vmm: {e}; it stays in a mount namespace of its own");
+                    Ok(None)
+                }
+            },
             (Some(Err(_)), false) | (None, _) => Ok(None),
         }
     }
@@ -360,6 +374,27 @@ mod tests {
             Some(SeccompMode::Log)
         );
         assert_eq!(mode(failed().filters(SeccompMode::Off)), None);
+    }
+
+    #[test]
+    fn a_stranded_worker_takes_no_job_and_a_failure_ahead_only_costs_the_early_start() {
+        let with = |e: ConfineError| Ahead {
+            enforce: Ok(None),
+            core: Ok(()),
+            bounding: Ok(()),
+            mounts: Some(Err(e)),
+        };
+        let sys = || ConfineError::Sys {
+            what: "entering a mount namespace of its own",
+            source: std::io::Error::from_raw_os_error(libc::EPERM),
+        };
+        for for_view in [true, false] {
+            // Failed ahead: the view makes its own, a job without one needs none.
+            assert!(matches!(with(sys()).take_mounts(for_view), Ok(None)));
+            let stranded = with(ConfineError::Stranded(Box::new(sys()))).take_mounts(for_view);
+            let err = stranded.err().expect("no job in a stranded worker");
+            assert!(err.to_string().contains("cannot run a VM"), "{err}");
+        }
     }
 
     #[test]

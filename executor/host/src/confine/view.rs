@@ -254,26 +254,41 @@ impl Early {
             libc::MS_REC | libc::MS_SLAVE,
             None,
         ) {
-            let _ = early.leave();
-            return Err(e);
+            // Its mounts are still the host's peers: no job may run here.
+            return Err(match early.leave() {
+                Ok(()) => e,
+                Err(_) => ConfineError::Stranded(Box::new(e)),
+            });
         }
         Ok(early)
     }
 
-    /// Back to the host's mount namespace and working directory (a job without a view).
+    /// Back to the host's mount namespace, root and working directory (a job without a view).
+    /// If the namespace cannot be entered nothing changed (the worker stays in its own, the
+    /// host's slave); a failure after that is [`ConfineError::Stranded`].
     pub fn leave(self) -> Result<(), ConfineError> {
-        // SAFETY: setns and fchdir on descriptors we own; the calling thread is the only one.
-        unsafe {
+        // SAFETY: setns on a descriptor we own; the calling thread is the only one.
+        sys("going back to the host's mount namespace", unsafe {
+            libc::setns(self.host_ns.as_raw_fd(), libc::CLONE_NEWNS)
+        })?;
+        // setns moved root and working directory to the namespace's root: put back the root
+        // the worker had (an executor in a chroot), then its working directory.
+        let dot = CString::new(".").unwrap();
+        // SAFETY: fchdir on descriptors we own, chroot to a NUL-terminated path.
+        let back = unsafe {
             sys(
-                "going back to the host's mount namespace",
-                libc::setns(self.host_ns.as_raw_fd(), libc::CLONE_NEWNS),
-            )?;
-            sys(
-                "going back to its working directory",
-                libc::fchdir(self.cwd.as_raw_fd()),
-            )?;
-        }
-        Ok(())
+                "going back to its root",
+                libc::fchdir(self.host_root.as_raw_fd()),
+            )
+            .and_then(|()| sys("going back to its root", libc::chroot(dot.as_ptr())))
+            .and_then(|()| {
+                sys(
+                    "going back to its working directory",
+                    libc::fchdir(self.cwd.as_raw_fd()),
+                )
+            })
+        };
+        back.map_err(|e| ConfineError::Stranded(Box::new(e)))
     }
 
     /// Open `path` (absolute) for reading in the host's tree as it is now, mounts made since
