@@ -547,11 +547,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
     cpu.mark("start");
     // Before the report, so the line is there once the host has its child; in one write (see
     // prefault_working_set); a log that cannot be written costs the line, never the VM.
-    let line = format!(
-        "tine-vmm: main thread CPU ms: {}\ntine-vmm: main thread page faults: {}\n",
-        cpu.cpu_ms(),
-        cpu.faults()
-    ) + &restore_lines(&vm_marks);
+    let line = mark_lines("main thread", &cpu) + &mark_lines("restore", &vm_marks);
     let _ = std::io::stderr().write_all(line.as_bytes());
     report(Restored {
         restore,
@@ -564,13 +560,14 @@ pub fn worker_main() -> anyhow::Result<i32> {
     Ok(exit.exit_code())
 }
 
-/// The restore's own steps (see [`Vm::restore_marks`]) as two vmm.log lines; none for a boot.
-fn restore_lines(m: &tine_vmm::marks::Marks) -> String {
+/// `what`'s marks as two vmm.log lines, CPU ms and page faults per step; none without steps
+/// (the restore's, see [`Vm::restore_marks`], for a boot).
+fn mark_lines(what: &str, m: &tine_vmm::marks::Marks) -> String {
     if m.steps().is_empty() {
         return String::new();
     }
     format!(
-        "tine-vmm: restore CPU ms: {}\ntine-vmm: restore page faults: {}\n",
+        "tine-vmm: {what} CPU ms: {}\ntine-vmm: {what} page faults: {}\n",
         m.cpu_ms(),
         m.faults()
     )

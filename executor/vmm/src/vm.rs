@@ -431,8 +431,9 @@ impl Vm {
 
     /// The restoring thread's CPU and page faults per part of the restore: the snapshot loaded
     /// and checked (header, state read, its checksum, decoded, the diff chain and memory image
-    /// opened; a lazy restore loads before and has none of these), guest RAM mapped, the VM (memory slots, serial, vCPUs), its devices, vCPU
-    /// state, irqchip and clocks, device state and generation ID. Empty for a boot.
+    /// opened; a lazy restore loads before and has none of these), guest RAM mapped, the VM
+    /// (memory slots, serial, vCPUs), its devices, vCPU state, irqchip and clocks, device
+    /// state and generation ID. Empty for a boot.
     pub fn restore_marks(&self) -> &crate::marks::Marks {
         &self.restore_marks
     }
