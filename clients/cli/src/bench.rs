@@ -552,7 +552,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     let mut merge_rows: Vec<Merged> = Vec::new();
     for &n in &b.counts {
         // Workers up and waiting before the clock (fork_children finds them there).
-        host.prestart_workers(n);
+        host.prestart_workers_for(&b.tag, n)?;
         let ksm0 = b.merge_pages.then(Merged::before);
         let t0 = Instant::now();
         let busy0 = machine_busy_ms();

@@ -86,7 +86,8 @@ pub fn fork_children(
     }
     // Validate first so a bad snapshot fails the call, not N children.
     host.snapshot_header(tag)?;
-    host.prestart_workers(n);
+    // Primed for this snapshot too, before the clock.
+    host.prestart_workers_for(tag, n)?;
     let ids = (0..n).map(|_| SandboxId::random(tag.as_str())).collect();
     host.spawn(tag, ids, opts, report)?;
     Ok(())

@@ -68,6 +68,11 @@ pub struct Limits {
     /// daemon's CPU, and merging across tenants lets one child time another's writes (a
     /// known side channel). Needs `/sys/kernel/mm/ksm/run` = 1 ([`crate::ksm`]).
     pub merge_pages: bool,
+    /// Idle workers prime themselves for the snapshot last spawned from: its restore done up
+    /// to what needs the child, its working set mapped (see [`crate::worker::PrimeJob`]). Each
+    /// primed worker holds the pages that working set writes (under 1 MiB for python-numpy),
+    /// charged to the executor rather than to a child.
+    pub prime_workers: bool,
 }
 
 impl Default for Limits {
@@ -80,6 +85,7 @@ impl Default for Limits {
             parent_ready_timeout: Duration::from_secs(900),
             hot_image_mib: 2048,
             merge_pages: false,
+            prime_workers: true,
         }
     }
 }

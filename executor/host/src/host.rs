@@ -504,6 +504,43 @@ impl Host {
         self.pool.fill_to(n);
     }
 
+    /// [`prestart_workers`](Self::prestart_workers), primed for children of `tag` (a snapshot
+    /// of this host's) unless this host does not prime its workers.
+    pub fn prestart_workers_for(&self, tag: &Tag, n: usize) -> Result<()> {
+        let header = self.snapshot_header(tag)?;
+        let snapshot = self.snapshot_dir(tag);
+        let image = root_memory(&snapshot, &header)
+            .ok()
+            .and_then(|m| self.held.get(&m));
+        self.prime_pool_for(&snapshot, image);
+        self.pool.fill_to(n);
+        Ok(())
+    }
+
+    /// Idle workers primed for children of `tag`.
+    pub fn primed_workers(&self, tag: &Tag) -> usize {
+        self.pool.primed(&self.snapshot_dir(tag))
+    }
+
+    /// Have the pool prime idle workers for the snapshot in `snapshot` (children mapping
+    /// `image` if one is held), if this host primes them.
+    fn prime_pool_for(&self, snapshot: &std::path::Path, image: Option<Arc<std::fs::File>>) {
+        if !self.cfg.limits.prime_workers {
+            return;
+        }
+        let memory = match image {
+            Some(_) => JobMemory::Held,
+            None => JobMemory::Image,
+        };
+        self.pool.set_hot(Some(crate::worker::Hot {
+            job: crate::worker::PrimeJob {
+                snapshot: snapshot.to_path_buf(),
+                memory,
+            },
+            image,
+        }));
+    }
+
     pub fn idle_workers(&self) -> usize {
         self.pool.idle()
     }
@@ -761,6 +798,8 @@ impl Host {
             });
         }
         if replacing {
+            // Workers primed for the old one would keep its files open, and serve none.
+            self.pool.forget(dir);
             let _ = std::fs::remove_dir_all(&aside);
         }
         Ok(())
@@ -1052,6 +1091,8 @@ impl Host {
         }
         let dir = self.snapshot_dir(tag);
         self.held.forget(&dir.join(MEMORY_FILE));
+        // Workers primed for it would keep its files open.
+        self.pool.forget(&dir);
         let existed = dir.exists();
         if existed {
             std::fs::remove_dir_all(&dir)
@@ -1170,6 +1211,8 @@ impl Host {
         let policy = self.spawn_policy(tag, &header, opts.network.as_ref())?;
         let limits = self.child_limits(&header, &opts.resources)?;
         if lazy.is_none() {
+            // Its next children find workers made ready for it.
+            self.prime_pool_for(&snapshot, image.clone());
             self.charge_snapshot(&header, &snapshot);
         }
         let timeout = opts.ready_timeout.unwrap_or(self.cfg.limits.ready_timeout);
@@ -1609,8 +1652,10 @@ impl Host {
                 network = t.elapsed();
             }
             // Dropping the worker on any error below kills and reaps it.
-            let worker = self.pool.take()?;
+            let worker = self.pool.take_for(Some(snapshot))?;
             let pid = worker.pid();
+            // It has the held image already, if the snapshot's children map one.
+            let primed = worker.primed_for(snapshot);
             let record = VmRecord {
                 id: id.clone(),
                 tag: Some(tag.clone()),
@@ -1640,7 +1685,7 @@ impl Host {
                 &dir,
                 lease.as_ref().map(|l| l.path()),
             ))?;
-            if let Memory::Held(image) = memory {
+            if let (Memory::Held(image), false) = (memory, primed) {
                 use std::os::fd::AsFd;
                 if let Err(e) = crate::handoff::send_image(restored.as_fd(), image.as_fd()) {
                     let _ = child.kill();

@@ -113,6 +113,32 @@ impl JobVm {
     }
 }
 
+/// A line from the host to a waiting worker.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Order {
+    /// Make ready for children of a snapshot, answered with one byte ([`PRIMED`] or
+    /// [`NOT_PRIMED`]); a held image follows the line on the report socket.
+    Prime(PrimeJob),
+    /// The job; the last line a worker reads.
+    Run(WorkerJob),
+}
+
+/// The snapshot a waiting worker primes itself for: its restore done up to what needs the
+/// child (see [`tine_vmm::vm::Primed`]) and its working set mapped. It then serves a job for
+/// that snapshot (any memory but lazy) from there, unless the snapshot's files changed since.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrimeJob {
+    pub snapshot: PathBuf,
+    /// Image or held (a lazy restore is never primed: its pages come with the child).
+    pub memory: JobMemory,
+}
+
+/// A worker's answers to [`Order::Prime`].
+pub const PRIMED: u8 = b'P';
+pub const NOT_PRIMED: u8 = b'F';
+
 /// Where a child's guest RAM comes from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -178,6 +204,8 @@ pub struct Worker {
     stdout: Option<OwnedFd>,
     /// It said it waits for its job ([`IDLE`] was read).
     waiting: bool,
+    /// The snapshot it primed itself for (it answered [`PRIMED`]).
+    primed: Option<PathBuf>,
 }
 
 impl Worker {
@@ -203,6 +231,7 @@ impl Worker {
             stdin: Some(stdin),
             stdout: Some(stdout),
             waiting: false,
+            primed: None,
         })
     }
 
@@ -234,10 +263,54 @@ impl Worker {
         self.child.as_ref().map_or(0, Child::id)
     }
 
+    /// Whether it is primed for the snapshot in `dir`: a job for it needs no held image sent.
+    pub fn primed_for(&self, dir: &Path) -> bool {
+        self.primed.as_deref() == Some(dir)
+    }
+
+    /// Send a waiting worker [`Order::Prime`] (and `image`, for a held one); see
+    /// [`Worker::primed_answer`].
+    fn send_prime(&mut self, hot: &Hot) -> std::io::Result<()> {
+        use std::os::fd::AsFd;
+        self.primed = None;
+        let mut line =
+            serde_json::to_vec(&Order::Prime(hot.job.clone())).expect("order serializes");
+        line.push(b'\n');
+        self.stdin
+            .as_mut()
+            .expect("before its job")
+            .write_all(&line)?;
+        if let (JobMemory::Held, Some(image)) = (hot.job.memory, &hot.image) {
+            let sock = self.stdout.as_ref().expect("before its job");
+            crate::handoff::send_image(sock.as_fd(), image.as_fd())?;
+        }
+        Ok(())
+    }
+
+    /// Wait for its answer to [`Worker::send_prime`]: primed or not (it stays a plain
+    /// worker). An error (it exited, said something else, or took too long) means it is
+    /// no use any more.
+    fn primed_answer(&mut self, hot: &Hot) -> std::io::Result<bool> {
+        let fd = self.stdout.as_ref().expect("before its job");
+        let mut b = [0u8; 1];
+        match crate::ready::read_with_timeout(fd, &mut b, START_TIMEOUT)? {
+            1 if b[0] == PRIMED => {
+                self.primed = Some(hot.job.snapshot.clone());
+                Ok(true)
+            }
+            1 if b[0] == NOT_PRIMED => Ok(false),
+            _ => Err(std::io::Error::other(
+                "it exited or said something else than whether it primed itself",
+            )),
+        }
+    }
+
     /// Hand over the job. Returns the process (to reap) and the "restored" signal pipe.
     pub fn run(mut self, job: &WorkerJob) -> Result<(Child, std::fs::File)> {
-        let mut line = serde_json::to_vec(job).expect("job serializes");
-        line.push(b'\n');
+        // `Order::Run(job)`, written around the borrowed job.
+        let mut line = b"{\"run\":".to_vec();
+        serde_json::to_writer(&mut line, job).expect("job serializes");
+        line.extend_from_slice(b"}\n");
         let mut stdin = self.stdin.take().expect("a worker runs one job");
         // On failure `self` is dropped, which kills and reaps the worker.
         stdin
@@ -282,8 +355,20 @@ fn socket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// Keeps up to `target` idle workers started. At most one refill runs at a time and it stops
-/// at `target`, so a burst of spawns never leaves more than `target` idle workers behind.
+/// The snapshot a pool primes its idle workers for (the one its host spawns from), and the
+/// held copy of its image if the workers are to map that.
+#[derive(Clone, Debug)]
+pub struct Hot {
+    pub job: PrimeJob,
+    pub image: Option<Arc<std::fs::File>>,
+}
+
+/// How many idle workers are primed at once: the others stay ready to be taken meanwhile.
+const PRIME_BATCH: usize = 4;
+
+/// Keeps up to `target` idle workers started, primed for the hot snapshot if there is one. At
+/// most one refill runs at a time and it stops at `target`, so a burst of spawns never leaves
+/// more than `target` idle workers behind.
 pub struct WorkerPool {
     exe: PathBuf,
     target: usize,
@@ -292,6 +377,7 @@ pub struct WorkerPool {
     auto_refill: bool,
     idle: Mutex<Vec<Worker>>,
     refilling: AtomicBool,
+    hot: Mutex<Option<Hot>>,
 }
 
 impl WorkerPool {
@@ -302,12 +388,26 @@ impl WorkerPool {
             auto_refill,
             idle: Mutex::new(Vec::new()),
             refilling: AtomicBool::new(false),
+            hot: Mutex::new(None),
         })
     }
 
     /// An idle worker, or a freshly started one when the pool is empty.
     pub fn take(self: &Arc<Self>) -> Result<Worker> {
-        let w = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        self.take_for(None)
+    }
+
+    /// An idle worker, one primed for the snapshot in `snapshot` if there is one, else one
+    /// primed for none (its shell unused), else any.
+    pub fn take_for(self: &Arc<Self>, snapshot: Option<&Path>) -> Result<Worker> {
+        let w = {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            let at = snapshot
+                .and_then(|s| idle.iter().rposition(|w| w.primed_for(s)))
+                .or_else(|| idle.iter().rposition(|w| w.primed.is_none()))
+                .or_else(|| idle.len().checked_sub(1));
+            at.map(|i| idle.remove(i))
+        };
         let w = match w {
             Some(w) => w,
             None => Worker::start(&self.exe)?,
@@ -322,13 +422,40 @@ impl WorkerPool {
         Ok(w)
     }
 
+    /// Prime idle workers for `hot` from now on (None: no more priming). Those primed for
+    /// another snapshot keep it until taken.
+    pub fn set_hot(&self, hot: Option<Hot>) {
+        *self.hot.lock().unwrap_or_else(|p| p.into_inner()) = hot;
+    }
+
+    /// The snapshot in `dir` went away or was replaced: no more priming for it, and its idle
+    /// workers (which hold its files open) are ended.
+    pub fn forget(&self, dir: &Path) {
+        {
+            let mut hot = self.hot.lock().unwrap_or_else(|p| p.into_inner());
+            if hot.as_ref().is_some_and(|h| h.job.snapshot == dir) {
+                *hot = None;
+            }
+        }
+        // Each one removed is killed and reaped as it is dropped (outside the lock).
+        let gone: Vec<Worker> = {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            let (gone, kept) = std::mem::take(&mut *idle)
+                .into_iter()
+                .partition(|w| w.primed_for(dir));
+            *idle = kept;
+            gone
+        };
+        drop(gone);
+    }
+
     /// Start workers until `target` are idle.
     pub fn refill(&self) {
         self.fill_to(self.target);
     }
 
     /// Start workers until `n` are idle, each waiting for its job (a one-shot fork pre-starts
-    /// exactly what it needs).
+    /// exactly what it needs), then prime the idle ones for the hot snapshot.
     pub fn fill_to(&self, n: usize) {
         let missing = n.saturating_sub(self.idle());
         // Start them all before waiting for any, so their start-ups overlap.
@@ -354,10 +481,71 @@ impl WorkerPool {
                 idle.push(w);
             }
         }
+        self.prime_idle();
+    }
+
+    /// Prime the idle workers not yet primed for the hot snapshot, a few at a time (taken out
+    /// of the pool meanwhile, so no job is handed to one that is priming).
+    fn prime_idle(&self) {
+        let Some(hot) = self.hot.lock().unwrap_or_else(|p| p.into_inner()).clone() else {
+            return;
+        };
+        // Each worker is looked at once: one that could not prime stays as it is.
+        let mut tried = std::collections::HashSet::new();
+        loop {
+            let mut batch: Vec<Worker> = {
+                let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+                let mut batch = Vec::new();
+                let mut i = 0;
+                while i < idle.len() && batch.len() < PRIME_BATCH {
+                    let w = &idle[i];
+                    if !w.primed_for(&hot.job.snapshot) && tried.insert(w.pid()) {
+                        batch.push(idle.remove(i));
+                    } else {
+                        i += 1;
+                    }
+                }
+                batch
+            };
+            if batch.is_empty() {
+                return;
+            }
+            // Sent to all before waiting for any, so they prime side by side.
+            batch.retain_mut(|w| match w.send_prime(&hot) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!("VMM worker pool: priming a worker: {e}");
+                    false
+                }
+            });
+            batch.retain_mut(|w| match w.primed_answer(&hot) {
+                Ok(primed) => {
+                    if !primed {
+                        tracing::info!(
+                            snapshot = %hot.job.snapshot.display(),
+                            "a VMM worker could not prime itself (its job says why)"
+                        );
+                    }
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!("VMM worker pool: priming a worker: {e}");
+                    false
+                }
+            });
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            idle.extend(batch);
+        }
     }
 
     pub fn idle(&self) -> usize {
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Idle workers primed for the snapshot in `dir`.
+    pub fn primed(&self, dir: &Path) -> usize {
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        idle.iter().filter(|w| w.primed_for(dir)).count()
     }
 
     /// The idle workers' process ids.
@@ -401,35 +589,74 @@ pub fn worker_main() -> anyhow::Result<i32> {
     one_malloc_arena();
     // Made while the worker waits, so a restore starts with it (None: the restore makes its
     // own, and says why if that fails too).
-    let shell = tine_vmm::vm::Shell::new().ok();
+    let mut shell = tine_vmm::vm::Shell::new().ok();
     // Likewise what confinement needs of no job: core dumps off, the bounding set, its own
     // mount namespace, the seccomp filters.
     let mut ahead = crate::confine::Ahead::prepare();
     cpu.mark("ahead");
-    {
-        let mut out = std::io::stdout().lock();
-        out.write_all(&[IDLE])?;
-        out.flush()?;
-    }
-    let mut line = String::new();
-    if std::io::stdin().lock().read_line(&mut line)? == 0 {
-        return Ok(0);
-    }
-    let job: WorkerJob = serde_json::from_str(&line).context(
-        "bad job from the executor (a worker binary from another build than the executor's?)",
-    )?;
+    say(IDLE)?;
+    // Orders until the job: the host may first have it prime itself for a snapshot.
+    let mut primed: Option<std::result::Result<PrimedWorker, String>> = None;
+    let job = loop {
+        let mut line = String::new();
+        if std::io::stdin().lock().read_line(&mut line)? == 0 {
+            return Ok(0);
+        }
+        let order: Order = serde_json::from_str(&line).context(
+            "bad order from the executor (a worker binary from another build than the executor's?)",
+        )?;
+        match order {
+            Order::Prime(p) => {
+                // An earlier priming's VM goes first (its shell is gone: a new one is made).
+                drop(primed.take());
+                let done = prime(&p, shell.take()).map_err(|e| format!("{e:#}"));
+                cpu.mark("prime");
+                say(if done.is_ok() { PRIMED } else { NOT_PRIMED })?;
+                primed = Some(done);
+            }
+            Order::Run(job) => break job,
+        }
+    };
     // From here on our stderr is the child's vmm.log.
     let log = std::fs::File::create(job.dir.join("vmm.log"))?;
     use std::os::fd::AsRawFd;
     // SAFETY: dup2 onto our own stderr descriptor.
     unsafe { libc::dup2(log.as_raw_fd(), 2) };
+    // The priming serves this job only if it is for the same snapshot, whose files are the
+    // ones primed from. The host sends no held image to a worker primed for the snapshot.
+    let (primed, primed_for_it) = match (primed, &job.vm) {
+        (Some(Ok(p)), JobVm::Restore { snapshot, memory }) if p.job.snapshot == *snapshot => {
+            match p.still_current(*memory) {
+                Ok(()) => (Some(p), true),
+                Err(why) => {
+                    eprintln!(
+                        "tine-vmm: primed for {} but {why}: restored from the start",
+                        snapshot.display()
+                    );
+                    (None, true)
+                }
+            }
+        }
+        (Some(Ok(p)), _) => {
+            eprintln!(
+                "tine-vmm: primed for {}, not this job's snapshot: restored from the start",
+                p.job.snapshot.display()
+            );
+            (None, false)
+        }
+        (Some(Err(why)), _) => {
+            eprintln!("tine-vmm: could not prime itself: {why}");
+            (None, false)
+        }
+        (None, _) => (None, false),
+    };
     // Taken before any confinement: it arrives on the report socket, and is what the guest's
     // RAM maps.
     let held = match &job.vm {
         JobVm::Restore {
             memory: JobMemory::Held,
             ..
-        } => {
+        } if !primed_for_it => {
             use std::os::fd::BorrowedFd;
             // SAFETY: fd 1 is the report socket the host gave us; it stays open for this call.
             let sock = unsafe { BorrowedFd::borrow_raw(1) };
@@ -505,19 +732,31 @@ pub fn worker_main() -> anyhow::Result<i32> {
                     cpu.mark("restore");
                     vm
                 }
-                JobMemory::Image | JobMemory::Held => {
-                    let prepared = tine_vmm::vm::Prepared { image: held, shell };
-                    let vm = Vm::restore_prepared(
-                        &snapshot,
-                        prepared,
-                        opts,
-                        tine_vmm::vm::VmOptions::default(),
-                    )?;
-                    cpu.mark("restore");
-                    prefault_working_set(&vm, &snapshot);
-                    cpu.mark("prefault");
-                    vm
-                }
+                JobMemory::Image | JobMemory::Held => match primed {
+                    Some(p) => {
+                        // Its working set was mapped as it primed itself.
+                        let _ = std::io::stderr().write_all(p.prefaulted.as_bytes());
+                        let vm = p.primed.restore(opts)?;
+                        cpu.mark("restore");
+                        vm
+                    }
+                    None => {
+                        let prepared = tine_vmm::vm::Prepared { image: held, shell };
+                        let vm = Vm::restore_prepared(
+                            &snapshot,
+                            prepared,
+                            opts,
+                            tine_vmm::vm::VmOptions::default(),
+                        )?;
+                        cpu.mark("restore");
+                        let line = prefault_working_set(&vm, &snapshot);
+                        // One write: the log is unbuffered, so eprintln! would make a system
+                        // call of each piece.
+                        let _ = std::io::stderr().write_all(line.as_bytes());
+                        cpu.mark("prefault");
+                        vm
+                    }
+                },
             };
             if job.merge_pages {
                 // The host checked at start that KSM runs; a refusal here costs only memory.
@@ -573,20 +812,117 @@ fn mark_lines(what: &str, m: &tine_vmm::marks::Marks) -> String {
     )
 }
 
+/// Say `b` to the host on the report socket.
+fn say(b: u8) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(&[b])?;
+    out.flush()
+}
+
+/// A restore made ahead for the snapshot of [`PrimeJob`] `job`.
+struct PrimedWorker {
+    job: PrimeJob,
+    /// Of its header and state as primed from.
+    files: [FileId; 2],
+    primed: tine_vmm::vm::Primed,
+    /// The prefault's vmm.log line.
+    prefaulted: String,
+}
+
+/// What tells one version of a file from another: a snapshot replaced under the same name has
+/// new files (written anew, then renamed into place).
+#[derive(Debug, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    ctime: (i64, i64),
+}
+
+impl FileId {
+    fn of(path: &Path) -> std::io::Result<FileId> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path)?;
+        Ok(FileId {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
+    }
+
+    fn of_snapshot(dir: &Path) -> std::io::Result<[FileId; 2]> {
+        use tine_vmm::snapshot::file::{HEADER_FILE, STATE_FILE};
+        Ok([
+            FileId::of(&dir.join(HEADER_FILE))?,
+            FileId::of(&dir.join(STATE_FILE))?,
+        ])
+    }
+}
+
+impl PrimedWorker {
+    /// Whether it can serve a job for its snapshot with `memory`: not lazy, and the files are
+    /// those it primed from.
+    fn still_current(&self, memory: JobMemory) -> std::result::Result<(), String> {
+        if memory == JobMemory::Lazy {
+            return Err("the job restores lazily".into());
+        }
+        match FileId::of_snapshot(&self.job.snapshot) {
+            Ok(now) if now == self.files => Ok(()),
+            Ok(_) => Err("the snapshot was replaced since".into()),
+            Err(e) => Err(format!("its files cannot be read now ({e})")),
+        }
+    }
+}
+
+/// Restore `p`'s snapshot up to what needs the child, and map its working set, while the
+/// worker waits (reading the host's files: the worker has no view yet).
+fn prime(p: &PrimeJob, shell: Option<tine_vmm::vm::Shell>) -> anyhow::Result<PrimedWorker> {
+    let image = match p.memory {
+        JobMemory::Image => None,
+        JobMemory::Held => {
+            use std::os::fd::BorrowedFd;
+            // SAFETY: fd 1 is the report socket the host gave us; it stays open for this call.
+            let sock = unsafe { BorrowedFd::borrow_raw(1) };
+            Some(
+                crate::handoff::recv_image(sock, IMAGE_TIMEOUT)
+                    .context("taking the memory image from the host")?
+                    .context("the host closed the socket before sending the memory image")?,
+            )
+        }
+        JobMemory::Lazy => anyhow::bail!("a lazily restored child is not primed"),
+    };
+    // Before reading them, so a change while priming shows as one.
+    let files = FileId::of_snapshot(&p.snapshot)
+        .with_context(|| format!("reading {}", p.snapshot.display()))?;
+    let primed = Vm::prime(
+        &p.snapshot,
+        tine_vmm::vm::Prepared { image, shell },
+        tine_vmm::vm::VmOptions::default(),
+    )?;
+    let prefaulted = prefault_working_set(primed.vm(), &p.snapshot);
+    Ok(PrimedWorker {
+        job: p.clone(),
+        files,
+        primed,
+        prefaulted,
+    })
+}
+
 /// Map the snapshot's recorded working set before the guest runs, copying the pages a child
 /// writes on its way to ready, so those first touches do not each cost an exit. A lazy
-/// restore has none to map (its pages arrive through the userfaultfd). The outcome goes to
-/// vmm.log.
-fn prefault_working_set(vm: &Vm, snapshot: &Path) {
+/// restore has none to map (its pages arrive through the userfaultfd). Returns the outcome's
+/// vmm.log line (empty: no working set).
+fn prefault_working_set(vm: &Vm, snapshot: &Path) -> String {
     use crate::lazy::{load_page_list, WORKING_SET_FILE, WRITTEN_SET_FILE};
     let pages = vm.ram().size() / 4096;
     let Some(touched) = load_page_list(snapshot, WORKING_SET_FILE, pages) else {
-        return;
+        return String::new();
     };
     let written = load_page_list(snapshot, WRITTEN_SET_FILE, pages).unwrap_or_default();
     let done = vm.prefault(&touched, &written);
     let method = done.method.map_or("none", |m| m.as_str());
-    let line = format!(
+    format!(
         "tine-vmm: prefaulted {} pages in {} runs ({method}), {} copied ahead in {} us, all in {} us{}\n",
         done.pages,
         done.runs,
@@ -594,9 +930,7 @@ fn prefault_working_set(vm: &Vm, snapshot: &Path) {
         done.copy_took.as_micros(),
         done.took.as_micros(),
         done.error.map(|e| format!("; {e}")).unwrap_or_default()
-    );
-    // One write: the log is unbuffered, so eprintln! would make a system call of each piece.
-    let _ = std::io::stderr().write_all(line.as_bytes());
+    )
 }
 
 /// Confine the worker (see [`crate::confine`]). Tests only: then make a call outside the

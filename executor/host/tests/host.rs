@@ -993,6 +993,21 @@ fn counts_of(host: &Host, id: &SandboxId, n: usize) -> Vec<u64> {
     }
 }
 
+/// The parts of a restore its marks name, in order (`tine-vmm: restore CPU ms: ..`).
+const RESTORE_STEPS: [&str; 11] = [
+    "header",
+    "state-read",
+    "checksum",
+    "decode",
+    "chain",
+    "ram",
+    "vm",
+    "devices",
+    "vcpus",
+    "irqchip",
+    "device-state",
+];
+
 /// A snapshot that carries a working set has its children map those pages before they run
 /// (vmm.log says how); a damaged working set is ignored, never a failed spawn.
 fn children_prefault_their_snapshot_s_working_set() {
@@ -1004,7 +1019,11 @@ fn children_prefault_their_snapshot_s_working_set() {
     use tine_host::lazy::{save_page_list, WORKING_SET_FILE, WRITTEN_SET_FILE};
     save_page_list(&snap, WORKING_SET_FILE, &[257, 0, 1, 2, 256]).unwrap();
     save_page_list(&snap, WRITTEN_SET_FILE, &[256]).unwrap();
-    let host = Host::open_exclusive(config(tmp.path(), 8, 1)).unwrap();
+    // Unprimed workers: each child maps the working set as it restores (the primed path is
+    // idle_workers_prime_themselves_for_the_snapshot_spawned_from).
+    let mut cfg = config(tmp.path(), 8, 1);
+    cfg.limits.prime_workers = false;
+    let host = Host::open_exclusive(cfg).unwrap();
     let log_of = |id: &SandboxId| {
         std::fs::read_to_string(tmp.path().join("vms").join(id.as_str()).join("vmm.log")).unwrap()
     };
@@ -1027,19 +1046,7 @@ fn children_prefault_their_snapshot_s_working_set() {
         "lock-down",
         "start",
     ];
-    let restore_steps = [
-        "header",
-        "state-read",
-        "checksum",
-        "decode",
-        "chain",
-        "ram",
-        "vm",
-        "devices",
-        "vcpus",
-        "irqchip",
-        "device-state",
-    ];
+    let restore_steps = RESTORE_STEPS;
     for (prefix, whole, expected) in [
         ("tine-vmm: main thread CPU ms: ", false, &worker_steps[..]),
         (
@@ -1082,6 +1089,109 @@ fn children_prefault_their_snapshot_s_working_set() {
     assert!(counts[1] == counts[0] + 1, "{counts:?}");
     assert!(!log_of(&d).contains("prefaulted"), "{}", log_of(&d));
     host.kill_all();
+}
+
+/// Idle workers prime themselves for the snapshot last spawned from (its restore up to what
+/// needs the child, its working set mapped); a child handed one runs as any other. A worker
+/// primed for a snapshot replaced since restores the new one from the start, and deleting
+/// the snapshot ends the workers primed for it.
+fn idle_workers_prime_themselves_for_the_snapshot_spawned_from() {
+    let (tmp, tag) = counter_snapshot();
+    let snap = tmp.path().join("snapshots").join("counter");
+    use tine_host::lazy::{save_page_list, WORKING_SET_FILE, WRITTEN_SET_FILE};
+    save_page_list(&snap, WORKING_SET_FILE, &[257, 0, 1, 2, 256]).unwrap();
+    save_page_list(&snap, WRITTEN_SET_FILE, &[256]).unwrap();
+    let host = Host::open_exclusive(config(tmp.path(), 8, 2)).unwrap();
+    let log_of = |id: &SandboxId| {
+        std::fs::read_to_string(tmp.path().join("vms").join(id.as_str()).join("vmm.log")).unwrap()
+    };
+    let steps_of = |log: &str, prefix: &str| -> Vec<String> {
+        let marks = log
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no {prefix:?} in: {log}"));
+        marks
+            .split(", ")
+            .filter_map(|s| s.split_once(' '))
+            .map(|(step, _)| step.to_string())
+            .collect()
+    };
+    let wait_primed = |n: usize| {
+        let t0 = Instant::now();
+        while host.primed_workers(&tag) < n {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "{} of {n} workers primed",
+                host.primed_workers(&tag)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // The first child finds no primed worker; the pool primes its refills for the snapshot.
+    let first = spawn_of(&host, &tag);
+    assert!(counts_of(&host, &first, 2)
+        .windows(2)
+        .all(|w| w[1] == w[0] + 1));
+    assert!(
+        !steps_of(&log_of(&first), "tine-vmm: main thread CPU ms: ").contains(&"prime".to_string())
+    );
+    wait_primed(2);
+
+    let c = spawn_of(&host, &tag);
+    let counts = counts_of(&host, &c, 3);
+    assert!(counts.windows(2).all(|w| w[1] == w[0] + 1), "{counts:?}");
+    let log = log_of(&c);
+    assert!(log.contains("prefaulted 5 pages in 2 runs ("), "{log}");
+    assert!(log.contains("1 copied ahead"), "{log}");
+    // Primed before its job, so no prefault after it; the restore's parts all there.
+    assert_eq!(
+        steps_of(&log, "tine-vmm: main thread CPU ms: "),
+        [
+            "main",
+            "ahead",
+            "prime",
+            "job",
+            "view",
+            "restore",
+            "lock-down",
+            "start"
+        ],
+        "{log}"
+    );
+    assert_eq!(
+        steps_of(&log, "tine-vmm: restore CPU ms: "),
+        RESTORE_STEPS,
+        "{log}"
+    );
+    // Served by its priming; its console is its own (the counts above), not the placeholder.
+    assert!(!log.contains("restored from the start"), "{log}");
+
+    // Replaced under the same name behind the host's back (written anew, renamed into
+    // place): a primed worker sees new files and restores them from the start.
+    wait_primed(2);
+    let new = tmp.path().join("snapshots").join(".new-counter");
+    write_counter_guest_snapshot(&new, 32).unwrap();
+    let old = tmp.path().join("snapshots").join(".old-counter");
+    std::fs::rename(&snap, &old).unwrap();
+    std::fs::rename(&new, &snap).unwrap();
+    let d = spawn_of(&host, &tag);
+    let counts = counts_of(&host, &d, 2);
+    assert!(counts[1] == counts[0] + 1, "{counts:?}");
+    let log = log_of(&d);
+    assert!(
+        log.contains("but the snapshot was replaced since: restored from the start"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("prefaulted"),
+        "the new one has no working set: {log}"
+    );
+    std::fs::remove_dir_all(&old).unwrap();
+
+    // Deleting it ends the idle workers primed for it (they hold its files open).
+    host.kill_all();
+    assert!(host.delete_snapshot(&tag).unwrap());
+    assert_eq!(host.primed_workers(&tag), 0);
 }
 
 /// A data directory holding the counter guest's snapshot, tagged `counter`.
@@ -1762,7 +1872,11 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 24] = [
+    let tests: [(&str, fn()); 25] = [
+        (
+            "idle_workers_prime_themselves_for_the_snapshot_spawned_from",
+            idle_workers_prime_themselves_for_the_snapshot_spawned_from,
+        ),
         (
             "children_guest_ram_is_open_to_page_merging",
             children_guest_ram_is_open_to_page_merging,

@@ -60,6 +60,14 @@ impl Marks {
         self.last = (cpu, faults);
     }
 
+    /// Go on counting from now: what the thread did since the last step (it waited, or did
+    /// another step's work) is left out.
+    pub fn resume(&mut self) {
+        if let Some(now) = now() {
+            self.last = now;
+        }
+    }
+
     pub fn steps(&self) -> &[(&'static str, Duration, u64)] {
         &self.steps
     }

@@ -136,6 +136,72 @@ impl Shell {
     }
 }
 
+/// A restore made up to what needs its child (see [`Vm::prime`]): the snapshot loaded and
+/// checked, guest RAM mapped, the VM built with its memory slots, serial and vCPUs. What is
+/// left, [`Primed::restore`], needs the child's console, vsock socket and tap: its devices,
+/// then vCPU, irqchip and clock, and device state, set just before the guest runs (the
+/// clocks go on from the moment they are set). A pre-started worker primes itself for the
+/// snapshot its host spawns from, so a child starts with this done.
+pub struct Primed {
+    vm: Vm,
+    state: MachineState,
+    dir: PathBuf,
+}
+
+impl Primed {
+    /// The VM so far: its RAM and memory slots, its vCPUs (to map pages ahead through).
+    pub fn vm(&self) -> &Vm {
+        &self.vm
+    }
+
+    /// The snapshot directory it was primed from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Finish the restore for the child `opts` describes. The restore marks go on from here:
+    /// what this thread did between the priming and now is not the restore's.
+    pub fn restore(self, mut opts: RestoreOptions) -> Result<Vm> {
+        let Primed { mut vm, state, dir } = self;
+        vm.restore_marks.resume();
+        vm.serial.lock().unwrap().set_output(opts.console);
+        for v in &state.virtio {
+            let dev: Box<dyn VirtioDevice> = match v.kind {
+                VirtioKind::Vsock { guest_cid } => {
+                    let uds = opts
+                        .vsock_uds
+                        .as_deref()
+                        .ok_or_else(|| RestoreError::NoVsockSocket { dir: dir.clone() })?;
+                    Box::new(Vsock::new(guest_cid, uds)?)
+                }
+                VirtioKind::Net { mac } => Box::new(Net::new(mac, opts.tap.take())?),
+            };
+            vm.add_virtio(dev)?;
+        }
+        vm.restore_marks.mark("devices");
+        for (i, (fd, s)) in vm.vcpus.iter().zip(&state.vcpus).enumerate() {
+            snapshot::vcpu::restore(fd, i, s)?;
+        }
+        vm.restore_marks.mark("vcpus");
+        snapshot::restore_vm(&vm.vm, &state.vm)?;
+        vm.restore_marks.mark("irqchip");
+        // Devices last. Their registers only: a device that was active is activated by
+        // `start` (a confined VMM starts only once confined), after which a restored vsock
+        // raises an interrupt for its transport reset.
+        for (t, s) in vm.virtio.iter().zip(&state.virtio) {
+            t.lock().unwrap().restore(s)?;
+        }
+        // A new VM instance: a new generation ID, announced once the irqchip is back.
+        if state.vmgenid {
+            let g = VmGenId::new(&vm.vm, vm.ram.memory())?;
+            g.notify()?;
+            vm.vmgenid = Some(g);
+        }
+        vm.restore_marks.mark("device-state");
+        Ok(vm)
+    }
+}
+
 /// What a restore may be handed ready-made (see [`Vm::restore_prepared`]).
 #[derive(Default)]
 pub struct Prepared {
@@ -320,8 +386,17 @@ impl Vm {
         opts: RestoreOptions,
         options: VmOptions,
     ) -> Result<Self> {
-        let Prepared { image, shell } = prepared;
         let t0 = Instant::now();
+        let held = prepared.image.is_some();
+        let vm = Self::prime(dir, prepared, options)?.restore(opts)?;
+        tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), held, "restored");
+        Ok(vm)
+    }
+
+    /// The part of a restore that needs only the snapshot: loaded and checked, guest RAM
+    /// mapped, the VM with its memory slots, serial and vCPUs (see [`Primed`]).
+    pub fn prime(dir: &Path, prepared: Prepared, options: VmOptions) -> Result<Primed> {
+        let Prepared { image, shell } = prepared;
         let mut marks = crate::marks::Marks::from_now();
         let snap = snapfile::load_marked(dir, Some(&mut marks))?;
         let state = snap.state;
@@ -341,9 +416,7 @@ impl Vm {
             ram.advise_huge_pages();
         }
         marks.mark("ram");
-        let vm = Self::restore_state(dir, state, ram, opts, options, shell, marks)?;
-        tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), held, "restored");
-        Ok(vm)
+        Self::prime_onto(dir, state, ram, options, shell, marks)
     }
 
     /// Restore the checked `state` of snapshot `dir` onto `ram` that the caller prepared, e.g.
@@ -376,57 +449,38 @@ impl Vm {
         dir: &Path,
         state: MachineState,
         ram: GuestRam,
-        mut opts: RestoreOptions,
+        opts: RestoreOptions,
+        options: VmOptions,
+        shell: Option<Shell>,
+        marks: crate::marks::Marks,
+    ) -> Result<Self> {
+        Self::prime_onto(dir, state, ram, options, shell, marks)?.restore(opts)
+    }
+
+    fn prime_onto(
+        dir: &Path,
+        state: MachineState,
+        ram: GuestRam,
         options: VmOptions,
         shell: Option<Shell>,
         mut marks: crate::marks::Marks,
-    ) -> Result<Self> {
+    ) -> Result<Primed> {
+        // The console is the child's, known only with it (Primed::restore).
         let mut vm = Self::build(
             state.vcpus.len(),
             ram,
-            opts.console,
+            Box::new(std::io::sink()),
             Some(&state.serial),
             options,
             shell,
         )?;
         marks.mark("vm");
-        for v in &state.virtio {
-            let dev: Box<dyn VirtioDevice> = match v.kind {
-                VirtioKind::Vsock { guest_cid } => {
-                    let uds =
-                        opts.vsock_uds
-                            .as_deref()
-                            .ok_or_else(|| RestoreError::NoVsockSocket {
-                                dir: dir.to_path_buf(),
-                            })?;
-                    Box::new(Vsock::new(guest_cid, uds)?)
-                }
-                VirtioKind::Net { mac } => Box::new(Net::new(mac, opts.tap.take())?),
-            };
-            vm.add_virtio(dev)?;
-        }
-        marks.mark("devices");
-        for (i, (fd, s)) in vm.vcpus.iter().zip(&state.vcpus).enumerate() {
-            snapshot::vcpu::restore(fd, i, s)?;
-        }
-        marks.mark("vcpus");
-        snapshot::restore_vm(&vm.vm, &state.vm)?;
-        marks.mark("irqchip");
-        // Devices last. Their registers only: a device that was active is activated by
-        // `start` (a confined VMM starts only once confined), after which a restored vsock
-        // raises an interrupt for its transport reset.
-        for (t, s) in vm.virtio.iter().zip(&state.virtio) {
-            t.lock().unwrap().restore(s)?;
-        }
-        // A new VM instance: a new generation ID, announced once the irqchip is back.
-        if state.vmgenid {
-            let g = VmGenId::new(&vm.vm, vm.ram.memory())?;
-            g.notify()?;
-            vm.vmgenid = Some(g);
-        }
-        marks.mark("device-state");
         vm.restore_marks = marks;
-        Ok(vm)
+        Ok(Primed {
+            vm,
+            state,
+            dir: dir.to_path_buf(),
+        })
     }
 
     /// The restoring thread's CPU and page faults per part of the restore: the snapshot loaded

@@ -31,6 +31,12 @@ impl SerialConsole {
         }
     }
 
+    /// Send what the guest writes from now on to `out` (a restore made ahead of its child
+    /// learns where the child's console goes only with the child).
+    pub fn set_output(&mut self, out: Box<dyn Write + Send>) {
+        *self.uart.writer_mut() = out;
+    }
+
     /// Rebuild a UART from saved registers.
     pub fn from_snapshot(
         irq: EventFd,
