@@ -736,7 +736,8 @@ pub fn worker_main() -> anyhow::Result<i32> {
                     Some(p) => {
                         // Its working set was mapped as it primed itself.
                         let _ = std::io::stderr().write_all(p.prefaulted.as_bytes());
-                        let vm = p.primed.restore(opts)?;
+                        // Primed from the host's path: the child's diffs name its parent as it sees it.
+                        let vm = p.primed.restore(&snapshot, opts)?;
                         cpu.mark("restore");
                         vm
                     }

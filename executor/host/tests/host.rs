@@ -1165,6 +1165,17 @@ fn idle_workers_prime_themselves_for_the_snapshot_spawned_from() {
     );
     // Served by its priming; its console is its own (the counts above), not the placeholder.
     assert!(!log.contains("restored from the start"), "{log}");
+    // It primed from the host's path and runs in its view: its diff names the parent as the
+    // view shows it, and a child of that diff counts on from the branch.
+    let mid = Tag::parse("primed-mid").unwrap();
+    let b = host.branch(&c, &mid, BranchKind::Diff).unwrap();
+    assert_eq!(b.parent, tag);
+    let from_b = spawn_of(&host, &mid);
+    assert!(counts_of(&host, &from_b, 1)[0] > counts[2]);
+    host.kill_all();
+    assert!(host.delete_snapshot(&mid).unwrap());
+    // The counter snapshot hot again.
+    spawn_of(&host, &tag);
 
     // Replaced under the same name behind the host's back (written anew, renamed into
     // place): a primed worker sees new files and restores them from the start.

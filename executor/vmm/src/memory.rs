@@ -5,7 +5,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
@@ -343,6 +343,16 @@ impl GuestRam {
     /// The snapshot this RAM is a diff over (None: fresh or page-by-page RAM).
     pub fn origin(&self) -> Option<Origin> {
         self.layers().bases.last().map(|b| b.origin.clone())
+    }
+
+    /// The snapshot this RAM was restored from is now reached at `dir` (a VMM that entered
+    /// its confined view after mapping it sees it there): later diffs name it by that path.
+    /// Only a fresh restore's (no branch yet) is moved; the others are left as they are.
+    pub fn origin_seen_at(&self, dir: &Path) {
+        let mut l = self.layers();
+        if let [base] = l.bases.as_mut_slice() {
+            base.origin.dir = dir.to_path_buf();
+        }
     }
 
     /// The newest snapshot a diff of this RAM can be taken over, of those `usable` accepts

@@ -159,10 +159,14 @@ impl Primed {
         &self.dir
     }
 
-    /// Finish the restore for the child `opts` describes. The restore marks go on from here:
-    /// what this thread did between the priming and now is not the restore's.
-    pub fn restore(self, mut opts: RestoreOptions) -> Result<Vm> {
-        let Primed { mut vm, state, dir } = self;
+    /// Finish the restore for the child `opts` describes, its snapshot now reached at
+    /// `seen_at` (where it was primed from, or the same files in a view the VMM entered
+    /// since): a diff of the child names its parent by that path. The restore marks go on
+    /// from here: what this thread did between the priming and now is not the restore's.
+    pub fn restore(self, seen_at: &Path, mut opts: RestoreOptions) -> Result<Vm> {
+        let Primed { mut vm, state, .. } = self;
+        let dir = seen_at.to_path_buf();
+        vm.ram.origin_seen_at(&dir);
         vm.restore_marks.resume();
         vm.serial.lock().unwrap().set_output(opts.console);
         for v in &state.virtio {
@@ -388,7 +392,7 @@ impl Vm {
     ) -> Result<Self> {
         let t0 = Instant::now();
         let held = prepared.image.is_some();
-        let vm = Self::prime(dir, prepared, options)?.restore(opts)?;
+        let vm = Self::prime(dir, prepared, options)?.restore(dir, opts)?;
         tracing::info!(elapsed = ?t0.elapsed(), dir = %dir.display(), held, "restored");
         Ok(vm)
     }
@@ -454,7 +458,7 @@ impl Vm {
         shell: Option<Shell>,
         marks: crate::marks::Marks,
     ) -> Result<Self> {
-        Self::prime_onto(dir, state, ram, options, shell, marks)?.restore(opts)
+        Self::prime_onto(dir, state, ram, options, shell, marks)?.restore(dir, opts)
     }
 
     fn prime_onto(

@@ -83,7 +83,7 @@ n=$(grep -c 'ready in' "$W/forkbig")
 ids=$(grep 'ready in' "$W/forkbig" | awk '{print $1}')
 m=0
 for id in $ids; do
-  grep -q 'main thread CPU ms: main .*, prefault .*, start [0-9]' "$TINE_DATA_DIR/vms/$id/vmm.log" && m=$((m + 1))
+  grep -q 'main thread CPU ms: main .*, restore .*, start [0-9]' "$TINE_DATA_DIR/vms/$id/vmm.log" && m=$((m + 1))
 done
 [ "$m" = "$BIG" ] && ok cpu-marks || fail cpu-marks "$m of $BIG vmm.logs carry the marks"
 for id in $(echo "$ids" | head -3); do
