@@ -347,6 +347,10 @@ pub struct ForkBench {
     /// /sys/kernel/mm/ksm/run = 1; give --idle-secs long enough for its passes).
     #[arg(long)]
     merge_pages: bool,
+    /// Do not prime idle VMM workers for the snapshot spawned from (each child then loads
+    /// the snapshot and maps its working set after its job arrives; see docs/performance.md).
+    #[arg(long)]
+    no_prime: bool,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -360,9 +364,17 @@ fn pct(sorted: &[f64], q: f64) -> f64 {
 /// shared with the page cache counted by share and the guest's own writes in full; everything
 /// else: the VMM's code, heap, stacks).
 fn pss_split_kib(pid: u32) -> Option<(u64, u64)> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
+    smaps_of(pid).map(|s| pss_split(&s))
+}
+
+fn smaps_of(pid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()
+}
+
+/// [`pss_split_kib`] of smaps text already read.
+fn pss_split(s: &str) -> (u64, u64) {
     let (mut guest, mut vmm) = (0u64, 0u64);
-    crate::bench_pages::for_each_smaps_field(&s, |path, field, kib| {
+    crate::bench_pages::for_each_smaps_field(s, |path, field, kib| {
         if field == "Pss:" {
             if tine_host::hot::is_guest_ram(path) {
                 guest += kib;
@@ -371,7 +383,20 @@ fn pss_split_kib(pid: u32) -> Option<(u64, u64)> {
             }
         }
     });
-    Some((guest, vmm))
+    (guest, vmm)
+}
+
+/// A process's private memory in KiB from its smaps text (`Private_Clean` + `Private_Dirty`
+/// of every mapping): what it holds that no other process maps, so what ending it would give
+/// back.
+fn private_kib(s: &str) -> u64 {
+    let mut kib = 0u64;
+    crate::bench_pages::for_each_smaps_field(s, |_, field, k| {
+        if field == "Private_Clean:" || field == "Private_Dirty:" {
+            kib += k;
+        }
+    });
+    kib
 }
 
 /// Busy CPU time of the whole machine so far, in ms, from /proc/stat (every CPU: user, nice,
@@ -515,6 +540,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         tine_host::Owner::Cli,
         tine_host::Limits {
             merge_pages: b.merge_pages,
+            prime_workers: !b.no_prime,
             ..tine_host::Limits::one_shot()
         },
         tine_host::Readiness::Agent,
@@ -550,9 +576,11 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         resources: Default::default(),
     };
     let mut merge_rows: Vec<Merged> = Vec::new();
+    let mut idle_rows: Vec<IdleWorkers> = Vec::new();
     for &n in &b.counts {
         // Workers up and waiting before the clock (fork_children finds them there).
         host.prestart_workers_for(&b.tag, n)?;
+        idle_rows.push(idle_workers(&host, &b.tag, n));
         let ksm0 = b.merge_pages.then(Merged::before);
         let t0 = Instant::now();
         let busy0 = machine_busy_ms();
@@ -635,6 +663,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         ));
     }
     println!("\n`vs cold p50` = N x (cold boot p50) / (wall time to get all N children ready).");
+    let idle_json = print_idle_workers(&idle_rows);
     let phases_json = print_phase_table(&phase_rows);
     let written_json = print_written_table(&written_rows, b.idle_secs);
     let counters_json = print_child_counters(&counter_rows);
@@ -644,12 +673,14 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         "null".to_string()
     };
     let doc = format!(
-        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"idle_secs\":{},\"hold_image\":{},\"merge_pages\":{},\"rows\":[{}],\"phases\":[{}],\"written\":{},\"kvm_to_ready_p50\":{},\"merged\":{}}}",
+        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"idle_secs\":{},\"hold_image\":{},\"merge_pages\":{},\"prime_workers\":{},\"idle_workers\":[{}],\"rows\":[{}],\"phases\":[{}],\"written\":{},\"kvm_to_ready_p50\":{},\"merged\":{}}}",
         b.tag.as_str(),
         pct(&floor, 0.5),
         b.idle_secs,
         b.hold_image,
         b.merge_pages,
+        !b.no_prime,
+        idle_json.join(","),
         rows.join(","),
         phases_json.join(","),
         written_json,
@@ -661,6 +692,65 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         std::fs::write(&p, &doc).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(0)
+}
+
+/// The workers waiting before one N's clock: how many, how many primed for the snapshot, and
+/// their PSS and private memory (what an idle worker costs the host while it waits; a primed
+/// one holds the pages its working set's copies wrote).
+struct IdleWorkers {
+    n: usize,
+    idle: usize,
+    primed: usize,
+    guest_kib: u64,
+    vmm_kib: u64,
+    private_kib: u64,
+}
+
+fn idle_workers(host: &tine_host::Host, tag: &tine_proto::names::Tag, n: usize) -> IdleWorkers {
+    // Each worker's smaps read once, for both figures.
+    let read: Vec<((u64, u64), u64)> = host
+        .idle_worker_pids()
+        .into_iter()
+        .filter_map(smaps_of)
+        .map(|s| (pss_split(&s), private_kib(&s)))
+        .collect();
+    IdleWorkers {
+        n,
+        idle: read.len(),
+        primed: host.primed_workers(tag),
+        guest_kib: read.iter().map(|r| r.0 .0).sum(),
+        vmm_kib: read.iter().map(|r| r.0 .1).sum(),
+        private_kib: read.iter().map(|r| r.1).sum(),
+    }
+}
+
+/// Prints the idle workers of each N (PSS per worker, before the clock); returns JSON rows.
+fn print_idle_workers(rows: &[IdleWorkers]) -> Vec<String> {
+    println!("\nidle workers before the clock, per worker (MiB): PSS = guest RAM mapped while primed + the VMM process; private = pages no other process maps:");
+    println!(
+        "{:>6} {:>6} {:>8} {:>10} {:>10} {:>10} {:>10}",
+        "N", "idle", "primed", "PSS", "guest RAM", "VMM", "private"
+    );
+    rows.iter()
+        .map(|r| {
+            let per = |kib: u64| kib as f64 / 1024.0 / r.idle.max(1) as f64;
+            let (g, v, p) = (per(r.guest_kib), per(r.vmm_kib), per(r.private_kib));
+            println!(
+                "{:>6} {:>6} {:>8} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
+                r.n,
+                r.idle,
+                r.primed,
+                g + v,
+                g,
+                v,
+                p
+            );
+            format!(
+                "{{\"n\":{},\"idle\":{},\"primed\":{},\"guest_ram_mib_per_worker\":{g:.3},\"vmm_mib_per_worker\":{v:.3},\"private_mib_per_worker\":{p:.3}}}",
+                r.n, r.idle, r.primed
+            )
+        })
+        .collect()
 }
 
 /// KVM's counters per child from its VM's creation to ready, one column per N; returns them

@@ -48,7 +48,7 @@ pub struct SnapshotArgs {
 
 pub fn snapshot(a: SnapshotArgs) -> Result<i32> {
     refuse_pvm(a.allow_pvm)?;
-    let host = cli_host(Readiness::Agent)?;
+    let host = cli_host(Readiness::Agent, true)?;
     let made = host.create_snapshot(&ParentSpec {
         image: tine_image::ImageRef::Local(a.image),
         tag: a.tag.clone(),
@@ -120,6 +120,10 @@ pub struct ForkArgs {
     /// otherwise maps memory.img).
     #[arg(long)]
     hold_image: bool,
+    /// Do not prime idle VMM workers for the snapshot spawned from (each child then loads
+    /// the snapshot and maps its working set after its job arrives; see docs/performance.md).
+    #[arg(long)]
+    no_prime: bool,
     #[arg(long)]
     allow_pvm: bool,
 }
@@ -131,7 +135,7 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
     } else {
         Readiness::Agent
     };
-    let host = cli_host(readiness)?;
+    let host = cli_host(readiness, !a.no_prime)?;
     let opts = SpawnOptions {
         ready_timeout: a.ready_timeout_secs.map(Duration::from_secs),
         parallel: a.parallel,
@@ -202,7 +206,7 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
 pub struct LsArgs {}
 
 pub fn ls(_: LsArgs) -> Result<i32> {
-    let host = cli_host(Readiness::Agent)?;
+    let host = cli_host(Readiness::Agent, true)?;
     let now = tine_host::records::now_ms();
     println!(
         "{:<28} {:<8} {:<9} {:<20} {:<18} {:>8}",
@@ -244,7 +248,7 @@ pub fn kill(a: KillArgs) -> Result<i32> {
     if !a.all && a.ids.is_empty() {
         bail!("name VM ids to kill, or pass --all");
     }
-    let host = cli_host(Readiness::Agent)?;
+    let host = cli_host(Readiness::Agent, true)?;
     let targets: Vec<SandboxId> = if a.all {
         let all = host.list();
         let skipped = all

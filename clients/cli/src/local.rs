@@ -271,10 +271,14 @@ fn host_nameservers() -> Vec<Ipv4Addr> {
 }
 
 /// The host as the CLI's own commands (`tine snapshot/fork/ls/kill`, benches) see it.
-pub fn cli_host(readiness: Readiness) -> Result<Host> {
+/// `prime`: idle workers prime themselves for the snapshot forked from ([`Limits::prime_workers`]).
+pub fn cli_host(readiness: Readiness, prime: bool) -> Result<Host> {
     Ok(Host::open(host_config(
         Owner::Cli,
-        Limits::one_shot(),
+        Limits {
+            prime_workers: prime,
+            ..Limits::one_shot()
+        },
         readiness,
     )?)?)
 }

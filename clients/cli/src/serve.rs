@@ -106,6 +106,12 @@ pub struct UpArgs {
     /// daemon's CPU, and pages merged across tenants let one child time another's writes.
     #[arg(long)]
     merge_pages: bool,
+    /// Do not prime idle VMM workers for the snapshot last spawned from. Priming restores
+    /// it ahead up to what needs the child and maps its working set; each primed worker
+    /// holds those pages (under 1 MiB for python-numpy), charged to the executor, not to a
+    /// child's cgroup.
+    #[arg(long)]
+    no_prime: bool,
     /// Start even though /dev/kvm is PVM (VM calls will fail).
     #[arg(long)]
     allow_pvm: bool,
@@ -206,6 +212,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
                     pool_size: a.pool,
                     hot_image_mib: a.hot_image_mib,
                     merge_pages: a.merge_pages,
+                    prime_workers: !a.no_prime,
                     ..tine_host::Limits::default()
                 },
                 // One host: its snapshots are always here.
@@ -454,6 +461,12 @@ pub struct ExecutorArgs {
     /// daemon's CPU, and pages merged across tenants let one child time another's writes.
     #[arg(long)]
     merge_pages: bool,
+    /// Do not prime idle VMM workers for the snapshot last spawned from. Priming restores
+    /// it ahead up to what needs the child and maps its working set; each primed worker
+    /// holds those pages (under 1 MiB for python-numpy), charged to the executor, not to a
+    /// child's cgroup.
+    #[arg(long)]
+    no_prime: bool,
     #[arg(long)]
     allow_plaintext_remote: bool,
     #[arg(long)]
@@ -517,6 +530,7 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
                         pool_size: a.pool,
                         hot_image_mib: a.hot_image_mib,
                         merge_pages: a.merge_pages,
+                        prime_workers: !a.no_prime,
                         ..tine_host::Limits::default()
                     },
                     a.store.clone().map(|url| local::StoreChoice {
