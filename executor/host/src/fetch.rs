@@ -113,15 +113,17 @@ impl Fetcher {
     /// this host runs from (`live_tags`) and no lazy restore serves, least recently used
     /// first. A fetched snapshot whose image goes is removed too (fetched again when next
     /// asked for). Skipped while a spawn or publish is in flight (the next one retries).
-    pub fn enforce_bound(&self, live_tags: &HashSet<Tag>) {
+    /// Returns the directories of the fetched snapshots it removed.
+    pub fn enforce_bound(&self, live_tags: &HashSet<Tag>) -> Vec<PathBuf> {
+        let mut removed = Vec::new();
         let Some(max) = self.cache_max_bytes else {
-            return;
+            return removed;
         };
         if !self.grew.load(Ordering::Acquire) {
-            return;
+            return removed;
         }
         let Ok(_quiet) = self.in_flight.try_write() else {
-            return;
+            return removed;
         };
         self.grew.store(false, Ordering::Release);
         let images = self
@@ -183,14 +185,16 @@ impl Fetcher {
                         "the layer cache stays over its bound: what is left is in use"
                     );
                 }
-                for (dir, head, _) in &fetched {
-                    if r.removed_images.contains(head) {
-                        let _ = std::fs::remove_dir_all(dir);
+                for (dir, head, _) in fetched {
+                    if r.removed_images.contains(&head) {
+                        let _ = std::fs::remove_dir_all(&dir);
+                        removed.push(dir);
                     }
                 }
             }
             Err(e) => tracing::warn!("trimming the layer cache: {e}"),
         }
+        removed
     }
 
     /// Remove what lazy restores of a previous daemon left (their children died with it).

@@ -1091,13 +1091,16 @@ impl Host {
         }
         let dir = self.snapshot_dir(tag);
         self.held.forget(&dir.join(MEMORY_FILE));
-        // Workers primed for it would keep its files open.
-        self.pool.forget(&dir);
         let existed = dir.exists();
-        if existed {
+        let removed = if existed {
             std::fs::remove_dir_all(&dir)
-                .map_err(HostError::io(format!("removing {}", dir.display())))?;
-        }
+        } else {
+            Ok(())
+        };
+        // Workers primed for it would keep its files open. After the removal, so workers
+        // priming for it meanwhile find their files gone (`WorkerPool::prime_idle`).
+        self.pool.forget(&dir);
+        removed.map_err(HostError::io(format!("removing {}", dir.display())))?;
         if let Some(f) = &self.fetcher {
             // Its layers go with the next garbage collection, once no other chain uses them.
             f.layers.forget(tag)?;
@@ -1171,7 +1174,12 @@ impl Host {
                 .collect();
             // A diff here maps its parent's image: that image stays while the diff does.
             live.extend(self.diff_parents().into_iter().map(|(_, parent)| parent));
-            f.enforce_bound(&live);
+            for dir in f.enforce_bound(&live) {
+                // Fetched again when next asked for, as new files: what was held or primed
+                // for the removed ones would serve none and keep them open.
+                self.held.forget(&dir.join(MEMORY_FILE));
+                self.pool.forget(&dir);
+            }
         }
     }
 

@@ -493,6 +493,22 @@ impl WorkerPool {
         // Each worker is looked at once: one that could not prime stays as it is.
         let mut tried = std::collections::HashSet::new();
         loop {
+            // Forgotten or replaced by another meanwhile: no more priming for it.
+            let still_hot = self
+                .hot
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .is_some_and(|h| h.job == hot.job);
+            if !still_hot {
+                return;
+            }
+            // Before the workers read them: a deletion or replacement while they prime, which
+            // `forget` cannot see (they are out of the pool), shows as a change. Files that
+            // cannot be read now no worker could prime from.
+            let Ok(files) = FileId::of_snapshot(&hot.job.snapshot) else {
+                return;
+            };
             let mut batch: Vec<Worker> = {
                 let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
                 let mut batch = Vec::new();
@@ -533,6 +549,11 @@ impl WorkerPool {
                     false
                 }
             });
+            if FileId::of_snapshot(&hot.job.snapshot).ok().as_ref() != Some(&files) {
+                // Primed for files that are gone: they would serve no job and keep those open
+                // (each dropped is killed and reaped); the unprimed stay.
+                batch.retain(|w| !w.primed_for(&hot.job.snapshot));
+            }
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
             idle.extend(batch);
         }

@@ -814,15 +814,15 @@ fn a_host_without_the_snapshot_fetches_it_from_the_store() {
 }
 
 /// A host whose layer cache is bounded keeps a fetched snapshot while a child runs from it,
-/// evicts it (image, layers, and the fetched snapshot itself) once none does, and fetches it
-/// again when asked.
+/// evicts it (image, layers, and the fetched snapshot itself) once none does, ending the
+/// workers primed for it, and fetches it again when asked.
 fn a_bounded_cache_evicts_what_no_child_runs_from() {
     let store = tempfile::tempdir().unwrap();
     let a_dir = data_dir_with_snapshot();
     let a = Host::open(with_store(config(a_dir.path(), 4, 0), store.path())).unwrap();
     let info = a.publish(&tag()).unwrap();
     let b_dir = tempfile::tempdir().unwrap();
-    let mut cfg = with_store(config(b_dir.path(), 4, 0), store.path());
+    let mut cfg = with_store(config(b_dir.path(), 4, 2), store.path());
     cfg.store.as_mut().unwrap().cache_max_bytes = Some(1);
     let b = Host::open(cfg).unwrap();
     let opts = SpawnOptions {
@@ -843,9 +843,31 @@ fn a_bounded_cache_evicts_what_no_child_runs_from() {
     spawn_one();
     // Over the bound, but a child maps it: kept.
     assert!(image.is_file() && b.snapshot_header(&tag()).is_ok());
+    // The pool's refills prime themselves for it.
+    let t0 = Instant::now();
+    while b.primed_workers(&tag()) < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{} of 2 idle workers primed for the fetched snapshot",
+            b.primed_workers(&tag())
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let primed = b.idle_worker_pids();
     b.kill_all();
     b.enforce_cache_bound();
     assert!(!image.exists(), "no child runs from it: evicted");
+    assert_eq!(
+        b.primed_workers(&tag()),
+        0,
+        "no worker stays primed for an evicted snapshot"
+    );
+    for pid in primed {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "worker {pid}, primed for the evicted snapshot, was ended"
+        );
+    }
     assert!(
         b.snapshot_header(&tag()).is_err(),
         "the fetched snapshot went with its image"
@@ -994,7 +1016,7 @@ fn counts_of(host: &Host, id: &SandboxId, n: usize) -> Vec<u64> {
 }
 
 /// The parts of a restore its marks name, in order (`tine-vmm: restore CPU ms: ..`).
-const RESTORE_STEPS: [&str; 11] = [
+const RESTORE_STEPS: [&str; 12] = [
     "header",
     "state-read",
     "checksum",
@@ -1002,7 +1024,8 @@ const RESTORE_STEPS: [&str; 11] = [
     "chain",
     "ram",
     "vm",
-    "devices",
+    "device-make",
+    "device-wire",
     "vcpus",
     "irqchip",
     "device-state",
