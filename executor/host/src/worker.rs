@@ -723,9 +723,11 @@ pub fn worker_main() -> anyhow::Result<i32> {
         }
         None => None,
     };
+    // Its parts, for vmm.log (none without a view).
+    let mut view_marks = tine_vmm::marks::Marks::from_now();
     let confined_view = match view {
         Some((snapshots, linked)) => {
-            crate::confine::view::enter(mounts, &job.dir, snapshots, &linked)
+            crate::confine::view::enter(mounts, &job.dir, snapshots, &linked, &mut view_marks)
                 .context("confining the VMM")?;
             true
         }
@@ -800,7 +802,8 @@ pub fn worker_main() -> anyhow::Result<i32> {
     let t1 = Instant::now();
     // Everything the VM needs is open: from here on no guest code runs unconfined.
     tine_vmm::vm::install_signal_handlers()?;
-    lock_down(&job, ahead)?;
+    let mut lock_marks = tine_vmm::marks::Marks::from_now();
+    lock_down(&job, ahead, &mut lock_marks)?;
     cpu.mark("lock-down");
     // A copy: starting takes the VM.
     let vm_marks = vm.restore_marks().clone();
@@ -808,7 +811,10 @@ pub fn worker_main() -> anyhow::Result<i32> {
     cpu.mark("start");
     // Before the report, so the line is there once the host has its child; in one write (see
     // prefault_working_set); a log that cannot be written costs the line, never the VM.
-    let line = mark_lines("main thread", &cpu) + &mark_lines("restore", &vm_marks);
+    let line = mark_lines("main thread", &cpu)
+        + &mark_lines("restore", &vm_marks)
+        + &mark_lines("view", &view_marks)
+        + &mark_lines("lock-down", &lock_marks);
     let _ = std::io::stderr().write_all(line.as_bytes());
     report(Restored {
         restore,
@@ -957,8 +963,12 @@ fn prefault_working_set(vm: &Vm, snapshot: &Path) -> String {
 
 /// Confine the worker (see [`crate::confine`]). Tests only: then make a call outside the
 /// allow-list if the job says so.
-fn lock_down(job: &WorkerJob, ahead: crate::confine::Ahead) -> anyhow::Result<()> {
-    crate::confine::lock_down(&job.confine, ahead).context("confining the VMM")?;
+fn lock_down(
+    job: &WorkerJob,
+    ahead: crate::confine::Ahead,
+    marks: &mut tine_vmm::marks::Marks,
+) -> anyhow::Result<()> {
+    crate::confine::lock_down(&job.confine, ahead, marks).context("confining the VMM")?;
     #[cfg(feature = "testing")]
     if job.trip_seccomp {
         // SAFETY: a call that is refused before it does anything.
@@ -975,7 +985,7 @@ fn probe(job: &WorkerJob, t0: Instant, ahead: crate::confine::Ahead) -> anyhow::
         .write(true)
         .open("/dev/kvm")
         .context("opening /dev/kvm in its view")?;
-    lock_down(job, ahead)?;
+    lock_down(job, ahead, &mut tine_vmm::marks::Marks::from_now())?;
     report(Restored {
         restore: t0.elapsed(),
         start: Duration::ZERO,

@@ -1024,8 +1024,8 @@ const RESTORE_STEPS: [&str; 12] = [
     "chain",
     "ram",
     "vm",
-    "device-make",
     "device-wire",
+    "device-make",
     "vcpus",
     "irqchip",
     "device-state",
@@ -1070,7 +1070,22 @@ fn children_prefault_their_snapshot_s_working_set() {
         "start",
     ];
     let restore_steps = RESTORE_STEPS;
+    // The view's and the lock-down's parts (a worker confined as by default: its own user,
+    // its view).
+    let view_steps = [
+        "namespace",
+        "root",
+        "binds",
+        "proc",
+        "kvm-linked",
+        "pivot",
+        "seal",
+    ];
+    let lock_steps = ["filters", "user", "thread", "seccomp"];
     for (prefix, whole, expected) in [
+        ("tine-vmm: view CPU ms: ", false, &view_steps[..]),
+        ("tine-vmm: lock-down CPU ms: ", false, &lock_steps[..]),
+        ("tine-vmm: lock-down page faults: ", true, &lock_steps[..]),
         ("tine-vmm: main thread CPU ms: ", false, &worker_steps[..]),
         (
             "tine-vmm: main thread page faults: ",

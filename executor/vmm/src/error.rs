@@ -300,6 +300,8 @@ pub enum DeviceError {
     },
     #[error("device setup: bad MMIO window {base:#x}+{size:#x}")]
     MmioWindow { base: u64, size: u64 },
+    #[error("device setup: a device wired for the MMIO window at {wired:#x} was attached where the next free one is {next:#x}")]
+    SlotOutOfOrder { wired: u64, next: u64 },
     #[error(
         "device setup: MMIO window {base:#x}+{size:#x} overlaps {other_base:#x}+{other_size:#x}"
     )]

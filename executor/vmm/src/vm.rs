@@ -27,7 +27,7 @@ use crate::devices::virtio::{IrqLine, VirtioDevice};
 use crate::devices::vmgenid::VmGenId;
 use crate::devices::GuestExit;
 use crate::error::{
-    ConfigError, Error, MemoryError, RestoreError, Result, SnapshotError, VcpuError,
+    ConfigError, DeviceError, Error, MemoryError, RestoreError, Result, SnapshotError, VcpuError,
 };
 use crate::kvm_stats::{Counters, VmStats};
 use crate::layout::*;
@@ -137,15 +137,28 @@ impl Shell {
 }
 
 /// A restore made up to what needs its child (see [`Vm::prime`]): the snapshot loaded and
-/// checked, guest RAM mapped, the VM built with its memory slots, serial and vCPUs. What is
-/// left, [`Primed::restore`], needs the child's console, vsock socket and tap: its devices,
-/// then vCPU, irqchip and clock, and device state, set just before the guest runs (the
-/// clocks go on from the moment they are set). A pre-started worker primes itself for the
-/// snapshot its host spawns from, so a child starts with this done.
+/// checked, guest RAM mapped, the VM built with its memory slots, serial and vCPUs, and the
+/// MMIO windows of its devices wired (irqfds, queue eventfds). What is left,
+/// [`Primed::restore`], needs the child's console, vsock socket and tap: its devices made and
+/// put in their windows, then vCPU, irqchip and clock, and device state, set just before the
+/// guest runs (the clocks go on from the moment they are set). A pre-started worker primes
+/// itself for the snapshot its host spawns from, so a child starts with this done.
 pub struct Primed {
     vm: Vm,
     state: MachineState,
     dir: PathBuf,
+    /// One per device of `state.virtio`, in order.
+    wired: Vec<WiredSlot>,
+}
+
+/// A virtio MMIO window wired into the VM before its device exists (see `Vm::wire_slot`).
+struct WiredSlot {
+    slot: VirtioMmioSlot,
+    /// Registered as the window's interrupt.
+    irq: EventFd,
+    /// Registered for QueueNotify writes of each queue's index; None: those writes exit to
+    /// the VMM.
+    queue_events: Option<Vec<Arc<EventFd>>>,
 }
 
 impl Primed {
@@ -164,16 +177,18 @@ impl Primed {
     /// since): a diff of the child names its parent by that path. The restore marks go on
     /// from here: what this thread did between the priming and now is not the restore's.
     pub fn restore(self, seen_at: &Path, mut opts: RestoreOptions) -> Result<Vm> {
-        let Primed { mut vm, state, .. } = self;
+        let Primed {
+            mut vm,
+            state,
+            wired,
+            ..
+        } = self;
         let dir = seen_at.to_path_buf();
         vm.ram.origin_seen_at(&dir);
         vm.restore_marks.resume();
         vm.serial.lock().unwrap().set_output(opts.console);
-        // Made, then wired into the VM, timed apart: the wiring (irqfd, ioeventfds, bus slot)
-        // needs no child and is what could be done ahead.
-        let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::with_capacity(state.virtio.len());
-        for v in &state.virtio {
-            devices.push(match v.kind {
+        for (v, w) in state.virtio.iter().zip(wired) {
+            let dev: Box<dyn VirtioDevice> = match v.kind {
                 VirtioKind::Vsock { guest_cid } => {
                     let uds = opts
                         .vsock_uds
@@ -182,13 +197,10 @@ impl Primed {
                     Box::new(Vsock::new(guest_cid, uds)?)
                 }
                 VirtioKind::Net { mac } => Box::new(Net::new(mac, opts.tap.take())?),
-            });
+            };
+            vm.attach_wired(w, dev)?;
         }
         vm.restore_marks.mark("device-make");
-        for dev in devices {
-            vm.add_virtio(dev)?;
-        }
-        vm.restore_marks.mark("device-wire");
         for (i, (fd, s)) in vm.vcpus.iter().zip(&state.vcpus).enumerate() {
             snapshot::vcpu::restore(fd, i, s)?;
         }
@@ -485,20 +497,30 @@ impl Vm {
             shell,
         )?;
         marks.mark("vm");
+        // Its devices' windows, wired now: that needs the VM, not the devices or the child.
+        let wired = state
+            .virtio
+            .iter()
+            .enumerate()
+            .map(|(i, v)| vm.wire_slot(i, v.kind.queues()))
+            .collect::<Result<Vec<_>>>()?;
+        marks.mark("device-wire");
         vm.restore_marks = marks;
         Ok(Primed {
             vm,
             state,
             dir: dir.to_path_buf(),
+            wired,
         })
     }
 
     /// The restoring thread's CPU and page faults per part of the restore: the snapshot loaded
     /// and checked (header, state read, its checksum, decoded, the diff chain and memory image
     /// opened; a lazy restore loads before and has none of these), guest RAM mapped, the VM
-    /// (memory slots, serial, vCPUs), its devices made (vsock's socket and thread, net's tap)
-    /// and wired into the VM (irqfd, ioeventfds, bus slot), vCPU state, irqchip and clocks,
-    /// device state and generation ID. Empty for a boot.
+    /// (memory slots, serial, vCPUs), its devices' MMIO windows wired (irqfds, queue
+    /// eventfds; done by a primed worker before its child), its devices made (vsock's socket
+    /// and thread, net's tap) and put in their windows, vCPU state, irqchip and clocks, device
+    /// state and generation ID. Empty for a boot.
     pub fn restore_marks(&self) -> &crate::marks::Marks {
         &self.restore_marks
     }
@@ -529,27 +551,114 @@ impl Vm {
     }
 
     /// Attach a virtio device in the next free MMIO window, announced to the guest in the DSDT.
-    pub fn add_virtio(&mut self, mut device: Box<dyn VirtioDevice>) -> Result<VirtioMmioSlot> {
-        let index = self.virtio_slots.len() as u64;
+    pub fn add_virtio(&mut self, device: Box<dyn VirtioDevice>) -> Result<VirtioMmioSlot> {
+        let wired = self.wire_slot(self.virtio_slots.len(), device.queue_max_sizes().len())?;
+        self.attach_wired(wired, device)
+    }
+
+    /// Wire MMIO window `index` for a device of `queues` virtqueues: its interrupt's irqfd
+    /// and, with ioeventfds, one eventfd per queue registered with KVM for a 4-byte write of
+    /// the queue index to QueueNotify. None of it needs the device, so a primed restore does
+    /// it before its child is known. A failure to register the queue eventfds leaves none
+    /// registered: those writes then exit to the VMM as without ioeventfds.
+    fn wire_slot(&self, index: usize, queues: usize) -> Result<WiredSlot> {
         let slot = VirtioMmioSlot {
-            base: VIRTIO_MMIO_BASE + index * VIRTIO_MMIO_SIZE,
+            base: Self::slot_base(index),
             size: VIRTIO_MMIO_SIZE,
             irq: VIRTIO_FIRST_IRQ + index as u32,
         };
-        let evt = EventFd::new(EFD_NONBLOCK)?;
+        let irq = EventFd::new(EFD_NONBLOCK)?;
         self.vm
-            .register_irqfd(&evt, slot.irq)
+            .register_irqfd(&irq, slot.irq)
             .map_err(Error::kvm("KVM_IRQFD"))?;
-        let notify = if self.options.ioeventfd {
-            self.wire_queue_events(device.as_mut(), slot.base)
+        let queue_events = if self.options.ioeventfd {
+            self.register_queue_events(slot.base, queues)
         } else {
-            NotifyPath::VcpuExit
+            None
+        };
+        Ok(WiredSlot {
+            slot,
+            irq,
+            queue_events,
+        })
+    }
+
+    fn register_queue_events(&self, base: u64, queues: usize) -> Option<Vec<Arc<EventFd>>> {
+        let mut events: Vec<Arc<EventFd>> = Vec::with_capacity(queues);
+        for q in 0..queues {
+            let registered = EventFd::new(EFD_NONBLOCK)
+                .map_err(|e| format!("creating its eventfd: {e}"))
+                .and_then(|e| {
+                    // Datamatch on a u32: KVM matches 4-byte writes of exactly `q`; any other
+                    // width or value still exits (and the transport handles or ignores it).
+                    self.vm
+                        .register_ioevent(&e, &Self::queue_notify_at(base), q as u32)
+                        .map(|()| e)
+                        .map_err(|e| format!("KVM_IOEVENTFD: {e}"))
+                });
+            match registered {
+                Ok(e) => events.push(Arc::new(e)),
+                Err(err) => {
+                    self.unregister_queue_events(base, &events);
+                    warn_ioeventfd_unavailable(base, q, &err);
+                    return None;
+                }
+            }
+        }
+        Some(events)
+    }
+
+    fn queue_notify_at(base: u64) -> IoEventAddress {
+        IoEventAddress::Mmio(base + QUEUE_NOTIFY_OFFSET)
+    }
+
+    fn unregister_queue_events(&self, base: u64, events: &[Arc<EventFd>]) {
+        for (q, e) in events.iter().enumerate() {
+            let _ = self
+                .vm
+                .unregister_ioevent(e, &Self::queue_notify_at(base), q as u32);
+        }
+    }
+
+    /// Put `device` in the window `wired` made for it, the next free one. Its queue
+    /// notifications come through the wired eventfds if it takes them (and has as many
+    /// queues as were wired), else as exits to the VMM.
+    fn attach_wired(
+        &mut self,
+        wired: WiredSlot,
+        mut device: Box<dyn VirtioDevice>,
+    ) -> Result<VirtioMmioSlot> {
+        let WiredSlot {
+            slot,
+            irq,
+            queue_events,
+        } = wired;
+        let next = Self::slot_base(self.virtio_slots.len());
+        if slot.base != next {
+            return Err(DeviceError::SlotOutOfOrder {
+                wired: slot.base,
+                next,
+            }
+            .into());
+        }
+        let notify = match queue_events {
+            Some(events)
+                if events.len() == device.queue_max_sizes().len()
+                    && device.attach_queue_events(&events) =>
+            {
+                NotifyPath::Ioeventfd
+            }
+            Some(events) => {
+                self.unregister_queue_events(slot.base, &events);
+                NotifyPath::VcpuExit
+            }
+            None => NotifyPath::VcpuExit,
         };
         tracing::debug!(base = slot.base, ?notify, "virtio device added");
         let transport = Arc::new(Mutex::new(VirtioMmio::new(
             device,
             self.ram.memory().clone(),
-            IrqLine::new(evt),
+            IrqLine::new(irq),
         )));
         self.mmio.insert(slot.base, slot.size, transport.clone())?;
         self.virtio.push(transport);
@@ -558,44 +667,8 @@ impl Vm {
         Ok(slot)
     }
 
-    /// One eventfd per queue of `device`, registered with KVM for a 4-byte write of the queue
-    /// index to QueueNotify in the window at `base`, handed to the device. Any failure leaves
-    /// nothing registered: the write then exits to the VMM as without ioeventfds.
-    fn wire_queue_events(&self, device: &mut dyn VirtioDevice, base: u64) -> NotifyPath {
-        let addr = IoEventAddress::Mmio(base + QUEUE_NOTIFY_OFFSET);
-        let queues = device.queue_max_sizes().len();
-        let mut events: Vec<Arc<EventFd>> = Vec::with_capacity(queues);
-        let unregister = |events: &[Arc<EventFd>]| {
-            for (q, e) in events.iter().enumerate() {
-                let _ = self.vm.unregister_ioevent(e, &addr, q as u32);
-            }
-        };
-        for q in 0..queues {
-            let registered = EventFd::new(EFD_NONBLOCK)
-                .map_err(|e| format!("creating its eventfd: {e}"))
-                .and_then(|e| {
-                    // Datamatch on a u32: KVM matches 4-byte writes of exactly `q`; any other
-                    // width or value still exits (and the transport handles or ignores it).
-                    self.vm
-                        .register_ioevent(&e, &addr, q as u32)
-                        .map(|()| e)
-                        .map_err(|e| format!("KVM_IOEVENTFD: {e}"))
-                });
-            match registered {
-                Ok(e) => events.push(Arc::new(e)),
-                Err(err) => {
-                    unregister(&events);
-                    warn_ioeventfd_unavailable(base, q, &err);
-                    return NotifyPath::VcpuExit;
-                }
-            }
-        }
-        if device.attach_queue_events(&events) {
-            NotifyPath::Ioeventfd
-        } else {
-            unregister(&events);
-            NotifyPath::VcpuExit
-        }
+    fn slot_base(index: usize) -> u64 {
+        VIRTIO_MMIO_BASE + index as u64 * VIRTIO_MMIO_SIZE
     }
 
     /// Attach a virtio-vsock device with guest CID `cid`, host side on the Unix socket `uds`.

@@ -257,10 +257,16 @@ pub fn before_restore(c: &WorkerConfinement, ahead: &mut Ahead) -> Result<(), Co
 
 /// Switch users, then install the filter on every thread. After this the process can open
 /// only what its new user may, and call only what the allow-list holds. `ahead`: what the
-/// worker prepared while it waited.
-pub fn lock_down(c: &WorkerConfinement, ahead: Ahead) -> Result<(), ConfineError> {
+/// worker prepared while it waited. `marks`: the calling thread's CPU per part (filters,
+/// user, thread, seccomp), for vmm.log.
+pub fn lock_down(
+    c: &WorkerConfinement,
+    ahead: Ahead,
+    marks: &mut tine_vmm::marks::Marks,
+) -> Result<(), ConfineError> {
     let filters = ahead.filters(c.seccomp)?;
     seccomp::install_sigsys_reporter()?;
+    marks.mark("filters");
     if let Some(uid) = c.user {
         // SAFETY: plain system calls on integers; glibc applies the id changes to every
         // thread of the process.
@@ -301,6 +307,7 @@ pub fn lock_down(c: &WorkerConfinement, ahead: Ahead) -> Result<(), ConfineError
             });
         }
     }
+    marks.mark("user");
     // glibc installs its own signal handlers when the process makes its first thread: make
     // one now, while rt_sigaction is still allowed (a VM without devices has none yet).
     // Its stack is the VMM's size too: glibc keeps it for the next thread, which it would
@@ -316,10 +323,12 @@ pub fn lock_down(c: &WorkerConfinement, ahead: Ahead) -> Result<(), ConfineError
             what: "starting a thread",
             source: std::io::Error::other("it panicked"),
         })?;
-    match filters {
-        Some(f) => f.install(),
-        None => Ok(()),
+    marks.mark("thread");
+    if let Some(f) = filters {
+        f.install()?;
     }
+    marks.mark("seccomp");
+    Ok(())
 }
 
 /// Every capability set of this thread, from /proc/thread-self/status.

@@ -16,6 +16,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use tine_vmm::marks::Marks;
+
 use super::{sys, ConfineError};
 
 /// Where the VMM sees its own directory.
@@ -64,11 +66,14 @@ fn io(what: &'static str) -> impl FnOnce(std::io::Error) -> ConfineError {
 /// `linked` are files outside `snapshots` that its snapshot links to (a fetched snapshot's
 /// memory image, assembled in the layer cache): each is shown read-only at its own path.
 /// `early`: the mount namespace the worker entered while it waited (None: it enters one now).
+/// `marks`: the calling thread's CPU per part (namespace, root, binds, proc, kvm-linked,
+/// pivot, seal), for vmm.log.
 pub fn enter(
     early: Option<Early>,
     vm_dir: &Path,
     snapshots: &Path,
     linked: &[PathBuf],
+    marks: &mut Marks,
 ) -> Result<(), ConfineError> {
     // Entered now if not ahead; its handles on the host's tree are closed here, before
     // anything of the guest's runs.
@@ -76,6 +81,7 @@ pub fn enter(
         Some(early) => early,
         None => Early::enter()?,
     });
+    marks.mark("namespace");
     let root = vm_dir.join(".root");
     match std::fs::create_dir(&root) {
         Ok(()) => {}
@@ -95,6 +101,7 @@ pub fn enter(
         std::fs::create_dir(root.join(d)).map_err(io("making the view's directories"))?;
     }
     std::fs::File::create(root.join("dev/kvm")).map_err(io("making the view's /dev/kvm"))?;
+    marks.mark("root");
     let bind = |what, src: &Path, dst: &str, flags: libc::c_ulong| -> Result<(), ConfineError> {
         let dst = root.join(dst);
         mount(what, Some(src), &dst, None, libc::MS_BIND | flags, None)?;
@@ -113,6 +120,7 @@ pub fn enter(
     };
     bind("showing its directory", vm_dir, "vm", 0)?;
     bind("showing its snapshots", snapshots, "snapshots", 0)?;
+    marks.mark("binds");
     // A procfs of its own: `hidepid=invisible` shows only the processes of the VMM's user
     // (itself alone), `subset=pid` nothing but them (no /proc/sys, no host-wide files). A
     // kernel or container that refuses it (before 5.8, or a masked /proc) gets the host's.
@@ -127,6 +135,7 @@ pub fn enter(
         eprintln!("{e}: showing it the host's /proc instead");
         bind("showing /proc", Path::new("/proc"), "proc", libc::MS_REC)?;
     }
+    marks.mark("proc");
     mount(
         "showing /dev/kvm",
         Some(Path::new("/dev/kvm")),
@@ -162,6 +171,7 @@ pub fn enter(
         )?;
     }
     std::env::set_current_dir(&root).map_err(io("entering the view"))?;
+    marks.mark("kvm-linked");
     let dot = CString::new(".").unwrap();
     let old = CString::new("old").unwrap();
     // SAFETY: pivot_root with two NUL-terminated paths.
@@ -190,6 +200,7 @@ pub fn enter(
         let _ = std::fs::remove_dir("/old");
     }
     std::env::set_current_dir("/").map_err(io("entering the view"))?;
+    marks.mark("pivot");
     mount(
         "making the view's root read-only",
         None,
@@ -209,6 +220,7 @@ pub fn enter(
         None,
     )?;
     let _ = SNAPSHOTS.set(snapshots.to_path_buf());
+    marks.mark("seal");
     Ok(())
 }
 

@@ -110,6 +110,16 @@ pub enum VirtioKind {
     },
 }
 
+impl VirtioKind {
+    /// How many virtqueues such a device has (what its transport is wired for).
+    pub fn queues(&self) -> usize {
+        match self {
+            VirtioKind::Vsock { .. } => crate::devices::virtio::vsock::QUEUES,
+            VirtioKind::Net { .. } => crate::devices::virtio::net::QUEUES,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct VirtioMmioSnapshot {
     pub kind: VirtioKind,

@@ -20,7 +20,8 @@ use crate::snapshot::devices::VirtioKind;
 const QUEUE_SIZE: u16 = 256;
 const RX: usize = 0;
 const TX: usize = 1;
-const QUEUES: usize = 2;
+/// Receive and transmit.
+pub const QUEUES: usize = 2;
 
 /// Feature bits (virtio 1.2, 5.1.3).
 const F_CSUM: u64 = 1 << 0;

@@ -15,7 +15,7 @@ mod device;
 mod event_loop;
 pub mod tap;
 
-pub use device::Net;
+pub use device::{Net, QUEUES};
 pub use tap::{Tap, TapError};
 
 pub const DEVICE_ID: u32 = 1;

@@ -20,6 +20,8 @@ use crate::error::DeviceError;
 use crate::snapshot::devices::VirtioKind;
 
 const QUEUE_SIZE: u16 = 256;
+/// Receive, transmit and event.
+pub const QUEUES: usize = 3;
 const RX: usize = 0;
 const TX: usize = 1;
 const EVT: usize = 2;
@@ -279,7 +281,7 @@ impl VirtioDevice for Vsock {
     }
 
     fn queue_max_sizes(&self) -> &[u16] {
-        &[QUEUE_SIZE; 3]
+        &[QUEUE_SIZE; QUEUES]
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {

@@ -25,7 +25,7 @@ mod event_loop;
 mod muxer;
 mod packet;
 
-pub use device::Vsock;
+pub use device::{Vsock, QUEUES};
 pub use packet::Header;
 
 pub const DEVICE_ID: u32 = 19;
