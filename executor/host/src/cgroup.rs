@@ -12,10 +12,17 @@
 //! Shared snapshot pages are charged to the executor's own cgroup: it reads a snapshot's
 //! memory files once before the first child maps them ([`charge_snapshot`]), so a child's
 //! `memory.current` counts the pages it wrote (and its VMM), not the image it shares.
+//!
+//! A pre-started worker waits in a cgroup of its own, `<root>/vms/.idle-<executor pid>-<n>`
+//! ([`IdleCgroup`]), entered before it execs; the spawn that takes it renames that cgroup to
+//! the child's and sets the child's limits. Making a cgroup and moving a process into one
+//! leave the spawn's path, and what the worker mapped while it waited (its start-up, a
+//! priming's copies) is charged to the child it becomes.
 
 use std::collections::HashSet;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tine_proto::names::SandboxId;
@@ -151,6 +158,76 @@ fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CgroupE
 pub struct Cgroups {
     root: PathBuf,
     vms: PathBuf,
+    /// Numbers the idle workers' cgroups.
+    next_idle: AtomicU64,
+}
+
+/// Where an idle cgroup's name starts: a sandbox id starts with a letter or digit, so it
+/// never meets one.
+const IDLE_PREFIX: &str = ".idle-";
+
+/// The name of a child's cgroup under `<root>/vms`: its sandbox id (one made for it at its
+/// spawn) or an idle worker's (see [`IdleCgroup`]). Never a path: nothing else is one.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CgroupName(String);
+
+impl CgroupName {
+    /// The name of a cgroup made for child `id`.
+    pub fn of(id: &SandboxId) -> CgroupName {
+        CgroupName(id.as_str().to_string())
+    }
+
+    /// `name` if it is one this module makes (e.g. read back from a record), else None.
+    pub fn parse(name: &str) -> Option<CgroupName> {
+        let idle = name
+            .strip_prefix(IDLE_PREFIX)
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit() || b == b'-'));
+        (idle || SandboxId::parse(name).is_ok()).then(|| CgroupName(name.to_string()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A cgroup made ahead for a pre-started worker (see [`Cgroups::make_idle`]): the worker
+/// enters it before it execs, so everything it maps while it waits (a priming's copies
+/// included) is charged there, and the child it serves keeps it ([`Cgroups::limit`],
+/// [`IdleCgroup::keep`]) instead of a cgroup made and entered on the spawn's path. Removed
+/// when dropped unless kept; drop it only once its worker is gone.
+#[derive(Debug)]
+pub struct IdleCgroup {
+    name: CgroupName,
+    dir: PathBuf,
+    /// Its `cgroup.procs`, open for the worker to write itself into.
+    procs: std::fs::File,
+    kept: bool,
+}
+
+impl IdleCgroup {
+    /// Its `cgroup.procs`: writing "0" there moves the writer in.
+    pub fn procs(&self) -> &std::fs::File {
+        &self.procs
+    }
+
+    pub fn name(&self) -> &CgroupName {
+        &self.name
+    }
+
+    /// Leave it in place: from now on it is its child's, removed with it
+    /// ([`Cgroups::remove`]).
+    pub fn keep(mut self) -> CgroupName {
+        self.kept = true;
+        self.name.clone()
+    }
+}
+
+impl Drop for IdleCgroup {
+    fn drop(&mut self) {
+        if !self.kept {
+            remove_when_empty(&self.dir);
+        }
+    }
 }
 
 impl Cgroups {
@@ -229,55 +306,99 @@ impl Cgroups {
         mkdir(&vms)?;
         enable(&vms)?;
         tracing::info!(root = %root.display(), "children get their own cgroups");
-        Ok(Cgroups { root, vms })
+        Ok(Cgroups {
+            root,
+            vms,
+            next_idle: AtomicU64::new(0),
+        })
     }
 
     pub fn root(&self) -> &Path {
         &self.root
     }
 
-    pub fn dir(&self, id: &SandboxId) -> PathBuf {
-        self.vms.join(id.as_str())
+    /// The cgroup named `name` (a child's: see [`CgroupName`]).
+    pub fn dir(&self, name: &CgroupName) -> PathBuf {
+        self.vms.join(&name.0)
     }
 
-    /// Make `id`'s cgroup with `limits` and move `pid` into it.
+    /// Make a cgroup for child `id` with `limits` and move `pid` into it; returns its name.
     pub fn attach(
         &self,
         id: &SandboxId,
         limits: &ChildLimits,
         pid: u32,
-    ) -> Result<(), CgroupError> {
-        let dir = self.dir(id);
+    ) -> Result<CgroupName, CgroupError> {
+        let name = CgroupName::of(id);
+        let dir = self.dir(&name);
         mkdir(&dir)?;
         let made = (|| {
-            write(
-                &dir.join("memory.max"),
-                &(limits.memory_max_mib << 20).to_string(),
-            )?;
-            // Absent where swap is not accounted: there is no swap to hold back then.
-            let swap = dir.join("memory.swap.max");
-            if swap.exists() {
-                write(&swap, "0")?;
-            }
-            write(&dir.join("memory.oom.group"), "1")?;
-            write(&dir.join("pids.max"), &limits.pids_max.to_string())?;
-            write(&dir.join("cpu.max"), &limits.cpu_max())?;
+            set_limits(&dir, limits)?;
+            set_fixed(&dir, limits.pids_max)?;
             write(&dir.join("cgroup.procs"), &pid.to_string())
         })();
         if made.is_err() {
             let _ = std::fs::remove_dir(&dir);
         }
-        made
+        made.map(|()| name)
     }
 
-    /// What `id`'s cgroup counted (None: it has none).
-    pub fn usage(&self, id: &SandboxId) -> Option<Usage> {
-        read_usage(&self.dir(id))
+    /// A cgroup for a worker about to be pre-started: held to what does not depend on the
+    /// child (no swap, `pids.max`, an out-of-memory kill takes the group), not yet to a
+    /// memory or CPU limit. Its name cannot be a sandbox id's.
+    pub fn make_idle(&self) -> Result<IdleCgroup, CgroupError> {
+        // A crashed executor's may still be there (with a worker that has not exited yet).
+        let mut tries = 0;
+        let (name, dir) = loop {
+            let n = self.next_idle.fetch_add(1, Ordering::Relaxed);
+            let name = format!("{IDLE_PREFIX}{}-{n}", std::process::id());
+            let dir = self.vms.join(&name);
+            match std::fs::create_dir(&dir) {
+                Ok(()) => break (name, dir),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 64 => tries += 1,
+                Err(e) => return Err(io("creating cgroup", &dir)(e)),
+            }
+        };
+        let made = (|| {
+            set_fixed(&dir, PIDS_MAX)?;
+            let procs = dir.join("cgroup.procs");
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&procs)
+                .map_err(io("opening", &procs))
+        })();
+        match made {
+            Ok(procs) => Ok(IdleCgroup {
+                name: CgroupName(name),
+                dir,
+                procs,
+                kept: false,
+            }),
+            Err(e) => {
+                let _ = std::fs::remove_dir(&dir);
+                Err(e)
+            }
+        }
     }
 
-    /// Remove `id`'s cgroup once its processes are gone (they may still be exiting).
-    pub fn remove(&self, id: &SandboxId) {
-        remove_when_empty(&self.dir(id));
+    /// Hold `idle`, whose worker is about to serve a child, to that child's `limits`. It
+    /// keeps its name (cgroup v2 cannot rename a cgroup), which the child's record keeps.
+    pub fn limit(&self, idle: &IdleCgroup, limits: &ChildLimits) -> Result<(), CgroupError> {
+        set_limits(&idle.dir, limits)?;
+        if limits.pids_max != PIDS_MAX {
+            write(&idle.dir.join("pids.max"), &limits.pids_max.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// What the cgroup `name` counted (None: there is none).
+    pub fn usage(&self, name: &CgroupName) -> Option<Usage> {
+        read_usage(&self.dir(name))
+    }
+
+    /// Remove the cgroup `name` once its processes are gone (they may still be exiting).
+    pub fn remove(&self, name: &CgroupName) {
+        remove_when_empty(&self.dir(name));
     }
 
     /// Remove the cgroups of children that are not in `keep` (left by a crashed executor).
@@ -405,6 +526,26 @@ fn read_words(p: &Path) -> Vec<String> {
         .collect()
 }
 
+/// What a child asked for: its memory and CPU.
+fn set_limits(dir: &Path, limits: &ChildLimits) -> Result<(), CgroupError> {
+    write(
+        &dir.join("memory.max"),
+        &(limits.memory_max_mib << 20).to_string(),
+    )?;
+    write(&dir.join("cpu.max"), &limits.cpu_max())
+}
+
+/// What every child is held to: no swap, `pids_max`, one out-of-memory kill for the group.
+fn set_fixed(dir: &Path, pids_max: u32) -> Result<(), CgroupError> {
+    // Absent where swap is not accounted: there is no swap to hold back then.
+    let swap = dir.join("memory.swap.max");
+    if swap.exists() {
+        write(&swap, "0")?;
+    }
+    write(&dir.join("memory.oom.group"), "1")?;
+    write(&dir.join("pids.max"), &pids_max.to_string())
+}
+
 fn write(p: &Path, v: &str) -> Result<(), CgroupError> {
     std::fs::write(p, v).map_err(io("writing", p))
 }
@@ -472,6 +613,50 @@ fn remove_when_empty(dir: &Path) {
         }
     }
     tracing::warn!(cgroup = %dir.display(), "a child's cgroup still holds processes; the next start removes it");
+}
+
+/// Read the loadable segments of the ELF program `exe` from this process, so the page cache
+/// holding them is charged to the executor's cgroup rather than to the first idle worker's
+/// (and so its child's): workers enter their cgroups before they exec. Returns the bytes
+/// read; a file that is not a 64-bit little-endian ELF is an error.
+pub fn charge_program(exe: &Path) -> std::io::Result<u64> {
+    let f = std::fs::File::open(exe)?;
+    let mut head = [0u8; 64];
+    f.read_exact_at(&mut head, 0)?;
+    if &head[..4] != b"\x7fELF" || head[4] != 2 || head[5] != 1 {
+        return Err(std::io::Error::other("not a 64-bit little-endian ELF file"));
+    }
+    let u16_at = |b: &[u8], o: usize| u16::from_le_bytes([b[o], b[o + 1]]) as u64;
+    let u32_at = |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+    let (phoff, phentsize, phnum) = (u64_at(&head, 32), u16_at(&head, 54), u16_at(&head, 56));
+    if phentsize < 56 || phnum > 256 {
+        return Err(std::io::Error::other("unexpected ELF program headers"));
+    }
+    const PT_LOAD: u32 = 1;
+    let size = f.metadata()?.len();
+    let mut total = 0;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut ph = vec![0u8; phentsize as usize];
+    for i in 0..phnum {
+        f.read_exact_at(&mut ph, phoff + i * phentsize)?;
+        if u32_at(&ph, 0) != PT_LOAD {
+            continue;
+        }
+        let (offset, filesz) = (u64_at(&ph, 8), u64_at(&ph, 32));
+        let end = offset.saturating_add(filesz).min(size);
+        let mut at = offset;
+        while at < end {
+            let n = ((end - at) as usize).min(buf.len());
+            let got = f.read_at(&mut buf[..n], at)?;
+            if got == 0 {
+                break;
+            }
+            at += got as u64;
+            total += got as u64;
+        }
+    }
+    Ok(total)
 }
 
 /// Read the data of a snapshot's memory files (its diff chain's too) from this process,
@@ -631,6 +816,42 @@ mod tests {
             Some("/system.slice/tine-executor.service")
         );
         assert_eq!(own_cgroup("4:memory:/x\n"), None);
+    }
+
+    #[test]
+    fn cgroup_names_read_back_are_never_paths() {
+        let id = SandboxId::random("t");
+        assert_eq!(CgroupName::parse(id.as_str()), Some(CgroupName::of(&id)));
+        assert!(CgroupName::parse(".idle-41-7").is_some());
+        for bad in [
+            "",
+            ".",
+            "..",
+            "../x",
+            "a/b",
+            ".idle-",
+            ".idle-1/..",
+            ".idle-x",
+            "/etc",
+        ] {
+            assert_eq!(CgroupName::parse(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_program_s_loadable_segments_are_read() {
+        // This test's own binary: its segments are part of the file, never more.
+        let exe = std::env::current_exe().unwrap();
+        let read = charge_program(&exe).unwrap();
+        let size = std::fs::metadata(&exe).unwrap().len();
+        assert!(read > 0 && read <= size, "{read} of {size}");
+        let tmp = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(
+            tmp.path(),
+            b"#!/bin/sh\necho not an ELF file, but long enough to read a header from it\n",
+        )
+        .unwrap();
+        assert!(charge_program(tmp.path()).is_err());
     }
 
     #[test]

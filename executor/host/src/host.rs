@@ -12,7 +12,7 @@ use tine_vmm::vm::Rebase;
 use tine_proto::names::{SandboxId, Tag};
 use tine_vmm::snapshot::file::{SnapshotHeader, MEMORY_FILE};
 
-use crate::cgroup::{CgroupError, CgroupMode, Cgroups, ChildLimits, Usage};
+use crate::cgroup::{CgroupError, CgroupMode, CgroupName, Cgroups, ChildLimits, Usage};
 use crate::config::{HostConfig, Readiness};
 use crate::error::{HostError, Result};
 use crate::fetch::{FetchMode, Fetcher, Source};
@@ -212,7 +212,7 @@ pub struct Host {
     /// Guest ports exposed on this host, per child; closed with it.
     exposed: Mutex<HashMap<SandboxId, Vec<crate::network::expose::Forward>>>,
     /// Children's cgroups (None: children run unconfined; see `no_cgroups`).
-    cgroups: Option<Cgroups>,
+    cgroups: Option<Arc<Cgroups>>,
     /// Why children get no cgroups (refused to a spawn that asks for limits).
     no_cgroups: String,
     /// Snapshots (by state checksum) whose memory files this host's cgroup was charged for.
@@ -245,7 +245,12 @@ impl Host {
         }
         host.adopt_survivors();
         if let Some(cg) = &host.cgroups {
-            let keep = host.vms().live.keys().map(|id| id.to_string()).collect();
+            let keep = host
+                .vms()
+                .live
+                .values()
+                .map(|l| l.record.cgroup_name().as_str().to_string())
+                .collect();
             cg.sweep(&keep);
         }
         if let Some(net) = &host.network {
@@ -282,7 +287,7 @@ impl Host {
         }
         // Before any worker starts: the executor may move itself into its own leaf cgroup.
         let (cgroups, no_cgroups) = match Cgroups::open(&cfg.cgroups, &cfg.data_dir) {
-            Ok(Some(c)) => (Some(c), String::new()),
+            Ok(Some(c)) => (Some(Arc::new(c)), String::new()),
             Ok(None) => (
                 None,
                 "this executor runs without cgroups (--cgroup off)".into(),
@@ -296,10 +301,17 @@ impl Host {
             }
             Err(e) => return Err(HostError::Cgroup(e.to_string())),
         };
+        if cgroups.is_some() {
+            // Workers start in cgroups of their own: their program's pages are the host's.
+            if let Err(e) = crate::cgroup::charge_program(&cfg.worker_exe) {
+                tracing::warn!(exe = %cfg.worker_exe.display(), "reading the VMM worker's program ahead: {e}");
+            }
+        }
         let pool = WorkerPool::new(
             cfg.worker_exe.clone(),
             cfg.limits.pool_size,
             cfg.limits.auto_refill,
+            cgroups.clone(),
         );
         let fetcher = match &cfg.store {
             Some(store) => Some(Arc::new(Fetcher::new(
@@ -418,19 +430,29 @@ impl Host {
             crate::network::remove_recorded(&self.cfg.data_dir.join("net"), ns);
         }
         if let Some(cg) = &self.cgroups {
-            cg.remove(&record.id);
+            cg.remove(&record.cgroup_name());
         }
     }
 
-    /// `id`'s memory limit, if the kernel killed in its cgroup for want of memory.
-    fn out_of_memory(&self, id: &SandboxId) -> Option<u64> {
-        let u = self.cgroups.as_ref()?.usage(id)?;
+    /// The name of live child `id`'s cgroup (None: no such child).
+    fn cgroup_of(&self, id: &SandboxId) -> Option<CgroupName> {
+        self.vms().live.get(id).map(|l| l.record.cgroup_name())
+    }
+
+    /// Where live child `id`'s cgroup is (None: no such child, or no cgroups here).
+    pub fn cgroup_dir(&self, id: &SandboxId) -> Option<PathBuf> {
+        Some(self.cgroups.as_ref()?.dir(&self.cgroup_of(id)?))
+    }
+
+    /// The memory limit of the cgroup `name`, if the kernel killed in it for want of memory.
+    fn out_of_memory(&self, name: &CgroupName) -> Option<u64> {
+        let u = self.cgroups.as_ref()?.usage(name)?;
         (u.oom_kills > 0).then_some(u.memory_max.unwrap_or(0))
     }
 
     /// The cgroups children run in (None: none, see [`Host::cgroups_refused`]).
     pub fn cgroups(&self) -> Option<&Cgroups> {
-        self.cgroups.as_ref()
+        self.cgroups.as_deref()
     }
 
     /// Why children get no cgroups ("" when they do).
@@ -440,10 +462,10 @@ impl Host {
 
     /// What child `id`'s cgroup counted (None: it runs without one).
     pub fn usage(&self, id: &SandboxId) -> Result<Option<Usage>> {
-        if !self.vms().live.contains_key(id) {
+        let Some(name) = self.cgroup_of(id) else {
             return Err(HostError::NoVm(id.clone()));
-        }
-        Ok(self.cgroups.as_ref().and_then(|c| c.usage(id)))
+        };
+        Ok(self.cgroups.as_ref().and_then(|c| c.usage(&name)))
     }
 
     /// The limits children of a snapshot (its `header`) get for `asked`, or why not.
@@ -682,7 +704,8 @@ impl Host {
         let probed = (|| {
             let worker = self.pool.take()?;
             let pid = worker.pid();
-            let (mut vmm, report) =
+            // Its cgroup (if it waited in one) goes once it is reaped, at the end.
+            let (mut vmm, report, _cgroup) =
                 worker.run(&self.worker_job(pid, JobVm::Probe { snapshots }, &dir, None))?;
             let reported = crate::ready::wait_restored(&report, Duration::from_secs(30));
             let _ = vmm.kill();
@@ -744,16 +767,20 @@ impl Host {
             id: id.clone(),
             tag: None,
             owner: self.cfg.owner.clone(),
-            process: ProcessIdentity::of(pid)
+            process: worker
+                .identity()
                 .map_err(HostError::io(format!("identifying VMM worker {pid}")))?,
             created_unix_ms: now_ms(),
             ready: false,
             pages_from_host: false,
             dir: work.to_path_buf(),
             net: lease.map(|l| l.name()),
+            // A parent runs where it waited, with no limits; that cgroup goes once it is
+            // reaped, at the end.
+            cgroup: worker.cgroup().map(|c| c.name().clone()),
         }
         .write()?;
-        let (mut vmm, report) =
+        let (mut vmm, report, _cgroup) =
             worker.run(&self.worker_job(pid, JobVm::Boot(job), work, lease.map(|l| l.path())))?;
         tracing::info!(tag = %spec.tag, pid, "booting a parent");
         let made = crate::parent::warm_and_snapshot(
@@ -1555,13 +1582,16 @@ impl Host {
             (r, _) => r,
         };
         // One the kernel killed for its memory limit: say so.
-        let result = result.map_err(|e| match self.out_of_memory(&id) {
-            Some(limit) => HostError::OutOfMemory {
-                id: id.clone(),
-                limit_mib: limit >> 20,
-            },
-            None => e,
-        });
+        let result =
+            result.map_err(
+                |e| match self.cgroup_of(&id).and_then(|c| self.out_of_memory(&c)) {
+                    Some(limit) => HostError::OutOfMemory {
+                        id: id.clone(),
+                        limit_mib: limit >> 20,
+                    },
+                    None => e,
+                },
+            );
         let mut vms = self.vms();
         let Some(live) = vms.live.get_mut(&id) else {
             // Killed while it was being made ready.
@@ -1652,6 +1682,8 @@ impl Host {
         }
         let mut lease = None;
         let mut network = Duration::ZERO;
+        // The child's cgroup once it is its own: removed here if the start fails after.
+        let mut cgroup = None;
         let started = (|| {
             if let (Some(net), Some(policy)) = (&self.network, policy) {
                 let _s = tracing::info_span!("spawn.network").entered();
@@ -1659,7 +1691,8 @@ impl Host {
                 lease = Some(net.take(policy)?);
                 network = t.elapsed();
             }
-            // Dropping the worker on any error below kills and reaps it.
+            // Dropping the worker on any error below kills and reaps it (and then removes
+            // the cgroup it waited in).
             let worker = self.pool.take_for(Some(snapshot))?;
             let pid = worker.pid();
             // It has the held image already, if the snapshot's children map one.
@@ -1668,23 +1701,37 @@ impl Host {
                 id: id.clone(),
                 tag: Some(tag.clone()),
                 owner: self.cfg.owner.clone(),
-                process: ProcessIdentity::of(pid)
+                process: worker
+                    .identity()
                     .map_err(HostError::io(format!("identifying VMM worker {pid}")))?,
                 created_unix_ms: now_ms(),
                 ready: false,
                 pages_from_host: matches!(memory, Memory::Lazy),
                 dir: dir.clone(),
                 net: lease.as_ref().map(|l| l.name()),
+                // Where it waited, else one made for it below (if it gets limits).
+                cgroup: match (&self.cgroups, worker.cgroup(), limits) {
+                    (Some(_), Some(idle), _) => Some(idle.name().clone()),
+                    (Some(_), None, Some(_)) => Some(CgroupName::of(id)),
+                    _ => None,
+                },
             };
             // Recorded before the job is handed over: a daemon that dies now still knows it.
-            record.write()?;
-            // Confined before it touches the snapshot: what it maps and writes from here on
-            // is charged to the child.
+            // Not fsynced: it names processes of this boot (its boot id says so), which a
+            // crash that loses the page cache ends too; a record lost with them is a leftover
+            // directory, swept at the next start.
+            record.write_unsynced()?;
+            // Held to its limits before the job: a worker that waited in a cgroup of its own
+            // (charged for what it mapped meanwhile) keeps it as the child's; any other is
+            // moved into a new one before it touches the snapshot.
             if let (Some(cg), Some(limits)) = (&self.cgroups, limits) {
-                cg.attach(id, limits, pid)
-                    .map_err(|e| HostError::Cgroup(e.to_string()))?;
+                match worker.cgroup() {
+                    Some(idle) => cg.limit(idle, limits),
+                    None => cg.attach(id, limits, pid).map(|name| cgroup = Some(name)),
+                }
+                .map_err(|e| HostError::Cgroup(e.to_string()))?;
             }
-            let (mut child, restored) = worker.run(&self.worker_job(
+            let (mut child, restored, waited_in) = worker.run(&self.worker_job(
                 pid,
                 JobVm::Restore {
                     snapshot: snapshot.to_path_buf(),
@@ -1693,6 +1740,9 @@ impl Host {
                 &dir,
                 lease.as_ref().map(|l| l.path()),
             ))?;
+            if let Some(c) = waited_in {
+                cgroup = Some(c.keep());
+            }
             if let (Memory::Held(image), false) = (memory, primed) {
                 use std::os::fd::AsFd;
                 if let Err(e) = crate::handoff::send_image(restored.as_fd(), image.as_fd()) {
@@ -1710,8 +1760,10 @@ impl Host {
             if let (Some(net), Some(l)) = (&self.network, lease) {
                 net.release(l);
             }
-            if let Some(cg) = &self.cgroups {
-                cg.remove(id);
+            // One made for it removes itself when it cannot be set up; one it waited in
+            // goes with its worker until the job was handed over, and here after that.
+            if let (Some(cg), Some(name)) = (&self.cgroups, cgroup) {
+                cg.remove(&name);
             }
         }
         started
@@ -1872,7 +1924,7 @@ impl Host {
         gone.into_iter()
             .map(|(id, record, how)| {
                 let tail = vmm_log(&record.dir);
-                let oom = self.out_of_memory(&id);
+                let oom = self.out_of_memory(&record.cgroup_name());
                 self.discard(&record);
                 match oom {
                     Some(limit) => {
@@ -1944,8 +1996,10 @@ impl Host {
     }
 
     /// Remove what an earlier process left half-done: snapshots being written, fetched or
-    /// replaced, and parents being booted. Only entries older than an hour, so a CLI's
-    /// snapshot in progress on the same data directory is left alone.
+    /// replaced, parents being booted, and children whose record never reached the disk (it
+    /// is written unsynced: a crash that ended their processes can leave it missing or
+    /// empty). Only entries older than an hour, so a CLI's snapshot or spawn in progress on
+    /// the same data directory is left alone.
     fn sweep_leftovers(&self) {
         let old = |p: &std::path::Path| {
             std::fs::metadata(p)
@@ -1954,6 +2008,10 @@ impl Host {
                 .and_then(|t| t.elapsed().ok())
                 .is_some_and(|age| age > Duration::from_secs(3600))
         };
+        // No record, or the empty file a crash can leave of one written unsynced.
+        let unrecorded = |p: &std::path::Path| {
+            std::fs::metadata(p.join("meta.json")).map_or(true, |m| m.len() == 0)
+        };
         let sweep = |dir: PathBuf, prefixes: &[&str]| {
             let Ok(entries) = std::fs::read_dir(&dir) else {
                 return;
@@ -1961,10 +2019,7 @@ impl Host {
             for e in entries.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
                 let p = e.path();
-                if prefixes.iter().any(|x| name.starts_with(x))
-                    && !p.join("meta.json").exists()
-                    && old(&p)
-                {
+                if prefixes.iter().any(|x| name.starts_with(x)) && unrecorded(&p) && old(&p) {
                     tracing::info!(path = %p.display(), "removing a leftover of an interrupted operation");
                     let _ = std::fs::remove_dir_all(&p);
                 }
@@ -1976,7 +2031,9 @@ impl Host {
             self.cfg.snapshots_dir(),
             &[".partial-", "..partial-", ".fetch-", ".replaced-"],
         );
-        sweep(self.cfg.vms_dir(), &["parent-", "probe-"]);
+        // Every child's directory: parents and probes have no record until they are done,
+        // children one from before their job.
+        sweep(self.cfg.vms_dir(), &[""]);
     }
 }
 

@@ -27,7 +27,7 @@ pub mod records;
 pub mod testing;
 pub mod worker;
 
-pub use cgroup::{CgroupMode, ChildLimits, Usage};
+pub use cgroup::{CgroupMode, CgroupName, ChildLimits, Usage};
 pub use config::{HostConfig, Limits, Owner, Readiness};
 pub use confine::{Confinement, SeccompMode};
 pub use control::BranchKind;

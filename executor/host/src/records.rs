@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tine_proto::names::{SandboxId, Tag};
 
+use crate::cgroup::CgroupName;
 use crate::config::Owner;
 use crate::error::{HostError, Result};
 use crate::process::{Liveness, ProcessIdentity};
@@ -32,6 +33,9 @@ struct RecordFile {
     /// Its network namespace; absent in older records and for VMs without one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     net: Option<String>,
+    /// Its cgroup's name; absent in older records (a cgroup named by its id, if any).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    cgroup: Option<String>,
 }
 
 /// One VM as recorded on disk.
@@ -51,11 +55,20 @@ pub struct VmRecord {
     pub dir: PathBuf,
     /// Its network namespace (see [`crate::network`]), removed with it.
     pub net: Option<String>,
+    /// Its cgroup (see [`crate::cgroup`]), removed with it. None: one named by its id, if any.
+    pub cgroup: Option<CgroupName>,
 }
 
 impl VmRecord {
     pub fn liveness(&self) -> Liveness {
         self.process.liveness()
+    }
+
+    /// The name of its cgroup, if it has one.
+    pub fn cgroup_name(&self) -> CgroupName {
+        self.cgroup
+            .clone()
+            .unwrap_or_else(|| CgroupName::of(&self.id))
     }
 
     /// Write `dir/meta.json` atomically (temp file, fsync, rename).
@@ -80,6 +93,7 @@ impl VmRecord {
             ready: self.ready,
             pages_from_host: self.pages_from_host,
             net: self.net.clone(),
+            cgroup: self.cgroup.as_ref().map(|c| c.as_str().to_string()),
         };
         let tmp = self.dir.join("meta.json.tmp");
         let ctx = format!("writing {}", tmp.display());
@@ -113,6 +127,8 @@ impl VmRecord {
             dir: dir.to_path_buf(),
             // Only a name the network code made: a record never names anything else to remove.
             net: f.net.filter(|n| crate::network::is_child_network(n)),
+            // Likewise a cgroup's name, never a path.
+            cgroup: f.cgroup.as_deref().and_then(CgroupName::parse),
         })
     }
 }

@@ -25,8 +25,10 @@ use serde::{Deserialize, Serialize};
 use tine_vmm::vm::RestoreOptions;
 use tine_vmm::Vm;
 
+use crate::cgroup::{Cgroups, IdleCgroup};
 use crate::console::open_console;
 use crate::error::{HostError, Result};
+use crate::process::ProcessIdentity;
 
 /// The hidden subcommand that runs `worker_main`.
 pub const WORKER_SUBCOMMAND: &str = "__vmm-worker";
@@ -206,24 +208,53 @@ pub struct Worker {
     waiting: bool,
     /// The snapshot it primed itself for (it answered [`PRIMED`]).
     primed: Option<PathBuf>,
+    /// Read as it started, so a spawn that takes it need not.
+    identity: Option<ProcessIdentity>,
+    /// The cgroup it waits in (see [`IdleCgroup`]); removed as it is dropped, after `drop`
+    /// has killed and reaped the worker.
+    cgroup: Option<IdleCgroup>,
 }
 
 impl Worker {
-    fn start(exe: &Path) -> Result<Worker> {
+    /// Start a worker, in a cgroup of its own made from `cgroups` if there are any (without
+    /// one, said in the log, it is moved into its child's at its spawn).
+    fn start(exe: &Path, cgroups: Option<&Cgroups>) -> Result<Worker> {
         let (ours, theirs) = socket_pair().map_err(|source| HostError::Worker {
             exe: exe.to_path_buf(),
             source,
         })?;
-        let mut child = Command::new(exe)
-            .arg(WORKER_SUBCOMMAND)
+        let cgroup = cgroups.and_then(|c| {
+            c.make_idle()
+                .map_err(|e| tracing::warn!("VMM worker pool: a cgroup for a worker: {e}"))
+                .ok()
+        });
+        let mut cmd = Command::new(exe);
+        cmd.arg(WORKER_SUBCOMMAND)
             .stdin(Stdio::piped())
             .stdout(Stdio::from(theirs))
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|source| HostError::Worker {
-                exe: exe.to_path_buf(),
-                source,
-            })?;
+            .stderr(Stdio::null());
+        if let Some(cg) = &cgroup {
+            use std::os::fd::AsRawFd;
+            use std::os::unix::process::CommandExt;
+            let procs = cg.procs().as_raw_fd();
+            // SAFETY: between fork and exec the child only calls write(2), which is
+            // async-signal-safe, on a descriptor the parent keeps open until spawn returns.
+            unsafe {
+                cmd.pre_exec(move || {
+                    // "0": the writing process itself.
+                    if libc::write(procs, b"0".as_ptr().cast(), 1) == 1 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        }
+        let mut child = cmd.spawn().map_err(|source| HostError::Worker {
+            exe: exe.to_path_buf(),
+            source,
+        })?;
+        let identity = ProcessIdentity::of(child.id()).ok();
         let stdin = child.stdin.take().expect("piped stdin");
         let stdout = ours;
         Ok(Worker {
@@ -232,7 +263,22 @@ impl Worker {
             stdout: Some(stdout),
             waiting: false,
             primed: None,
+            identity,
+            cgroup,
         })
+    }
+
+    /// Its identity, read as it started if that could be.
+    pub fn identity(&self) -> std::io::Result<ProcessIdentity> {
+        match &self.identity {
+            Some(i) => Ok(i.clone()),
+            None => ProcessIdentity::of(self.pid()),
+        }
+    }
+
+    /// The cgroup it waits in, if it has one (see [`Worker::run`]).
+    pub fn cgroup(&self) -> Option<&IdleCgroup> {
+        self.cgroup.as_ref()
     }
 
     /// Block until the worker has started and waits for its job (its first byte). A pool that
@@ -305,8 +351,10 @@ impl Worker {
         }
     }
 
-    /// Hand over the job. Returns the process (to reap) and the "restored" signal pipe.
-    pub fn run(mut self, job: &WorkerJob) -> Result<(Child, std::fs::File)> {
+    /// Hand over the job. Returns the process (to reap), the "restored" signal pipe and the
+    /// cgroup it waited in, which the caller keeps ([`IdleCgroup::keep`]) or drops once the
+    /// process is reaped.
+    pub fn run(mut self, job: &WorkerJob) -> Result<(Child, std::fs::File, Option<IdleCgroup>)> {
         // `Order::Run(job)`, written around the borrowed job.
         let mut line = b"{\"run\":".to_vec();
         serde_json::to_writer(&mut line, job).expect("job serializes");
@@ -322,7 +370,7 @@ impl Worker {
         self.wait_started()?;
         let child = self.child.take().expect("a worker runs one job");
         let stdout = self.stdout.take().expect("a worker runs one job");
-        Ok((child, std::fs::File::from(stdout)))
+        Ok((child, std::fs::File::from(stdout), self.cgroup.take()))
     }
 }
 
@@ -378,10 +426,17 @@ pub struct WorkerPool {
     idle: Mutex<Vec<Worker>>,
     refilling: AtomicBool,
     hot: Mutex<Option<Hot>>,
+    /// Each worker is started in a cgroup of its own made here (None: no cgroups).
+    cgroups: Option<Arc<Cgroups>>,
 }
 
 impl WorkerPool {
-    pub fn new(exe: PathBuf, target: usize, auto_refill: bool) -> Arc<WorkerPool> {
+    pub fn new(
+        exe: PathBuf,
+        target: usize,
+        auto_refill: bool,
+        cgroups: Option<Arc<Cgroups>>,
+    ) -> Arc<WorkerPool> {
         Arc::new(WorkerPool {
             exe,
             target,
@@ -389,6 +444,7 @@ impl WorkerPool {
             idle: Mutex::new(Vec::new()),
             refilling: AtomicBool::new(false),
             hot: Mutex::new(None),
+            cgroups,
         })
     }
 
@@ -410,7 +466,7 @@ impl WorkerPool {
         };
         let w = match w {
             Some(w) => w,
-            None => Worker::start(&self.exe)?,
+            None => Worker::start(&self.exe, self.cgroups.as_deref())?,
         };
         if self.auto_refill && self.target > 0 && !self.refilling.swap(true, Ordering::AcqRel) {
             let pool = self.clone();
@@ -461,7 +517,7 @@ impl WorkerPool {
         // Start them all before waiting for any, so their start-ups overlap.
         let mut started = Vec::with_capacity(missing);
         for _ in 0..missing {
-            match Worker::start(&self.exe) {
+            match Worker::start(&self.exe, self.cgroups.as_deref()) {
                 Ok(w) => started.push(w),
                 Err(e) => {
                     tracing::warn!("VMM worker pool: {e}");

@@ -14,8 +14,8 @@ use tine_host::testing::{
     write_counter_guest_snapshot, write_hog_guest_snapshot, write_idle_guest_snapshot,
 };
 use tine_host::{
-    BranchKind, CgroupMode, ErrorKind, FetchMode, Host, HostConfig, HostError, Liveness, Owner,
-    ProcessIdentity, Resources, SpawnOptions, SpawnOutcome, StoreConfig, VmRecord,
+    BranchKind, CgroupMode, CgroupName, ErrorKind, FetchMode, Host, HostConfig, HostError,
+    Liveness, Owner, ProcessIdentity, Resources, SpawnOptions, SpawnOutcome, StoreConfig, VmRecord,
     WORKER_SUBCOMMAND,
 };
 use tine_proto::names::{SandboxId, Tag};
@@ -133,6 +133,7 @@ fn stale_record_is_neither_adopted_nor_killed() {
         pages_from_host: false,
         dir: dir.clone(),
         net: None,
+        cgroup: None,
     }
     .write()
     .unwrap();
@@ -269,7 +270,7 @@ fn children_are_held_to_their_cgroup_limits() {
     assert_eq!(u.memory_max, Some((32 + 128) << 20));
     // The snapshot's pages are the host's: the child holds its VMM and what it wrote.
     assert!(u.memory_current < 32 << 20, "{u:?}");
-    let dir = cg.dir(&idle.id);
+    let dir = host.cgroup_dir(&idle.id).unwrap();
     // Its VMM, and nothing else but the kernel threads KVM starts for the VM in its cgroup.
     let pids = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap();
     let pids: Vec<&str> = pids.lines().collect();
@@ -321,7 +322,21 @@ fn children_are_held_to_their_cgroup_limits() {
         }
     };
     assert!(oom);
-    assert!(!cg.dir(&hog.id).exists(), "the hog's cgroup is removed");
+    // The hog's cgroup is removed: what is left are its siblings'.
+    let vms = dir.parent().unwrap().to_path_buf();
+    let cgroups_left = || -> Vec<std::path::PathBuf> {
+        let mut v: Vec<_> = std::fs::read_dir(&vms)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_dir())
+            .collect();
+        v.sort();
+        v
+    };
+    let mut siblings = vec![dir.clone(), host.cgroup_dir(&busy.id).unwrap()];
+    siblings.sort();
+    assert_eq!(cgroups_left(), siblings);
     // Its siblings run on.
     let live = host.live_ids();
     assert!(
@@ -330,17 +345,63 @@ fn children_are_held_to_their_cgroup_limits() {
     );
 
     // Killed: its cgroup goes with it. A restart keeps the survivor's and removes strays.
+    let busy_dir = host.cgroup_dir(&busy.id).unwrap();
     assert!(host.kill(&busy.id).unwrap());
-    assert!(!cg.dir(&busy.id).exists());
-    let stray = cg.dir(&SandboxId::random("stray"));
+    assert!(!busy_dir.exists());
+    let stray = cg.dir(&CgroupName::of(&SandboxId::random("stray")));
     std::fs::create_dir(&stray).unwrap();
     drop(host);
-    let host = Host::open_exclusive(cfg).unwrap();
+    let host = Host::open_exclusive(cfg.clone()).unwrap();
     assert_eq!(host.live_ids(), vec![idle.id.clone()]);
-    assert!(host.cgroups().unwrap().dir(&idle.id).exists());
+    assert_eq!(host.cgroup_dir(&idle.id), Some(dir.clone()));
+    assert!(dir.exists());
     assert!(!stray.exists(), "a stray cgroup is swept at start");
     host.kill_all();
-    assert!(!host.cgroups().unwrap().dir(&idle.id).exists());
+    assert!(!dir.exists());
+    assert!(cgroups_left().is_empty(), "{:?}", cgroups_left());
+    drop(host);
+
+    // Pre-started workers wait in cgroups of their own, each kept by the child that takes
+    // it, held to its limits.
+    let mut pooled = cfg.clone();
+    pooled.limits.pool_size = 2;
+    pooled.limits.auto_refill = false;
+    let host = Host::open_exclusive(pooled).unwrap();
+    let idle_cgroups = || -> Vec<String> {
+        std::fs::read_dir(&vms)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".idle-"))
+            .collect()
+    };
+    host.prestart_workers(2);
+    let waiting = host.idle_worker_pids();
+    assert_eq!(waiting.len(), 2);
+    assert_eq!(idle_cgroups().len(), 2, "{:?}", idle_cgroups());
+    for pid in &waiting {
+        let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+        let name = own.trim().rsplit('/').next().unwrap().to_string();
+        assert!(name.starts_with(".idle-"), "worker {pid} waits in {own}");
+        let procs = std::fs::read_to_string(vms.join(&name).join("cgroup.procs")).unwrap();
+        assert_eq!(procs.trim(), pid.to_string(), "{name}");
+    }
+    let child = spawn_limited(&host, "idle", Resources::default());
+    child.result.as_ref().expect("a pooled child ready");
+    let pid = child.pid.unwrap();
+    assert!(waiting.contains(&pid), "{pid} was not a pre-started worker");
+    let u = host.usage(&child.id).unwrap().expect("a cgroup");
+    assert_eq!(u.memory_max, Some((32 + 128) << 20));
+    let child_cg = host.cgroup_dir(&child.id).unwrap();
+    let procs = std::fs::read_to_string(child_cg.join("cgroup.procs")).unwrap();
+    assert!(procs.lines().any(|l| l == pid.to_string()), "{procs}");
+    // The one it waited in: no other was made for it.
+    assert_eq!(idle_cgroups().len(), 2, "{:?}", idle_cgroups());
+    host.kill_all();
+    assert!(!child_cg.exists());
+    assert_eq!(idle_cgroups().len(), 1, "{:?}", idle_cgroups());
+    drop(host);
+    assert!(idle_cgroups().is_empty(), "{:?}", idle_cgroups());
 }
 
 /// Pre-started workers are ready when pre-starting returns: each is blocked reading its job
@@ -508,6 +569,7 @@ fn adoption_takes_only_ready_vmm_workers() {
             pages_from_host: false,
             dir,
             net: None,
+            cgroup: None,
         };
         r.write().unwrap();
         r

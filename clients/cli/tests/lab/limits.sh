@@ -19,8 +19,10 @@ cat "$W/spawn-lim"
 L1=$(grep 'ready in' "$W/spawn-lim" | awk 'NR == 1 {print $1}')
 L2=$(grep 'ready in' "$W/spawn-lim" | awk 'NR == 2 {print $1}')
 "$T" sandbox get "$L1" | tee "$W/get-lim"
-# Where the executor put it: under the subtree of `tine up`'s own cgroup, or tine-<hash>.
-cg=$(ls -d /sys/fs/cgroup/tine-*/vms/"$L1" "/sys/fs/cgroup$(sed -n 's/^0:://p' "/proc/$UP/cgroup" | sed 's#/executor$##')/vms/$L1" 2>/dev/null | head -1)
+# Where the executor put it: under the subtree of `tine up`'s own cgroup, or tine-<hash>; named
+# as its record says (the cgroup its VMM worker waited in), or by its id.
+cgn=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("cgroup") or sys.argv[2])' "$W/data/vms/$L1/meta.json" "$L1" 2>/dev/null)
+cg=$(ls -d /sys/fs/cgroup/tine-*/vms/"$cgn" "/sys/fs/cgroup$(sed -n 's/^0:://p' "/proc/$UP/cgroup" | sed 's#/executor$##')/vms/$cgn" 2>/dev/null | head -1)
 if [ -n "$cg" ] && [ "$(cat "$cg/memory.max")" = $((128 << 20)) ] \
    && [ "$(cat "$cg/cpu.max")" = "25000 100000" ] && [ "$(cat "$cg/memory.swap.max" 2>/dev/null || echo 0)" = 0 ] \
    && grep -q '^memory.current:' "$W/get-lim" && grep -q '^memory limit: *128 MiB' "$W/get-lim"; then
