@@ -93,14 +93,16 @@ pub struct BootJob {
 
 impl JobVm {
     /// The directory a confined VMM sees as its snapshots, and the files outside it that it
-    /// must read (a fetched image's memory, a parent's kernel and initrd).
-    fn view(&self) -> Option<(&Path, Vec<PathBuf>)> {
+    /// must read (a fetched image's memory, a parent's kernel and initrd). `linked`: a
+    /// restore's, found already (by the priming for its snapshot); else looked up now.
+    fn view(&self, linked: Option<Vec<PathBuf>>) -> Option<(&Path, Vec<PathBuf>)> {
         match self {
             JobVm::Restore { snapshot, .. } => {
                 let snapshots = snapshot.parent()?;
                 Some((
                     snapshots,
-                    crate::confine::view::linked_files(snapshot, snapshots),
+                    linked
+                        .unwrap_or_else(|| crate::confine::view::linked_files(snapshot, snapshots)),
                 ))
             }
             JobVm::Probe { snapshots } => Some((snapshots, Vec::new())),
@@ -766,17 +768,22 @@ pub fn worker_main() -> anyhow::Result<i32> {
         _ => None,
     };
     cpu.mark("job");
+    // The view step's parts, for vmm.log (see `mark_lines`).
+    let mut view_marks = tine_vmm::marks::Marks::from_now();
     // Own session: signals to the daemon's process group do not reach the VM.
     // SAFETY: setsid has no memory effects.
     unsafe { libc::setsid() };
     crate::confine::before_restore(&job.confine, &mut ahead).context("confining the VMM")?;
+    view_marks.mark("session");
     let t0 = Instant::now();
     // A VMM that gives up root sees only its own files once it has entered the child's
     // network namespace; one that keeps it goes back to the host's mounts now.
-    let view = match (job.confine.user, job.vm.view()) {
+    let linked = primed.as_ref().map(|p| p.linked.clone());
+    let view = match (job.confine.user, job.vm.view(linked)) {
         (Some(_), Some(view)) => Some(view),
         _ => None,
     };
+    view_marks.mark("linked");
     let mounts = ahead
         .take_mounts(view.is_some())
         .context("confining the VMM")?;
@@ -799,8 +806,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
         }
         None => None,
     };
-    // Its parts, for vmm.log (none without a view).
-    let mut view_marks = tine_vmm::marks::Marks::from_now();
+    view_marks.mark("netns");
     let confined_view = match view {
         Some((snapshots, linked)) => {
             crate::confine::view::enter(mounts, &job.dir, snapshots, &linked, &mut view_marks)
@@ -931,6 +937,9 @@ struct PrimedWorker {
     primed: tine_vmm::vm::Primed,
     /// The prefault's vmm.log line.
     prefaulted: String,
+    /// The files outside the snapshots directory its view must show (see `JobVm::view`),
+    /// looked up as it primed: those it primed from.
+    linked: Vec<PathBuf>,
 }
 
 /// What tells one version of a file from another: a snapshot replaced under the same name has
@@ -1005,11 +1014,16 @@ fn prime(p: &PrimeJob, shell: Option<tine_vmm::vm::Shell>) -> anyhow::Result<Pri
         tine_vmm::vm::VmOptions::default(),
     )?;
     let prefaulted = prefault_working_set(primed.vm(), &p.snapshot);
+    let linked = match p.snapshot.parent() {
+        Some(snapshots) => crate::confine::view::linked_files(&p.snapshot, snapshots),
+        None => Vec::new(),
+    };
     Ok(PrimedWorker {
         job: p.clone(),
         files,
         primed,
         prefaulted,
+        linked,
     })
 }
 

@@ -1135,6 +1135,9 @@ fn children_prefault_their_snapshot_s_working_set() {
     // The view's and the lock-down's parts (a worker confined as by default: its own user,
     // its view).
     let view_steps = [
+        "session",
+        "linked",
+        "netns",
         "namespace",
         "root",
         "binds",
