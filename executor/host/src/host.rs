@@ -301,12 +301,6 @@ impl Host {
             }
             Err(e) => return Err(HostError::Cgroup(e.to_string())),
         };
-        if cgroups.is_some() {
-            // Workers start in cgroups of their own: their program's pages are the host's.
-            if let Err(e) = crate::cgroup::charge_program(&cfg.worker_exe) {
-                tracing::warn!(exe = %cfg.worker_exe.display(), "reading the VMM worker's program ahead: {e}");
-            }
-        }
         let pool = WorkerPool::new(
             cfg.worker_exe.clone(),
             cfg.limits.pool_size,

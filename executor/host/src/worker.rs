@@ -450,6 +450,9 @@ pub struct WorkerPool {
     hot: Mutex<Option<Hot>>,
     /// Each worker is started in a cgroup of its own made here (None: no cgroups).
     cgroups: Option<Arc<Cgroups>>,
+    /// The workers' program read once by this process before the first starts in a cgroup
+    /// of its own, so its file pages are charged here, not to that worker's child.
+    program_charged: std::sync::Once,
 }
 
 impl WorkerPool {
@@ -467,7 +470,20 @@ impl WorkerPool {
             refilling: AtomicBool::new(false),
             hot: Mutex::new(None),
             cgroups,
+            program_charged: std::sync::Once::new(),
         })
+    }
+
+    /// Start a worker (see [`Worker::start`]).
+    fn start_worker(&self) -> Result<Worker> {
+        if self.cgroups.is_some() {
+            self.program_charged.call_once(|| {
+                if let Err(e) = crate::cgroup::charge_program(&self.exe) {
+                    tracing::warn!(exe = %self.exe.display(), "reading the VMM worker's program ahead: {e}");
+                }
+            });
+        }
+        Worker::start(&self.exe, self.cgroups.as_deref())
     }
 
     /// An idle worker, or a freshly started one when the pool is empty.
@@ -488,7 +504,7 @@ impl WorkerPool {
         };
         let w = match w {
             Some(w) => w,
-            None => Worker::start(&self.exe, self.cgroups.as_deref())?,
+            None => self.start_worker()?,
         };
         if self.auto_refill && self.target > 0 && !self.refilling.swap(true, Ordering::AcqRel) {
             let pool = self.clone();
@@ -539,7 +555,7 @@ impl WorkerPool {
         // Start them all before waiting for any, so their start-ups overlap.
         let mut started = Vec::with_capacity(missing);
         for _ in 0..missing {
-            match Worker::start(&self.exe, self.cgroups.as_deref()) {
+            match self.start_worker() {
                 Ok(w) => started.push(w),
                 Err(e) => {
                     tracing::warn!("VMM worker pool: {e}");
