@@ -173,6 +173,11 @@ pub struct NetArgs {
     /// Child networks kept prepared.
     #[arg(long, default_value_t = 4)]
     pub net_pool: usize,
+    /// Most child networks kept prepared after spawns found too few: the pool grows by as
+    /// many as they had to make on the spot, and goes back to --net-pool after 5 quiet minutes
+    /// (at most --net-pool: it never grows).
+    #[arg(long, default_value_t = 32)]
+    pub net_pool_max: usize,
     /// Do not rewrite children's traffic to this host's address on its way out (only when
     /// the link network is routed to this host).
     #[arg(long)]
@@ -226,6 +231,8 @@ impl NetArgs {
             dns,
             links: parse("net-links", &self.net_links)?,
             pool: self.net_pool,
+            pool_max: self.net_pool_max,
+            pool_shrink_after: NetConfig::default().pool_shrink_after,
             masquerade: !self.net_no_masquerade,
             expose_ip: self.net_expose_ip,
         }))
@@ -333,6 +340,7 @@ mod tests {
             net_dns: vec![],
             net_links: "10.200.0.0/16".into(),
             net_pool: 1,
+            net_pool_max: 1,
             net_no_masquerade: false,
             net_expose_ip: "127.0.0.1".parse().unwrap(),
         };

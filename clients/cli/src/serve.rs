@@ -93,9 +93,8 @@ pub struct UpArgs {
     max_sandboxes: u32,
     #[command(flatten)]
     lifetimes: LifetimeArgs,
-    /// VMM worker processes kept started for fast spawns.
-    #[arg(long, default_value_t = 8)]
-    pool: usize,
+    #[command(flatten)]
+    pool: PoolArgs,
     /// Most memory (MiB of image data) held as copies of hot snapshots' memory in huge
     /// pages, which their children map 2 MiB at a time; only where shared memory may use
     /// transparent huge pages (`tine doctor`). 0: off.
@@ -209,7 +208,9 @@ pub fn up(a: UpArgs) -> Result<i32> {
                 data.clone(),
                 tine_host::Limits {
                     max_vms: a.max_sandboxes,
-                    pool_size: a.pool,
+                    pool_size: a.pool.pool,
+                    pool_max: a.pool.pool_max,
+                    pool_shrink_after: std::time::Duration::from_secs(a.pool.pool_shrink_secs),
                     hot_image_mib: a.hot_image_mib,
                     merge_pages: a.merge_pages,
                     prime_workers: !a.no_prime,
@@ -303,6 +304,23 @@ pub struct ControlPlaneArgs {
     allow_plaintext_remote: bool,
     #[command(flatten)]
     lifetimes: LifetimeArgs,
+}
+
+/// The executor's pool of pre-started VMM workers (`tine up`, `tine executor`).
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct PoolArgs {
+    /// VMM worker processes kept started (and primed for the snapshot last spawned from) for
+    /// fast spawns; 0: one is started per spawn.
+    #[arg(long, default_value_t = 8)]
+    pool: usize,
+    /// Most workers the pool grows to after spawns found it short: it grows by as many as
+    /// they had to start, so the next burst of that size finds them ready (at most --pool:
+    /// it never grows).
+    #[arg(long, default_value_t = 32)]
+    pool_max: usize,
+    /// A grown pool goes back to --pool once no spawn found it short for this many seconds.
+    #[arg(long, default_value_t = 300)]
+    pool_shrink_secs: u64,
 }
 
 /// How long sandboxes live (`tine up`, `tine control-plane`).
@@ -449,8 +467,8 @@ pub struct ExecutorArgs {
     tls_key: Option<PathBuf>,
     #[arg(long, default_value_t = 256)]
     max_sandboxes: u32,
-    #[arg(long, default_value_t = 8)]
-    pool: usize,
+    #[command(flatten)]
+    pool: PoolArgs,
     /// Most memory (MiB of image data) held as copies of hot snapshots' memory in huge
     /// pages, which their children map 2 MiB at a time; only where shared memory may use
     /// transparent huge pages (`tine doctor`). 0: off.
@@ -527,7 +545,9 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
                     data,
                     tine_host::Limits {
                         max_vms: a.max_sandboxes,
-                        pool_size: a.pool,
+                        pool_size: a.pool.pool,
+                        pool_max: a.pool.pool_max,
+                        pool_shrink_after: std::time::Duration::from_secs(a.pool.pool_shrink_secs),
                         hot_image_mib: a.hot_image_mib,
                         merge_pages: a.merge_pages,
                         prime_workers: !a.no_prime,

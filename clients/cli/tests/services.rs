@@ -153,6 +153,7 @@ async fn executor(
             limits: Limits {
                 max_vms,
                 pool_size: 1,
+                pool_max: 1,
                 ..Limits::default()
             },
             store: store.map(|s| StoreConfig {

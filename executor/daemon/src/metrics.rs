@@ -11,6 +11,8 @@ pub struct ExecutorMetrics {
     /// Seconds per spawn phase (handoff, restore, running, agent, fixup, total).
     pub spawn_phase: HistogramVec,
     pub pool_idle: IntGauge,
+    /// Idle workers the pool keeps now: its floor, or more after bursts found it short.
+    pub pool_target: IntGauge,
     pub vms_running: IntGauge,
     /// Children that did not become ready, by reason.
     pub spawn_failures: IntCounterVec,
@@ -43,6 +45,13 @@ impl ExecutorMetrics {
             "Pre-started VMM worker processes waiting for a snapshot",
         )
         .expect("metric");
+        let pool_target = IntGauge::new(
+            "tine_executor_pool_target_workers",
+            "Idle VMM workers the pool keeps now: --pool, grown (up to --pool-max) by the \
+             workers spawns had to start when they found it short, back to --pool after a \
+             quiet period",
+        )
+        .expect("metric");
         let vms_running =
             IntGauge::new("tine_executor_vms_running", "VMs this executor runs").expect("metric");
         let spawn_failures = IntCounterVec::new(
@@ -72,6 +81,7 @@ impl ExecutorMetrics {
         for c in [
             Box::new(spawn_phase.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(pool_idle.clone()),
+            Box::new(pool_target.clone()),
             Box::new(vms_running.clone()),
             Box::new(spawn_failures.clone()),
             Box::new(agent_retries.clone()),
@@ -84,6 +94,7 @@ impl ExecutorMetrics {
             registry,
             spawn_phase,
             pool_idle,
+            pool_target,
             vms_running,
             spawn_failures,
             agent_retries,

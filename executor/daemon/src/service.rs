@@ -142,6 +142,7 @@ impl State {
             .collect();
         self.metrics.vms_running.set(live.len() as i64);
         self.metrics.pool_idle.set(self.host.idle_workers() as i64);
+        self.metrics.pool_target.set(self.host.pool_target() as i64);
         pb::ExecutorReport {
             capacity: Some(pb::Capacity {
                 max_sandboxes: self.host.config().limits.max_vms,
@@ -213,6 +214,7 @@ impl State {
             .vms_running
             .set(self.host.live_ids().len() as i64);
         self.metrics.pool_idle.set(self.host.idle_workers() as i64);
+        self.metrics.pool_target.set(self.host.pool_target() as i64);
     }
 }
 

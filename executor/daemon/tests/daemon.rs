@@ -43,6 +43,7 @@ async fn start(data: &Path, token: &str, max_vms: u32) -> RunningExecutor {
             limits: Limits {
                 max_vms,
                 pool_size: 1,
+                pool_max: 1,
                 ready_timeout: Duration::from_secs(60),
                 ..Limits::default()
             },

@@ -51,8 +51,13 @@ pub enum Readiness {
 pub struct Limits {
     /// Most VMs this host runs at once; spawns past it fail as [`crate::HostError::Full`].
     pub max_vms: u32,
-    /// Idle VMM worker processes kept started (0: start one per spawn).
+    /// Idle VMM worker processes kept started (0: start one per spawn, and no growth).
     pub pool_size: usize,
+    /// Most idle workers the pool grows to after spawns found it short: by as many as they
+    /// started on demand (at most `pool_size`: it never grows; see [`crate::pool_size`]).
+    pub pool_max: usize,
+    /// A grown pool goes back to `pool_size` once no spawn found it short for this long.
+    pub pool_shrink_after: Duration,
     /// Replace a taken worker in the background (a daemon), or only when asked (a one-shot
     /// `tine fork` that pre-starts what it needs before its clock starts).
     pub auto_refill: bool,
@@ -80,6 +85,8 @@ impl Default for Limits {
         Limits {
             max_vms: 256,
             pool_size: 8,
+            pool_max: 32,
+            pool_shrink_after: Duration::from_secs(300),
             auto_refill: true,
             ready_timeout: Duration::from_millis(DEFAULT_READY_TIMEOUT_MS as u64),
             parent_ready_timeout: Duration::from_secs(900),
@@ -96,6 +103,7 @@ impl Limits {
         Limits {
             max_vms: MAX_SPAWN,
             pool_size: 0,
+            pool_max: 0,
             auto_refill: false,
             // It exits after one spawn: a copy filled after it would serve nobody.
             hot_image_mib: 0,

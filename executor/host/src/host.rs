@@ -303,7 +303,11 @@ impl Host {
         };
         let pool = WorkerPool::new(
             cfg.worker_exe.clone(),
-            cfg.limits.pool_size,
+            crate::pool_size::PoolBounds {
+                floor: cfg.limits.pool_size,
+                ceiling: cfg.limits.pool_max,
+                shrink_after: cfg.limits.pool_shrink_after,
+            },
             cfg.limits.auto_refill,
             cgroups.clone(),
         );
@@ -559,6 +563,12 @@ impl Host {
 
     pub fn idle_workers(&self) -> usize {
         self.pool.idle()
+    }
+
+    /// Idle workers the pool keeps now: `Limits::pool_size`, or more after bursts found it
+    /// short (up to `Limits::pool_max`).
+    pub fn pool_target(&self) -> usize {
+        self.pool.target()
     }
 
     /// The process ids of the idle VMM workers, each started and waiting for its job.
@@ -1178,6 +1188,9 @@ impl Host {
     ) -> Result<()> {
         let result = {
             let _spawning = self.fetcher.as_ref().map(|f| f.in_flight());
+            // The pool's refill waits for it: workers started meanwhile would compete with
+            // its children for the CPU.
+            let _burst = self.pool.spawning();
             self.spawn_in_flight(tag, ids, opts, report)
         };
         self.enforce_cache_bound();
@@ -1895,6 +1908,12 @@ impl Host {
     /// Forget ready VMs whose VMM exited, reaping our own processes; returns each with its
     /// reason and the tail of its vmm.log. Children not ready yet belong to their spawn.
     pub fn reap(&self) -> Vec<Ended> {
+        // Run every second by a daemon: pools grown for bursts go back to their floors once
+        // they stop.
+        self.pool.shrink_if_quiet();
+        if let Some(net) = &self.network {
+            net.shrink_if_quiet();
+        }
         let mut gone = Vec::new();
         self.vms().live.retain(|id, l| {
             if !l.ready {

@@ -20,6 +20,7 @@ pub mod network;
 pub mod pagemap;
 pub mod parent;
 pub mod pidlock;
+pub mod pool_size;
 pub mod process;
 pub mod ready;
 pub mod records;

@@ -268,6 +268,8 @@ pub fn test_host_config(data: &Path, max_vms: u32, pool_size: usize) -> crate::H
         limits: crate::Limits {
             max_vms,
             pool_size,
+            // A fixed pool: tests that grow it say so.
+            pool_max: pool_size,
             ready_timeout: Duration::from_secs(60),
             ..crate::Limits::default()
         },

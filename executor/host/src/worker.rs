@@ -28,6 +28,7 @@ use tine_vmm::Vm;
 use crate::cgroup::{Cgroups, IdleCgroup};
 use crate::console::open_console;
 use crate::error::{HostError, Result};
+use crate::pool_size::{PoolBounds, PoolSize};
 use crate::process::ProcessIdentity;
 
 /// The hidden subcommand that runs `worker_main`.
@@ -436,12 +437,21 @@ pub struct Hot {
 /// How many idle workers are primed at once: the others stay ready to be taken meanwhile.
 const PRIME_BATCH: usize = 4;
 
-/// Keeps up to `target` idle workers started, primed for the hot snapshot if there is one. At
-/// most one refill runs at a time and it stops at `target`, so a burst of spawns never leaves
-/// more than `target` idle workers behind.
+/// How long a refill waits for the spawns in flight to end before it starts workers anyway:
+/// started meanwhile, they would take the CPU those spawns' children need.
+const REFILL_WAITS_FOR_SPAWNS: Duration = Duration::from_secs(5);
+
+/// Keeps up to its target of idle workers started, primed for the hot snapshot if there is
+/// one. The target grows by what spawns found missing, up to a ceiling, and shrinks back after
+/// a quiet period ([`PoolSize`]). At most one refill runs at a time; it waits for the spawns
+/// in flight to end, then stops at the target, so a burst of spawns never leaves more than
+/// that idle behind.
 pub struct WorkerPool {
     exe: PathBuf,
-    target: usize,
+    size: PoolSize,
+    /// Spawns in flight (see [`WorkerPool::spawning`]), and its change.
+    in_flight: Mutex<usize>,
+    quiet: std::sync::Condvar,
     /// Start a replacement in the background whenever one is taken (a daemon), or only when
     /// asked (a one-shot fork that pre-starts all it needs before its clock starts).
     auto_refill: bool,
@@ -458,13 +468,15 @@ pub struct WorkerPool {
 impl WorkerPool {
     pub fn new(
         exe: PathBuf,
-        target: usize,
+        bounds: PoolBounds,
         auto_refill: bool,
         cgroups: Option<Arc<Cgroups>>,
     ) -> Arc<WorkerPool> {
         Arc::new(WorkerPool {
             exe,
-            target,
+            size: PoolSize::new(bounds),
+            in_flight: Mutex::new(0),
+            quiet: std::sync::Condvar::new(),
             auto_refill,
             idle: Mutex::new(Vec::new()),
             refilling: AtomicBool::new(false),
@@ -504,16 +516,81 @@ impl WorkerPool {
         };
         let w = match w {
             Some(w) => w,
-            None => self.start_worker()?,
+            None => {
+                self.size.missed(Instant::now());
+                self.start_worker()?
+            }
         };
-        if self.auto_refill && self.target > 0 && !self.refilling.swap(true, Ordering::AcqRel) {
+        if self.auto_refill
+            && self.size.target() > 0
+            && !self.refilling.swap(true, Ordering::AcqRel)
+        {
             let pool = self.clone();
-            std::thread::spawn(move || {
-                pool.fill_to(pool.target);
+            std::thread::spawn(move || loop {
+                pool.wait_for_spawns(REFILL_WAITS_FOR_SPAWNS);
+                // After the wait: what the burst found missing is counted by then.
+                pool.size.grow();
+                pool.fill_to_target();
                 pool.refilling.store(false, Ordering::Release);
+                // Takes that found the pool short after the wait (a burst longer than it) saw
+                // this refill running and left the growth to it.
+                if pool.size.pending() == 0 || pool.refilling.swap(true, Ordering::AcqRel) {
+                    break;
+                }
             });
         }
         Ok(w)
+    }
+
+    /// A spawn in flight until the guard drops: a refill waits for it (at most
+    /// [`REFILL_WAITS_FOR_SPAWNS`]).
+    pub fn spawning(&self) -> Spawning<'_> {
+        *self.in_flight.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        Spawning(self)
+    }
+
+    /// Until no spawn is in flight, or `at_most` passed.
+    fn wait_for_spawns(&self, at_most: Duration) {
+        let n = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = self
+            .quiet
+            .wait_timeout_while(n, at_most, |n| *n > 0)
+            .unwrap_or_else(|p| p.into_inner());
+    }
+
+    /// Idle workers the pool keeps now (its floor, or more after bursts found it short).
+    pub fn target(&self) -> usize {
+        self.size.target()
+    }
+
+    /// Back to its floor once no spawn found it short for its quiet period: the surplus idle
+    /// workers are ended, those primed for no snapshot or another than the hot one first.
+    pub fn shrink_if_quiet(&self) {
+        let Some(target) = self.size.shrink(Instant::now()) else {
+            return;
+        };
+        let hot = self
+            .hot
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|h| h.job.snapshot.clone());
+        let surplus: Vec<Worker> = {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            // Primed for the hot snapshot last, so they are the ones kept.
+            idle.sort_by_key(|w| hot.as_deref().is_some_and(|h| w.primed_for(h)));
+            let n = idle.len().saturating_sub(target);
+            idle.drain(..n).collect()
+        };
+        if !surplus.is_empty() {
+            tracing::info!(
+                ended = surplus.len(),
+                target,
+                "VMM worker pool: back to its floor after a quiet period"
+            );
+        }
+        // Each is killed and reaped as it is dropped, outside the lock.
+        drop(surplus);
     }
 
     /// Prime idle workers for `hot` from now on (None: no more priming). Those primed for
@@ -543,15 +620,25 @@ impl WorkerPool {
         drop(gone);
     }
 
-    /// Start workers until `target` are idle.
+    /// Start workers until the target are idle.
     pub fn refill(&self) {
-        self.fill_to(self.target);
+        self.fill_to_target();
     }
 
     /// Start workers until `n` are idle, each waiting for its job (a one-shot fork pre-starts
     /// exactly what it needs), then prime the idle ones for the hot snapshot.
     pub fn fill_to(&self, n: usize) {
-        let missing = n.saturating_sub(self.idle());
+        self.fill(|| n);
+    }
+
+    /// Start workers until the pool's target are idle, never past the target as it is when
+    /// each is ready (it may shrink meanwhile).
+    fn fill_to_target(&self) {
+        self.fill(|| self.size.target());
+    }
+
+    fn fill(&self, want: impl Fn() -> usize) {
+        let missing = want().saturating_sub(self.idle());
         // Start them all before waiting for any, so their start-ups overlap.
         let mut started = Vec::with_capacity(missing);
         for _ in 0..missing {
@@ -569,9 +656,9 @@ impl WorkerPool {
                 continue;
             }
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-            // Spawns may have been served from the pool meanwhile; never exceed n (a surplus
-            // worker is killed and reaped as it is dropped).
-            if idle.len() < n {
+            // Spawns may have been served from the pool meanwhile; never exceed what is
+            // wanted now (a surplus worker is killed and reaped as it is dropped).
+            if idle.len() < want() {
                 idle.push(w);
             }
         }
@@ -667,6 +754,19 @@ impl WorkerPool {
     pub fn idle_pids(&self) -> Vec<u32> {
         let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         idle.iter().map(Worker::pid).collect()
+    }
+}
+
+/// A spawn in flight ([`WorkerPool::spawning`]).
+pub struct Spawning<'a>(&'a WorkerPool);
+
+impl Drop for Spawning<'_> {
+    fn drop(&mut self) {
+        let mut n = self.0.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            self.0.quiet.notify_all();
+        }
     }
 }
 

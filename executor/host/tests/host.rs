@@ -1,6 +1,7 @@
 //! The host crate on this machine's /dev/kvm with a hand-made idle guest: snapshot, spawn,
 //! list, kill, re-adoption after a restart, a stale record whose pid belongs to another
-//! process, a full host, and a burst that must not leave idle workers behind.
+//! process, a full host, and a burst that grows the worker pool only to its ceiling, and a
+//! quiet period that takes it back to its floor.
 //!
 //! Its own main (harness = false): started as `host __vmm-worker`, this binary is the VMM
 //! worker the host hands snapshots to, as `tine __vmm-worker` is in production.
@@ -475,9 +476,13 @@ fn workers_without_a_user_of_their_own_go_back_to_the_host_s_mounts() {
 
 fn a_burst_leaves_at_most_the_pool_idle() {
     let tmp = data_dir_with_snapshot();
-    let pool = 3;
-    let host = Host::open_exclusive(config(tmp.path(), 40, pool)).unwrap();
+    let (pool, pool_max) = (3, 6);
+    let mut cfg = config(tmp.path(), 40, pool);
+    cfg.limits.pool_max = pool_max;
+    cfg.limits.pool_shrink_after = Duration::from_secs(2);
+    let host = Host::open_exclusive(cfg).unwrap();
     host.fill_pool();
+    assert_eq!(host.pool_target(), pool);
     // 1000 requests against 40 slots: every one takes the spawn path, 40 get a worker.
     let outcomes = spawn(&host, ids(1000));
     let ready = outcomes.iter().filter(|o| o.result.is_ok()).count();
@@ -491,17 +496,55 @@ fn a_burst_leaves_at_most_the_pool_idle() {
         "every child is ready or refused as full"
     );
     assert_eq!(ready, 40);
-    // Let any refill finish, then count idle workers (processes waiting for a job).
+    // 37 children found the pool short: it grows, to its ceiling, once the burst is over.
     let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(2) {
+    while host.idle_workers() < pool_max && t0.elapsed() < Duration::from_secs(60) {
         std::thread::sleep(Duration::from_millis(100));
     }
+    assert_eq!(host.pool_target(), pool_max);
+    assert_eq!(host.idle_workers(), pool_max, "the grown pool is filled");
+    // Let any refill finish: never more idle than the target.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(host.idle_workers(), pool_max);
+    for pid in host.idle_worker_pids() {
+        assert!(
+            Path::new(&format!("/proc/{pid}")).exists(),
+            "idle worker {pid} runs"
+        );
+    }
+    host.kill_all();
+    // A spawn served from the grown pool finds it no longer short: no growth past it, and
+    // the quiet period still ends.
+    let outcomes = spawn(&host, ids(2));
+    assert!(outcomes.iter().all(|o| o.result.is_ok()));
+    host.kill_all();
+    let t0 = Instant::now();
+    while host.idle_workers() < pool_max && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(host.pool_target(), pool_max);
+    // Quiet for its shrink period: the daemon's reaping takes it back to its floor, ending
+    // the surplus workers.
+    std::thread::sleep(Duration::from_millis(2_100));
+    let surplus = host.idle_worker_pids();
+    host.reap();
+    assert_eq!(host.pool_target(), pool);
     assert!(
         host.idle_workers() <= pool,
-        "{} idle workers after the burst (pool {pool})",
+        "{} idle workers after the quiet period (floor {pool})",
         host.idle_workers()
     );
-    host.kill_all();
+    let ended: Vec<u32> = surplus
+        .into_iter()
+        .filter(|p| !host.idle_worker_pids().contains(p))
+        .collect();
+    assert!(!ended.is_empty());
+    for pid in ended {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "surplus worker {pid} was reaped"
+        );
+    }
 }
 
 /// A kill that arrives while a child waits its turn cancels it: it never starts, and nothing

@@ -321,6 +321,55 @@ fn a_drain_during_a_refill_leaves_nothing() {
     }
 }
 
+/// Takes that find the pool empty make namespaces on the spot; the refill then grows the pool
+/// by as many, up to its ceiling, and a quiet period takes it back to its floor, removing the
+/// surplus.
+fn the_pool_grows_after_a_burst_and_shrinks_when_quiet() {
+    let tmp = tempfile::tempdir().unwrap();
+    let before = leftovers();
+    let cfg = NetConfig {
+        links: "10.203.0.0/16".parse().unwrap(),
+        pool: 1,
+        pool_max: 3,
+        pool_shrink_after: Duration::from_secs(1),
+        ..NetConfig::default()
+    };
+    let policy = cfg.default_policy.clone();
+    let net = Network::open(cfg, tmp.path()).unwrap();
+    net.fill();
+    assert_eq!((net.idle(), net.pool_target()), (1, 1));
+    // A burst of four: one from the pool, three made on the spot.
+    let taken: Vec<_> = (0..4).map(|_| net.take(&policy).unwrap()).collect();
+    net.refill_in_background();
+    let t0 = std::time::Instant::now();
+    while net.idle() < 3 && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(net.pool_target(), 3, "grown by three, held to its ceiling");
+    assert_eq!(net.idle(), 3);
+    assert_eq!(leftovers().0, before.0 + 4 + 3);
+    // Quiet for its shrink period: back to one prepared namespace.
+    std::thread::sleep(Duration::from_millis(1_100));
+    net.shrink_if_quiet();
+    let t0 = std::time::Instant::now();
+    while leftovers().0 > before.0 + 4 + 1 && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!((net.idle(), net.pool_target()), (1, 1));
+    assert_eq!(leftovers(), (before.0 + 5, before.1 + 5));
+    assert_eq!(
+        net.recorded().len(),
+        5,
+        "records of the removed ones are gone"
+    );
+    for l in taken {
+        net.release(l);
+    }
+    net.remove_host_table();
+    assert_eq!(leftovers(), before);
+    assert!(net.recorded().is_empty());
+}
+
 fn main() {
     serve_as_worker_if_asked();
     if !kvm_available() {
@@ -346,7 +395,11 @@ fn main() {
         return;
     }
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let tests: [(&str, fn()); 3] = [
+    let tests: [(&str, fn()); 4] = [
+        (
+            "the_pool_grows_after_a_burst_and_shrinks_when_quiet",
+            the_pool_grows_after_a_burst_and_shrinks_when_quiet,
+        ),
         (
             "a_drain_during_a_refill_leaves_nothing",
             a_drain_during_a_refill_leaves_nothing,

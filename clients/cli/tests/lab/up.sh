@@ -111,13 +111,16 @@ cat "$W/py-branch"
 EXM=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["executor_metrics"])' "$W/data/up.json")
 python3 -c 'import sys,urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
   "http://$EXM/metrics" >"$W/executor-metrics" 2>&1
-grep -E '^tine_executor_(spawn_phase_seconds_(sum|count)|pool_idle_workers|vms_running|spawn_failures_total|oom_kills_total)' "$W/executor-metrics"
+grep -E '^tine_executor_(spawn_phase_seconds_(sum|count)|pool_(idle|target)_workers|vms_running|spawn_failures_total|oom_kills_total)' "$W/executor-metrics"
 n=$(sed -n 's/^tine_executor_spawn_phase_seconds_count{phase="restore"} //p' "$W/executor-metrics")
 missing=""
 for p in network handoff restore running agent fixup total; do
   grep -q "^tine_executor_spawn_phase_seconds_count{phase=\"$p\"} [1-9]" "$W/executor-metrics" || missing="$missing $p"
 done
 oom=$(sed -n 's/^tine_executor_oom_kills_total //p' "$W/executor-metrics")
+# The pool's target: --pool 4, or grown (up to the default --pool-max 32) by spawns that found it short.
+target=$(sed -n 's/^tine_executor_pool_target_workers //p' "$W/executor-metrics")
+[ "${target:-0}" -ge 4 ] && [ "${target:-0}" -le 32 ] || missing="$missing pool-target(${target:-none})"
 [ -z "$missing" ] && [ "${n:-0}" -ge 3 ] && [ "${oom:-0}" -ge 1 ] && ok executor-metrics \
   || fail executor-metrics "phases without observations:$missing (restore count ${n:-none}; oom kills ${oom:-none})"
 kill -TERM $UP; wait $UP && ok shutdown || fail shutdown "tine up exited $?"

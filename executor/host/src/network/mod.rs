@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex};
 pub use policy::{Policy, Target, TargetError, MAX_ENTRIES};
 
 use crate::error::{HostError, Result};
+use crate::pool_size::{PoolBounds, PoolSize};
 
 /// The guest's side, the same in every guest and every clone.
 pub const GUEST_ADDR: Ipv4Addr = Ipv4Addr::new(10, 254, 0, 2);
@@ -47,8 +48,13 @@ pub struct NetConfig {
     pub dns: Vec<Ipv4Addr>,
     /// The /30 links between the host and each namespace are cut from this network.
     pub links: Target,
-    /// Namespaces kept prepared.
+    /// Namespaces kept prepared (0: one is made per spawn, and the pool never grows).
     pub pool: usize,
+    /// Most namespaces the pool grows to after spawns found it short, by as many as they
+    /// made on the spot (at most `pool`: it never grows; see [`crate::pool_size`]).
+    pub pool_max: usize,
+    /// A grown pool goes back to `pool` once no spawn found it short for this long.
+    pub pool_shrink_after: std::time::Duration,
     /// Rewrite children's traffic to the host's address when it leaves the host (needed to
     /// reach anything that has no route back to `links`).
     pub masquerade: bool,
@@ -71,6 +77,8 @@ impl Default for NetConfig {
                 port: None,
             },
             pool: 4,
+            pool_max: 32,
+            pool_shrink_after: std::time::Duration::from_secs(300),
             masquerade: true,
             expose_ip: std::net::IpAddr::V4(Ipv4Addr::LOCALHOST),
         }
@@ -131,6 +139,8 @@ pub struct Network {
     closed: AtomicBool,
     leases: PathBuf,
     idle: Mutex<Vec<Lease>>,
+    /// How many to keep prepared: `pool`, grown after bursts made namespaces on the spot.
+    size: PoolSize,
     next: AtomicU32,
     refilling: AtomicBool,
     /// The latest refill thread, joined by the drain: once the host is closed, nothing is
@@ -154,12 +164,18 @@ impl Network {
         let leases = data_dir.join("net");
         std::fs::create_dir_all(&leases)
             .map_err(HostError::io(format!("creating {}", leases.display())))?;
+        let size = PoolSize::new(PoolBounds {
+            floor: cfg.pool,
+            ceiling: cfg.pool_max,
+            shrink_after: cfg.pool_shrink_after,
+        });
         let net = Arc::new(Network {
             cfg,
             host_table,
             closed: AtomicBool::new(false),
             leases,
             idle: Mutex::new(Vec::new()),
+            size,
             next: AtomicU32::new(0),
             refilling: AtomicBool::new(false),
             refill: Mutex::new(None),
@@ -213,7 +229,10 @@ impl Network {
         let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let mut lease = match pooled {
             Some(l) => l,
-            None => self.prepare()?,
+            None => {
+                self.size.missed(std::time::Instant::now());
+                self.prepare()?
+            }
         };
         if lease.policy != *policy {
             if let Err(e) = setup::apply_policy(lease.index, &self.cfg, policy) {
@@ -230,11 +249,18 @@ impl Network {
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
-    /// Prepare namespaces until the pool holds `pool` of them.
+    /// Namespaces the pool keeps prepared now.
+    pub fn pool_target(&self) -> usize {
+        self.size.target()
+    }
+
+    /// Prepare namespaces until the pool holds its target, grown first by what spawns found
+    /// missing since.
     pub fn fill(&self) {
+        self.size.grow();
         loop {
             if self.closed.load(Ordering::Acquire)
-                || self.idle.lock().unwrap_or_else(|p| p.into_inner()).len() >= self.cfg.pool
+                || self.idle.lock().unwrap_or_else(|p| p.into_inner()).len() >= self.size.target()
             {
                 return;
             }
@@ -272,6 +298,43 @@ impl Network {
         // The thread before has finished (`refilling` was clear), so it needs no join.
         *refill = Some(std::thread::spawn(move || {
             background_priority();
+            net.fill();
+            net.refilling.store(false, Ordering::Release);
+        }));
+    }
+
+    /// Back to its floor once no spawn found the pool short for its quiet period: the surplus
+    /// namespaces are removed by the same background thread as a refill (so a drain waits
+    /// for it). Cheap when there is nothing to do: the daemon calls it every second.
+    pub fn shrink_if_quiet(self: &Arc<Self>) {
+        let mut refill = self.refill.lock().unwrap_or_else(|p| p.into_inner());
+        if self.closed.load(Ordering::Acquire) || self.refilling.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let surplus: Vec<Lease> = match self.size.shrink(std::time::Instant::now()) {
+            None => Vec::new(),
+            Some(target) => {
+                let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+                let n = idle.len().saturating_sub(target);
+                idle.drain(..n).collect()
+            }
+        };
+        if surplus.is_empty() {
+            self.refilling.store(false, Ordering::Release);
+            return;
+        }
+        tracing::info!(
+            removed = surplus.len(),
+            "child networks: the pool goes back to its floor after a quiet period"
+        );
+        let net = self.clone();
+        *refill = Some(std::thread::spawn(move || {
+            background_priority();
+            for l in surplus {
+                net.release(l);
+            }
+            // Spawns that took from the pool meanwhile asked for a refill this thread kept
+            // from starting: top it up to the floor.
             net.fill();
             net.refilling.store(false, Ordering::Release);
         }));
