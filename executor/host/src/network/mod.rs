@@ -13,6 +13,8 @@
 //! replies and what the host forwards to it.
 
 pub mod expose;
+mod netlink;
+mod netns;
 mod policy;
 mod setup;
 

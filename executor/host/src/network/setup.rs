@@ -1,11 +1,16 @@
-//! The commands behind a child network: `ip` for namespaces, links and addresses, `nft` for
-//! rules. Every name and address in them is made here from an index or a checked [`Policy`].
+//! What makes a child network: its namespace, links, addresses and route in-process
+//! ([`netns`], [`super::netlink`]), its rules with `nft`. Every name and address is made here
+//! from an index or a checked [`Policy`].
 
 use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use std::os::fd::AsRawFd;
+
+use super::netlink::Rtnl;
+use super::netns;
 use super::{NetConfig, Policy, GATEWAY, GUEST_ADDR, GUEST_PREFIX, TAP, TAP_MAC};
 use crate::error::{HostError, Result};
 
@@ -55,7 +60,7 @@ fn run(program: &str, args: &[&str], input: Option<&str>) -> Result<()> {
         .map_err(|e| HostError::Network {
             what: what(),
             reason: if e.kind() == std::io::ErrorKind::NotFound {
-                format!("{program} is not installed (Debian: apt install iproute2 nftables)")
+                format!("{program} is not installed (Debian: apt install nftables)")
             } else {
                 e.to_string()
             },
@@ -82,7 +87,6 @@ fn run(program: &str, args: &[&str], input: Option<&str>) -> Result<()> {
 }
 
 pub(super) fn check_tools() -> Result<()> {
-    run("ip", &["-V"], None)?;
     run("nft", &["--version"], None)?;
     if !Path::new("/dev/net/tun").exists() {
         return Err(HostError::NetworkRefused(
@@ -189,56 +193,80 @@ pub(super) enum CreateError {
     Failed(HostError),
 }
 
-/// Namespace `index` with its tap, its veth link to the host and the default policy.
+/// The MAC in [`TAP_MAC`] as bytes.
+fn tap_mac() -> [u8; 6] {
+    let mut mac = [0u8; 6];
+    for (b, part) in mac.iter_mut().zip(TAP_MAC.split(':')) {
+        *b = u8::from_str_radix(part, 16).expect("TAP_MAC is a MAC");
+    }
+    mac
+}
+
+/// Namespace `index` with its tap, its veth link to the host and the default policy: the
+/// namespace, links, addresses and route made in-process (netlink, the tun device), its rules
+/// by one `nft` run inside it.
 pub(super) fn create(index: u32, cfg: &NetConfig) -> Result<(), CreateError> {
     let name = ns_name(index);
-    if let Err(e) = run("ip", &["netns", "add", &name], None) {
-        return Err(if ns_path(index).exists() {
-            CreateError::Taken
-        } else {
-            CreateError::Failed(e)
-        });
-    }
+    let ns = ns_path(index);
     let (host, inner) = link_addrs(cfg, index);
     let v = veth(index);
-    let host_side = format!(
-        "link add {v} type veth peer name {NS_VETH} netns {name}\n\
-         addr add {host}/30 dev {v}\nlink set {v} up\n"
-    );
-    let inside = format!(
-        "link set lo up\n\
-         tuntap add dev {TAP} mode tap vnet_hdr\n\
-         link set {TAP} address {TAP_MAC}\n\
-         addr add {GATEWAY}/{GUEST_PREFIX} dev {TAP}\n\
-         link set {TAP} up\n\
-         addr add {inner}/30 dev {NS_VETH}\n\
-         link set {NS_VETH} up\n\
-         route add default via {host}\n"
-    );
-    let ns = ns_path(index);
-    let made = run("ip", &["-batch", "-"], Some(&host_side)).and_then(|()| {
-        in_netns(&ns, || {
-            // IPv4 only: nothing in the namespace speaks IPv6 (its rules are IPv4 rules).
-            for knob in [
-                "/proc/sys/net/ipv6/conf/all/disable_ipv6",
-                "/proc/sys/net/ipv6/conf/default/disable_ipv6",
-            ] {
-                if let Err(e) = std::fs::write(knob, "1") {
-                    tracing::debug!("{knob} in {name}: {e} (no IPv6 in this kernel?)");
-                }
-            }
-            run("ip", &["-batch", "-"], Some(&inside))?;
-            let knob = "/proc/sys/net/ipv4/ip_forward";
-            std::fs::write(knob, "1")
-                .map_err(HostError::io(format!("writing {knob} in {name}")))?;
-            run(
-                "nft",
-                &["-f", "-"],
-                Some(&ns_table(cfg, index, &cfg.default_policy)),
-            )
+    let failed = |what: &str, e: std::io::Error| {
+        CreateError::Failed(HostError::Network {
+            what: format!("{what} ({name})"),
+            reason: e.to_string(),
         })
+    };
+    let made = netns::make(&ns, |caller| {
+        // IPv4 only: nothing in the namespace speaks IPv6 (its rules are IPv4 rules); set
+        // before its interfaces exist, so none of them gets an IPv6 address.
+        for knob in [
+            "/proc/sys/net/ipv6/conf/all/disable_ipv6",
+            "/proc/sys/net/ipv6/conf/default/disable_ipv6",
+        ] {
+            if let Err(e) = std::fs::write(knob, "1") {
+                tracing::debug!("{knob} in {name}: {e} (no IPv6 in this kernel?)");
+            }
+        }
+        let knob = "/proc/sys/net/ipv4/ip_forward";
+        std::fs::write(knob, "1")
+            .map_err(|e| std::io::Error::new(e.kind(), format!("writing {knob}: {e}")))?;
+        let mut rt = Rtnl::open()?;
+        rt.set_up("lo", None)?;
+        rt.add_veth(NS_VETH, &v, caller.as_raw_fd())?;
+        tine_vmm::devices::virtio::net::Tap::open(TAP)
+            .and_then(|t| t.persist())
+            .map_err(std::io::Error::other)?;
+        rt.set_up(TAP, Some(tap_mac()))?;
+        rt.add_addr(TAP, GATEWAY, GUEST_PREFIX)?;
+        rt.add_addr(NS_VETH, inner, 30)?;
+        rt.set_up(NS_VETH, None)
     });
-    made.map_err(CreateError::Failed)
+    match made {
+        Ok(netns::Made::Taken) => return Err(CreateError::Taken),
+        Ok(netns::Made::Done(())) => {}
+        Err(e) => return Err(failed("making the namespace and its links", e)),
+    }
+    // The host's end, from the host's namespace (this thread's).
+    Rtnl::open()
+        .and_then(|mut rt| {
+            rt.add_addr(&v, host, 30)?;
+            rt.set_up(&v, None)
+        })
+        .map_err(|e| failed(&format!("setting up {v}"), e))?;
+    in_netns(&ns, || {
+        Rtnl::open()
+            .and_then(|mut rt| rt.add_default_route(host))
+            .map_err(|e| HostError::Network {
+                what: format!("the default route via {host} in {name}"),
+                reason: e.to_string(),
+            })?;
+        run(
+            "nft",
+            &["-f", "-"],
+            Some(&ns_table(cfg, index, &cfg.default_policy)),
+        )
+    })
+    .map_err(CreateError::Failed)
 }
 
 /// The namespace's own table: address rewriting both ways and the egress policy.
@@ -279,16 +307,16 @@ pub(super) fn apply_policy(index: u32, cfg: &NetConfig, policy: &Policy) -> Resu
 pub(super) fn destroy(index: u32) -> bool {
     // The host end first and synchronously: a namespace is torn down in the background, and
     // its veth name must be free when the index is reused.
-    let _ = Command::new("ip")
-        .args(["link", "del", &veth(index)])
-        .stderr(Stdio::null())
-        .status();
-    if ns_path(index).exists() {
-        if let Err(e) = run("ip", &["netns", "del", &ns_name(index)], None) {
-            tracing::warn!("removing a child network: {e}");
+    if let Err(e) = Rtnl::open().and_then(|mut rt| rt.del_link(&veth(index))) {
+        tracing::warn!("removing link {}: {e}", veth(index));
+    }
+    let ns = ns_path(index);
+    if ns.exists() {
+        if let Err(e) = netns::remove(&ns) {
+            tracing::warn!("removing child network {}: {e}", ns.display());
         }
     }
-    !ns_path(index).exists()
+    !ns.exists()
 }
 
 #[cfg(test)]

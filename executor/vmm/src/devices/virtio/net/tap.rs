@@ -9,6 +9,8 @@ use std::os::unix::fs::OpenOptionsExt;
 
 /// `_IOW('T', 202, int)`.
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+/// `_IOW('T', 203, int)`.
+const TUNSETPERSIST: libc::c_ulong = 0x4004_54cb;
 /// `_IOW('T', 208, unsigned int)`.
 const TUNSETOFFLOAD: libc::c_ulong = 0x4004_54d0;
 /// `_IOW('T', 216, int)`.
@@ -105,6 +107,12 @@ impl Tap {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Keep the device once this descriptor closes (what `ip tuntap add` makes): a host
+    /// prepares a child's tap ahead, and its VMM attaches to it later.
+    pub fn persist(&self) -> Result<(), TapError> {
+        self.ioctl("TUNSETPERSIST", TUNSETPERSIST, 1)
     }
 
     /// Which offloads frames handed to us may use (`TUN_F_*`), as the guest accepted them.
