@@ -754,9 +754,13 @@ pub fn executors(c: ExecutorsCommand) -> Result<i32> {
                 .into_inner()],
         };
         println!(
-            "{:<14} {:<9} {:<28} {:>9} {:>12}  SNAPSHOTS",
-            "ID", "STATE", "ADDR", "RUNNING", "MEM FREE MiB"
+            "{:<14} {:<9} {:<28} {:>9} {:>12} {:>7}  SNAPSHOTS",
+            "ID", "STATE", "ADDR", "RUNNING", "MEM FREE MiB", "SEEN"
         );
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or(0);
         for e in list {
             let cap = e.capacity.unwrap_or_default();
             let state = pb::ExecutorState::try_from(e.state)
@@ -766,14 +770,20 @@ pub fn executors(c: ExecutorsCommand) -> Result<i32> {
                         .to_lowercase()
                 })
                 .unwrap_or_default();
+            // Seconds since its last heartbeat: what "up" and "down" are decided on.
+            let seen = match e.last_heartbeat_unix_ms {
+                0 => "-".to_string(),
+                t => format!("{}s", (now_ms - t).max(0) / 1000),
+            };
             println!(
-                "{:<14} {:<9} {:<28} {:>4}/{:<4} {:>12}  {}",
+                "{:<14} {:<9} {:<28} {:>4}/{:<4} {:>12} {:>7}  {}",
                 e.id,
                 state,
                 e.addr,
                 cap.running_sandboxes,
                 cap.max_sandboxes,
                 cap.mem_available_mib,
+                seen,
                 e.cached_tags.join(",")
             );
         }

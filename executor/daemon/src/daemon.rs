@@ -237,60 +237,88 @@ type CpClient = ExecutorsClient<
     tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>,
 >;
 
+/// How long one registration or heartbeat may take: a call that hangs must not stall the loop.
+const CP_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How soon a failed registration or heartbeat is tried again: an executor is back within a
+/// second of its control plane's return, not a heartbeat period later (three missed periods
+/// mark it down). Only every 60th failure of a streak is logged.
+const CP_RETRY: Duration = Duration::from_secs(1);
+
 /// Register, then heartbeat; register again whenever the control plane forgot us (e.g. its
 /// database was replaced). Sandboxes it has no record of are killed: it holds the truth.
 async fn registration_loop(mut client: CpClient, id: String, addr: String, state: Arc<State>) {
     let mut interval = Duration::from_secs(5);
     let mut registered = false;
+    let mut failed = 0u32;
     loop {
         let st = state.clone();
         let report = match tokio::task::spawn_blocking(move || st.report()).await {
             Ok(r) => r,
             Err(_) => continue,
         };
-        if registered {
-            match client
-                .heartbeat(pb::HeartbeatRequest {
-                    id: id.clone(),
-                    report: Some(report),
-                })
-                .await
-            {
-                Ok(r) => {
-                    let r = r.into_inner();
+        let answered = if registered {
+            let call = client.heartbeat(pb::HeartbeatRequest {
+                id: id.clone(),
+                report: Some(report),
+            });
+            match cp_call("heartbeat to", failed, call).await {
+                Some(r) => {
                     registered = r.registered;
                     kill_orphans(&state, r.unknown_sandboxes).await;
+                    true
                 }
-                Err(e) => tracing::warn!("heartbeat to the control plane failed: {}", e.message()),
+                None => false,
             }
         } else {
-            match client
-                .register_executor(pb::RegisterExecutorRequest {
-                    id: id.clone(),
-                    addr: addr.clone(),
-                    report: Some(report),
-                })
-                .await
-            {
-                Ok(r) => {
-                    let r = r.into_inner();
+            let call = client.register_executor(pb::RegisterExecutorRequest {
+                id: id.clone(),
+                addr: addr.clone(),
+                report: Some(report),
+            });
+            match cp_call("registering with", failed, call).await {
+                Some(r) => {
                     registered = true;
                     interval = Duration::from_secs(r.heartbeat_interval_s.clamp(1, 60) as u64);
                     tracing::info!(%id, %addr, "registered with the control plane");
                     kill_orphans(&state, r.unknown_sandboxes).await;
+                    true
                 }
-                Err(e) => {
-                    tracing::warn!("registering with the control plane failed: {}", e.message())
-                }
+                None => false,
             }
+        };
+        if answered {
+            if failed > 0 {
+                tracing::info!(failed, "the control plane answers again");
+            }
+            failed = 0;
+        } else {
+            failed += 1;
         }
-        tokio::time::sleep(if registered {
+        tokio::time::sleep(if registered && answered {
             interval
         } else {
-            Duration::from_secs(1)
+            CP_RETRY.min(interval)
         })
         .await;
     }
+}
+
+/// One call to the control plane, bounded by [`CP_CALL_TIMEOUT`]; None when it failed (logged
+/// when it is the first failure of a streak, or every 60th: `failed` before this one).
+async fn cp_call<T>(
+    what: &str,
+    failed: u32,
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Option<T> {
+    let why = match tokio::time::timeout(CP_CALL_TIMEOUT, call).await {
+        Ok(Ok(r)) => return Some(r.into_inner()),
+        Ok(Err(e)) => e.message().to_string(),
+        Err(_) => format!("no answer in {CP_CALL_TIMEOUT:?}"),
+    };
+    if failed.is_multiple_of(60) {
+        tracing::warn!(failed, "{what} the control plane failed: {why}");
+    }
+    None
 }
 
 /// Kill the sandboxes the control plane has no live record of (it answers them to a
