@@ -30,6 +30,9 @@ pub enum BenchCommand {
     /// Branch: the pause window of DIFF and FULL branches after N MiB written (beside a bare
     /// pause + resume), the call's return time, and spawn-to-ready from depth 0..D of a chain.
     Branch(crate::bench_branch::BranchBench),
+    /// Bursts as an executor daemon serves them: its pools (VMM workers, child networks) of
+    /// a set size, refilled and grown in the background, several bursts of N in a row.
+    Burst(crate::bench_burst::BurstBench),
     /// Child networks: spawn-to-ready with and without a network, TCP throughput between a
     /// guest and a server on this host (iperf3), requests per second to an exposed port.
     Net(crate::bench_net::NetBench),
@@ -63,6 +66,7 @@ pub fn run(c: BenchCommand) -> Result<i32> {
         BenchCommand::Fetch(f) => crate::bench_fetch::run(f),
         BenchCommand::Branch(b) => crate::bench_branch::run(b),
         BenchCommand::Net(b) => crate::bench_net::run(b),
+        BenchCommand::Burst(b) => crate::bench_burst::run(b),
     }
 }
 
@@ -399,9 +403,45 @@ fn private_kib(s: &str) -> u64 {
     kib
 }
 
+/// A scratch data directory for one benchmark run, inside the data directory (made first
+/// if this machine has none yet); removed when dropped.
+pub(crate) fn scratch_dir(data_dir: &std::path::Path, prefix: &str) -> Result<tempfile::TempDir> {
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("making the data directory {}", data_dir.display()))?;
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(data_dir)
+        .with_context(|| format!("making a scratch directory in {}", data_dir.display()))
+}
+
+/// Boot `image` as a one-vCPU parent on `host`, snapshot it as `tag`, and say how long that
+/// took (`what`: how the parent is described, e.g. "booted with a network interface").
+pub(crate) fn boot_parent(
+    host: &tine_host::Host,
+    image: &str,
+    tag: &tine_proto::names::Tag,
+    what: &str,
+) -> Result<()> {
+    let t = Instant::now();
+    host.create_snapshot(&tine_host::ParentSpec {
+        image: tine_image::ImageRef::Local(image.to_string()),
+        tag: tag.clone(),
+        vcpus: 1,
+        mem_mib: None,
+        evals: Vec::new(),
+        ready_timeout: None,
+        replace: false,
+    })?;
+    println!(
+        "parent {image} {what} and snapshotted in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 /// Busy CPU time of the whole machine so far, in ms, from /proc/stat (every CPU: user, nice,
 /// system, irq, softirq, steal; a guest's time is inside user). None where it cannot be read.
-fn machine_busy_ms() -> Option<f64> {
+pub(crate) fn machine_busy_ms() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let line = stat.lines().find(|l| l.starts_with("cpu "))?;
     let f: Vec<u64> = line

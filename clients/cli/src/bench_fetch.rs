@@ -108,10 +108,7 @@ pub fn run(b: FetchBench) -> Result<i32> {
         bail!("--runs must be at least 1");
     }
     let base = crate::local::host_config(Owner::Cli, Limits::default(), Readiness::Agent)?;
-    let scratch = tempfile::Builder::new()
-        .prefix("bench-fetch-")
-        .tempdir_in(&base.data_dir)
-        .context("making a scratch directory in the data dir")?;
+    let scratch = crate::bench::scratch_dir(&base.data_dir, "bench-fetch-")?;
     let store = match &b.store {
         Some(s) => s.clone(),
         None => scratch.path().join("store").display().to_string(),

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use tine_agent::client::{AgentClient, ExecOptions};
 use tine_host::network::{NetConfig, Policy};
-use tine_host::{Host, Limits, Owner, ParentSpec, Readiness, SpawnOptions, SpawnPhases};
+use tine_host::{Host, Limits, Owner, Readiness, SpawnOptions, SpawnPhases};
 use tine_proto::names::{SandboxId, Tag};
 
 use crate::bench_fetch::p50;
@@ -205,10 +205,7 @@ pub fn run(b: NetBench) -> Result<i32> {
         bail!("--runs and --seconds must be at least 1");
     }
     let base = crate::local::host_config(Owner::Cli, Limits::default(), Readiness::Agent)?;
-    let scratch = tempfile::Builder::new()
-        .prefix("bench-net-")
-        .tempdir_in(&base.data_dir)
-        .context("making a scratch directory in the data dir")?;
+    let scratch = crate::bench::scratch_dir(&base.data_dir, "bench-net-")?;
     let mut cfg = base.clone();
     cfg.data_dir = scratch.path().to_path_buf();
     let plain = Host::open(cfg.clone())?;
@@ -219,21 +216,7 @@ pub fn run(b: NetBench) -> Result<i32> {
     let net = Host::open(cfg)?;
     net.fill_pool();
     let tag = Tag::parse("bench-net")?;
-    let t = Instant::now();
-    net.create_snapshot(&ParentSpec {
-        image: tine_image::ImageRef::Local(b.image.clone()),
-        tag: tag.clone(),
-        vcpus: 1,
-        mem_mib: None,
-        evals: Vec::new(),
-        ready_timeout: None,
-        replace: false,
-    })?;
-    println!(
-        "parent {} booted with a network interface and snapshotted in {:.1} s",
-        b.image,
-        t.elapsed().as_secs_f64()
-    );
+    crate::bench::boot_parent(&net, &b.image, &tag, "booted with a network interface")?;
 
     // Spawn-to-ready, alternating so drift in the host's load hits both alike; each spawn
     // starts once the pools are full again (a refill running beside it is another cost,

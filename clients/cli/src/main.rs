@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_branch;
+mod bench_burst;
 mod bench_fetch;
 mod bench_net;
 mod bench_pages;
