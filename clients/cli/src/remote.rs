@@ -757,10 +757,7 @@ pub fn executors(c: ExecutorsCommand) -> Result<i32> {
             "{:<14} {:<9} {:<28} {:>9} {:>12} {:>7}  SNAPSHOTS",
             "ID", "STATE", "ADDR", "RUNNING", "MEM FREE MiB", "SEEN"
         );
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as i64)
-            .unwrap_or(0);
+        let now_ms = tine_control_plane::now_ms();
         for e in list {
             let cap = e.capacity.unwrap_or_default();
             let state = pb::ExecutorState::try_from(e.state)
@@ -839,9 +836,7 @@ fn print_sandbox(s: &pb::Sandbox, json: bool) {
     if !s.error.is_empty() {
         println!("ended:          {}", s.error);
     } else if s.expires_unix_ms > 0 {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as i64);
+        let now = tine_control_plane::now_ms();
         println!(
             "expires in:     {:.0} s",
             (s.expires_unix_ms - now).max(0) as f64 / 1e3
