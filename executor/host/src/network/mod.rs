@@ -15,6 +15,7 @@
 pub mod expose;
 mod netlink;
 mod netns;
+mod nftlib;
 mod policy;
 mod setup;
 

@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::os::fd::AsRawFd;
 
 use super::netlink::Rtnl;
-use super::netns;
+use super::{netns, nftlib};
 use super::{NetConfig, Policy, GATEWAY, GUEST_ADDR, GUEST_PREFIX, TAP, TAP_MAC};
 use crate::error::{HostError, Result};
 
@@ -86,6 +86,19 @@ fn run(program: &str, args: &[&str], input: Option<&str>) -> Result<()> {
     Ok(())
 }
 
+/// Apply a rule set (one transaction) in this thread's network namespace: through
+/// libnftables when it is there ([`nftlib`]), else by `nft -f -`.
+fn nft(rules: &str) -> Result<()> {
+    match nftlib::apply(rules) {
+        None => run("nft", &["-f", "-"], Some(rules)),
+        Some(Ok(())) => Ok(()),
+        Some(Err(said)) => Err(HostError::Network {
+            what: "nft -f - (libnftables)".into(),
+            reason: format!("{said}\ninput:\n{rules}"),
+        }),
+    }
+}
+
 pub(super) fn check_tools() -> Result<()> {
     run("nft", &["--version"], None)?;
     if !Path::new("/dev/net/tun").exists() {
@@ -137,7 +150,7 @@ pub(super) fn install_host_table(name: &str, cfg: &NetConfig) -> Result<()> {
          oifname \"{VETH_PREFIX}*\" ct state established,related accept\n    \
          oifname \"{VETH_PREFIX}*\" drop\n{deny_rules}  }}\n{nat}}}\n"
     );
-    run("nft", &["-f", "-"], Some(&text))
+    nft(&text)
 }
 
 /// Remove an executor's host table (a benchmark's, when it is done).
@@ -260,11 +273,7 @@ pub(super) fn create(index: u32, cfg: &NetConfig) -> Result<(), CreateError> {
                 what: format!("the default route via {host} in {name}"),
                 reason: e.to_string(),
             })?;
-        run(
-            "nft",
-            &["-f", "-"],
-            Some(&ns_table(cfg, index, &cfg.default_policy)),
-        )
+        nft(&ns_table(cfg, index, &cfg.default_policy))
     })
     .map_err(CreateError::Failed)
 }
@@ -297,9 +306,7 @@ fn ns_table(cfg: &NetConfig, index: u32, policy: &Policy) -> String {
 
 /// Replace namespace `index`'s rules with `policy` (one transaction).
 pub(super) fn apply_policy(index: u32, cfg: &NetConfig, policy: &Policy) -> Result<()> {
-    in_netns(&ns_path(index), || {
-        run("nft", &["-f", "-"], Some(&ns_table(cfg, index, policy)))
-    })
+    in_netns(&ns_path(index), || nft(&ns_table(cfg, index, policy)))
 }
 
 /// Remove namespace `index` and its links; what is already gone is not an error. True when
