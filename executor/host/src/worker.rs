@@ -231,52 +231,33 @@ impl Worker {
                 .map_err(|e| tracing::warn!("VMM worker pool: a cgroup for a worker: {e}"))
                 .ok()
         });
-        let spawn = |theirs: OwnedFd, cgroup: Option<&IdleCgroup>| {
-            let mut cmd = Command::new(exe);
-            cmd.arg(WORKER_SUBCOMMAND)
-                .stdin(Stdio::piped())
-                .stdout(Stdio::from(theirs))
-                .stderr(Stdio::null());
-            if let Some(cg) = cgroup {
-                use std::os::fd::AsRawFd;
-                use std::os::unix::process::CommandExt;
-                let procs = cg.procs().as_raw_fd();
-                // SAFETY: between fork and exec the child only calls write(2), which is
-                // async-signal-safe, on a descriptor the parent keeps open until spawn
-                // returns.
-                unsafe {
-                    cmd.pre_exec(move || {
-                        // "0": the writing process itself.
-                        if libc::write(procs, b"0".as_ptr().cast(), 1) == 1 {
-                            Ok(())
-                        } else {
-                            Err(std::io::Error::last_os_error())
-                        }
-                    });
+        // No code between fork and exec, so the standard library starts it with posix_spawn (a
+        // vfork): the executor's page tables are not copied for each worker (a cost that grows
+        // with the executor's memory, and the copy-on-write faults after it).
+        let mut child = Command::new(exe)
+            .arg(WORKER_SUBCOMMAND)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::from(theirs))
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|source| HostError::Worker {
+                exe: exe.to_path_buf(),
+                source,
+            })?;
+        // Moved into its cgroup as it starts: what it maps from then on is charged there; the
+        // few pages its loader touched before stay charged to the executor until it exits.
+        let cgroup = cgroup.and_then(|cg| {
+            use std::io::Write;
+            match cg.procs().write_all(child.id().to_string().as_bytes()) {
+                Ok(()) => Some(cg),
+                // A host that lets us make a cgroup but not move into it: it is moved into
+                // its child's at the spawn.
+                Err(e) => {
+                    tracing::warn!("VMM worker pool: moving a worker into its own cgroup: {e}");
+                    None
                 }
             }
-            cmd.spawn()
-        };
-        let worker_err = |source| HostError::Worker {
-            exe: exe.to_path_buf(),
-            source,
-        };
-        let (mut child, cgroup) = match cgroup {
-            None => (spawn(theirs, None).map_err(worker_err)?, None),
-            Some(cg) => {
-                let spare = theirs.try_clone().map_err(worker_err)?;
-                match spawn(theirs, Some(&cg)) {
-                    Ok(c) => (c, Some(cg)),
-                    // It could not enter its cgroup (a host that lets us make one but not move
-                    // into it): started without, it is moved into its child's at the spawn.
-                    Err(e) => {
-                        tracing::warn!("VMM worker pool: starting a worker in its own cgroup: {e}");
-                        drop(cg);
-                        (spawn(spare, None).map_err(worker_err)?, None)
-                    }
-                }
-            }
-        };
+        });
         let identity = ProcessIdentity::of(child.id()).ok();
         let stdin = child.stdin.take().expect("piped stdin");
         let stdout = ours;
