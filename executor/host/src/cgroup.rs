@@ -659,23 +659,66 @@ pub fn charge_program(exe: &Path) -> std::io::Result<u64> {
     Ok(total)
 }
 
+/// A memory file as it was charged: a file replaced or rewritten since is another key.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ChargedFile {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime_ns: i128,
+}
+
+impl ChargedFile {
+    fn of(meta: &std::fs::Metadata) -> ChargedFile {
+        use std::os::unix::fs::MetadataExt;
+        ChargedFile {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            len: meta.size(),
+            mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+        }
+    }
+}
+
+/// What [`charge_snapshot`] did.
+#[derive(Debug, Default)]
+pub struct Charged {
+    /// Bytes read (those not in the page cache yet).
+    pub bytes: u64,
+    /// The files scanned, now charged.
+    pub files: Vec<ChargedFile>,
+    /// Files skipped because `known` said they were charged already.
+    pub known: usize,
+}
+
 /// Read the data of a snapshot's memory files (its diff chain's too) from this process,
 /// so the page cache holding them is charged to the executor's cgroup rather than to the
 /// first child that maps them. Holes are skipped: a hole read would fill the cache with
-/// zero pages nobody maps. Returns the bytes read.
-pub fn charge_snapshot(dir: &Path) -> std::io::Result<u64> {
-    let mut total = 0;
+/// zero pages nobody maps. Files `known` says were charged before are not scanned again: a
+/// new branch of a snapshot shares its chain's files, and the root's image is most of it.
+pub fn charge_snapshot(
+    dir: &Path,
+    known: impl Fn(&ChargedFile) -> bool,
+) -> std::io::Result<Charged> {
+    let mut out = Charged::default();
     let mut dir = dir.to_path_buf();
     for _ in 0..256 {
         for f in [
             tine_vmm::snapshot::file::MEMORY_FILE,
             tine_vmm::snapshot::diff::PAGES_FILE,
         ] {
-            match std::fs::File::open(dir.join(f)) {
-                Ok(file) => total += read_data(&file)?,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            let file = match std::fs::File::open(dir.join(f)) {
+                Ok(file) => file,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => return Err(e),
+            };
+            let key = ChargedFile::of(&file.metadata()?);
+            if known(&key) {
+                out.known += 1;
+                continue;
             }
+            out.bytes += read_data(&file)?;
+            out.files.push(key);
         }
         let header = tine_vmm::snapshot::file::load_header(&dir).ok();
         match header.and_then(|h| h.diff) {
@@ -685,7 +728,7 @@ pub fn charge_snapshot(dir: &Path) -> std::io::Result<u64> {
             _ => break,
         }
     }
-    Ok(total)
+    Ok(out)
 }
 
 /// Read the data extents of `file` (SEEK_DATA / SEEK_HOLE) that are not in the page cache
@@ -898,7 +941,7 @@ mod tests {
         f.write_all_at(&[1u8; 8192], 32 << 20).unwrap();
         // A 64 MiB sparse image with 8 KiB of data: far less than the size is read (a
         // filesystem may round extents up, never to the whole file).
-        let n = charge_snapshot(&base).unwrap();
+        let n = charge_snapshot(&base, |_| false).unwrap().bytes;
         // Written just now, so maybe still cached: then nothing needs reading.
         assert!(n < (1 << 20), "{n}");
         // Dropped from the cache, it is read again: only its data.
@@ -913,9 +956,36 @@ mod tests {
                 libc::POSIX_FADV_DONTNEED,
             )
         };
-        let n = charge_snapshot(&base).unwrap();
+        let n = charge_snapshot(&base, |_| false).unwrap().bytes;
         assert!((8192..(1 << 20)).contains(&n), "{n}");
         // Resident now: a second pass reads nothing.
-        assert_eq!(charge_snapshot(&base).unwrap(), 0);
+        assert_eq!(charge_snapshot(&base, |_| false).unwrap().bytes, 0);
+    }
+
+    /// A file charged before is not scanned again (a new branch shares its chain's files);
+    /// the same path rewritten is a new file.
+    #[test]
+    fn files_charged_before_are_skipped_until_rewritten() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("snap");
+        std::fs::create_dir(&dir).unwrap();
+        let memory = dir.join(tine_vmm::snapshot::file::MEMORY_FILE);
+        let pages = dir.join(tine_vmm::snapshot::diff::PAGES_FILE);
+        std::fs::write(&memory, [1u8; 4096]).unwrap();
+        std::fs::write(&pages, [2u8; 4096]).unwrap();
+        let first = charge_snapshot(&dir, |_| false).unwrap();
+        assert_eq!((first.files.len(), first.known), (2, 0));
+        let memory_key = first.files[0].clone();
+        let again = charge_snapshot(&dir, |f| *f == memory_key).unwrap();
+        assert_eq!((again.files.len(), again.known), (1, 1));
+        assert_ne!(
+            again.files[0], memory_key,
+            "the pages file is scanned, not the image"
+        );
+        // Replaced, as a snapshot made again writes it: another file, scanned again.
+        std::fs::remove_file(&memory).unwrap();
+        std::fs::write(&memory, [3u8; 8192]).unwrap();
+        let replaced = charge_snapshot(&dir, |f| *f == memory_key).unwrap();
+        assert_eq!((replaced.files.len(), replaced.known), (2, 0));
     }
 }

@@ -215,8 +215,9 @@ pub struct Host {
     cgroups: Option<Arc<Cgroups>>,
     /// Why children get no cgroups (refused to a spawn that asks for limits).
     no_cgroups: String,
-    /// Snapshots (by state checksum) whose memory files this host's cgroup was charged for.
-    charged: Mutex<HashSet<String>>,
+    /// Snapshots (by state checksum) whose memory files this host's cgroup was charged for,
+    /// and those files themselves (shared along a diff chain).
+    charged: Mutex<Charged>,
     /// Tags whose parents are being booted and snapshotted here (one attempt per tag).
     making: Mutex<HashSet<Tag>>,
     /// Hot snapshots' memory images, held in huge pages for their children.
@@ -337,7 +338,7 @@ impl Host {
             held,
             cgroups,
             no_cgroups,
-            charged: Mutex::new(HashSet::new()),
+            charged: Mutex::new(Charged::default()),
             _lock: lock,
         })
     }
@@ -496,22 +497,17 @@ impl Host {
             return;
         }
         let key = format!("{}:{}", dir.display(), header.state_sha256);
-        if self
-            .charged
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(&key)
-        {
+        let charged = || self.charged.lock().unwrap_or_else(|p| p.into_inner());
+        if charged().snapshots.contains(&key) {
             return;
         }
         let t = Instant::now();
-        match crate::cgroup::charge_snapshot(dir) {
-            Ok(bytes) => {
-                tracing::info!(snapshot = %dir.display(), mib = bytes >> 20, took_ms = t.elapsed().as_millis() as u64, "snapshot memory charged to the executor");
-                self.charged
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(key);
+        match crate::cgroup::charge_snapshot(dir, |f| charged().files.contains(f)) {
+            Ok(done) => {
+                tracing::info!(snapshot = %dir.display(), mib = done.bytes >> 20, scanned = done.files.len(), already = done.known, took_ms = t.elapsed().as_millis() as u64, "snapshot memory charged to the executor");
+                let mut charged = charged();
+                charged.files.extend(done.files);
+                charged.snapshots.insert(key);
             }
             Err(e) => {
                 tracing::warn!(snapshot = %dir.display(), "reading the snapshot's memory ahead of its children: {e}")
@@ -2091,6 +2087,14 @@ impl Drop for Host {
 }
 
 /// The header of snapshot `tag` in `dir` (a broken one is the snapshot's error).
+/// What this host's cgroup was charged for ([`Host::charge_snapshot`]).
+#[derive(Default)]
+struct Charged {
+    /// Snapshot directory and state checksum.
+    snapshots: HashSet<String>,
+    files: HashSet<crate::cgroup::ChargedFile>,
+}
+
 fn header_in(tag: &Tag, dir: &std::path::Path) -> Result<SnapshotHeader> {
     tine_vmm::snapshot::file::load_header(dir).map_err(|source| HostError::BadSnapshot {
         tag: tag.clone(),
