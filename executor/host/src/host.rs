@@ -684,6 +684,10 @@ impl Host {
             let _ = std::fs::remove_dir_all(&staging);
             return Err(e);
         }
+        // Charged now, while the call is seconds long anyway, not at its first child's spawn.
+        if let Ok(header) = self.snapshot_header(&spec.tag) {
+            self.charge_snapshot(&header, &dir);
+        }
         made.dir = dir;
         self.enforce_cache_bound();
         Ok(made)
