@@ -190,24 +190,22 @@ impl CgroupName {
     }
 }
 
-/// A cgroup made ahead for a pre-started worker (see [`Cgroups::make_idle`]): the worker
-/// enters it before it execs, so everything it maps while it waits (a priming's copies
-/// included) is charged there, and the child it serves keeps it ([`Cgroups::limit`],
+/// A cgroup made ahead for a pre-started worker (see [`Cgroups::make_idle`]): the executor
+/// moves the worker in as it starts ([`IdleCgroup::enter`]), so everything it maps while it
+/// waits (a priming's copies included) is charged there, and the child it serves keeps it ([`Cgroups::limit`],
 /// [`IdleCgroup::keep`]) instead of a cgroup made and entered on the spawn's path. Removed
 /// when dropped unless kept; drop it only once its worker is gone.
 #[derive(Debug)]
 pub struct IdleCgroup {
     name: CgroupName,
     dir: PathBuf,
-    /// Its `cgroup.procs`, open for the worker to write itself into.
-    procs: std::fs::File,
     kept: bool,
 }
 
 impl IdleCgroup {
-    /// Its `cgroup.procs`: writing "0" there moves the writer in.
-    pub fn procs(&self) -> &std::fs::File {
-        &self.procs
+    /// Move process `pid` (its worker) in.
+    pub fn enter(&self, pid: u32) -> Result<(), CgroupError> {
+        write(&self.dir.join("cgroup.procs"), &pid.to_string())
     }
 
     pub fn name(&self) -> &CgroupName {
@@ -359,19 +357,10 @@ impl Cgroups {
                 Err(e) => return Err(io("creating cgroup", &dir)(e)),
             }
         };
-        let made = (|| {
-            set_fixed(&dir, PIDS_MAX)?;
-            let procs = dir.join("cgroup.procs");
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&procs)
-                .map_err(io("opening", &procs))
-        })();
-        match made {
-            Ok(procs) => Ok(IdleCgroup {
+        match set_fixed(&dir, PIDS_MAX) {
+            Ok(()) => Ok(IdleCgroup {
                 name: CgroupName(name),
                 dir,
-                procs,
                 kept: false,
             }),
             Err(e) => {

@@ -685,9 +685,7 @@ impl Host {
             return Err(e);
         }
         // Charged now, while the call is seconds long anyway, not at its first child's spawn.
-        if let Ok(header) = self.snapshot_header(&spec.tag) {
-            self.charge_snapshot(&header, &dir);
-        }
+        self.charge_snapshot(&made.header, &dir);
         made.dir = dir;
         self.enforce_cache_bound();
         Ok(made)
@@ -2090,7 +2088,6 @@ impl Drop for Host {
     }
 }
 
-/// The header of snapshot `tag` in `dir` (a broken one is the snapshot's error).
 /// What this host's cgroup was charged for ([`Host::charge_snapshot`]).
 #[derive(Default)]
 struct Charged {
@@ -2099,6 +2096,7 @@ struct Charged {
     files: HashSet<crate::cgroup::ChargedFile>,
 }
 
+/// The header of snapshot `tag` in `dir` (a broken one is the snapshot's error).
 fn header_in(tag: &Tag, dir: &std::path::Path) -> Result<SnapshotHeader> {
     tine_vmm::snapshot::file::load_header(dir).map_err(|source| HostError::BadSnapshot {
         tag: tag.clone(),

@@ -246,16 +246,13 @@ impl Worker {
             })?;
         // Moved into its cgroup as it starts: what it maps from then on is charged there; the
         // few pages its loader touched before stay charged to the executor until it exits.
-        let cgroup = cgroup.and_then(|cg| {
-            use std::io::Write;
-            match cg.procs().write_all(child.id().to_string().as_bytes()) {
-                Ok(()) => Some(cg),
-                // A host that lets us make a cgroup but not move into it: it is moved into
-                // its child's at the spawn.
-                Err(e) => {
-                    tracing::warn!("VMM worker pool: moving a worker into its own cgroup: {e}");
-                    None
-                }
+        let cgroup = cgroup.and_then(|cg| match cg.enter(child.id()) {
+            Ok(()) => Some(cg),
+            // A host that lets us make a cgroup but not move into it: it is moved into its
+            // child's at the spawn.
+            Err(e) => {
+                tracing::warn!("VMM worker pool: moving a worker into its own cgroup: {e}");
+                None
             }
         });
         let identity = ProcessIdentity::of(child.id()).ok();

@@ -137,23 +137,28 @@ fn index_of(name: &str) -> io::Result<u32> {
     Ok(i)
 }
 
+/// A netlink socket of `protocol` in the calling thread's network namespace.
+pub(super) fn socket(protocol: libc::c_int) -> io::Result<OwnedFd> {
+    // SAFETY: plain socket call; the descriptor is owned below.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            protocol,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 impl Rtnl {
     /// A socket in the calling thread's network namespace.
     pub fn open() -> io::Result<Rtnl> {
-        // SAFETY: plain socket call; the descriptor is owned below.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_ROUTE,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor we own.
         Ok(Rtnl {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            fd: socket(libc::NETLINK_ROUTE)?,
             seq: 0,
         })
     }

@@ -86,22 +86,13 @@ pub(super) fn apply(rules: &str) -> Option<Result<(), String>> {
     };
     // The library ends the process when it cannot open its netlink socket (no nf_tables, no
     // descriptor left): find out first, with a socket of the same kind.
-    // SAFETY: a plain socket(2), closed at once.
-    let probe = unsafe {
-        libc::socket(
-            libc::AF_NETLINK,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            libc::NETLINK_NETFILTER,
-        )
+    let probe = match super::netlink::socket(libc::NETLINK_NETFILTER) {
+        Ok(fd) => fd,
+        Err(e) => return Some(Err(format!("opening a netfilter netlink socket: {e}"))),
     };
-    if probe < 0 {
-        let e = std::io::Error::last_os_error();
-        return Some(Err(format!("opening a netfilter netlink socket: {e}")));
-    }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    // SAFETY: closes the descriptor opened above, once the lock is held (so the library's
-    // own socket takes a descriptor freed for it).
-    unsafe { libc::close(probe) };
+    // Closed once the lock is held, so the library's own socket takes a descriptor freed for it.
+    drop(probe);
     // SAFETY: a context made, used and freed on this thread, under the lock; the error
     // buffer is copied out before the context is freed.
     unsafe {
