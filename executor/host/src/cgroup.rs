@@ -10,14 +10,15 @@
 //! `tine-<hash of the data dir>` at the top of the hierarchy, the same at every start.
 //!
 //! Shared snapshot pages are charged to the executor's own cgroup: it reads a snapshot's
-//! memory files once before the first child maps them ([`charge_snapshot`]), so a child's
-//! `memory.current` counts the pages it wrote (and its VMM), not the image it shares.
+//! memory files before the first child maps them, once per file ([`charge_snapshot`]), so a
+//! child's `memory.current` counts the pages it wrote (and its VMM), not the image it shares.
 //!
 //! A pre-started worker waits in a cgroup of its own, `<root>/vms/.idle-<executor pid>-<n>`
-//! ([`IdleCgroup`]), entered before it execs; the spawn that takes it renames that cgroup to
-//! the child's and sets the child's limits. Making a cgroup and moving a process into one
-//! leave the spawn's path, and what the worker mapped while it waited (its start-up, a
-//! priming's copies) is charged to the child it becomes.
+//! ([`IdleCgroup`]), which the executor moves it into as it starts; the spawn that takes it
+//! keeps that cgroup as the child's (cgroup v2 cannot rename one) and sets the child's limits.
+//! Making a cgroup and moving a process into one leave the spawn's path, and what the worker
+//! mapped while it waited (all but its loader's first pages, a priming's copies) is charged to
+//! the child it becomes.
 
 use std::collections::HashSet;
 use std::os::unix::fs::FileExt;
