@@ -309,26 +309,49 @@ pub fn lock_down(
     }
     marks.mark("user");
     // glibc installs its own signal handlers when the process makes its first thread: make
-    // one now, while rt_sigaction is still allowed (a VM without devices has none yet).
+    // one now, while rt_sigaction is still allowed, unless one was made already (a restore's
+    // vsock device starts its thread; a VM without devices has none yet).
     // Its stack is the VMM's size too: glibc keeps it for the next thread, which it would
     // otherwise give a 2 MiB stack (see `tine_vmm::THREAD_STACK_BYTES`).
-    tine_vmm::thread_builder("setup")
-        .spawn(|| {})
-        .map_err(|source| ConfineError::Sys {
-            what: "starting a thread",
-            source,
-        })?
-        .join()
-        .map_err(|_| ConfineError::Sys {
-            what: "starting a thread",
-            source: std::io::Error::other("it panicked"),
-        })?;
+    if glibc_single_threaded() {
+        tine_vmm::thread_builder("setup")
+            .spawn(|| {})
+            .map_err(|source| ConfineError::Sys {
+                what: "starting a thread",
+                source,
+            })?
+            .join()
+            .map_err(|_| ConfineError::Sys {
+                what: "starting a thread",
+                source: std::io::Error::other("it panicked"),
+            })?;
+    }
     marks.mark("thread");
     if let Some(f) = filters {
         f.install()?;
     }
     marks.mark("seccomp");
     Ok(())
+}
+
+/// Whether glibc has yet to make this process's first thread, and so to install the signal
+/// handlers it installs then. glibc clears the flag as it makes that thread and never sets it
+/// again, so false means the handlers are in place.
+#[cfg(target_env = "gnu")]
+fn glibc_single_threaded() -> bool {
+    extern "C" {
+        // glibc 2.32 and later, which the worker's other symbols need already.
+        static __libc_single_threaded: libc::c_char;
+    }
+    // SAFETY: a byte glibc exports for reading; it changes only as the first thread is made,
+    // which only this thread could do here.
+    unsafe { std::ptr::read_volatile(std::ptr::addr_of!(__libc_single_threaded)) != 0 }
+}
+
+/// Elsewhere the thread is always made.
+#[cfg(not(target_env = "gnu"))]
+fn glibc_single_threaded() -> bool {
+    true
 }
 
 /// Every capability set of this thread, from /proc/thread-self/status.
@@ -359,6 +382,12 @@ fn capabilities() -> Result<Vec<(String, u64)>, ConfineError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn glibc_reports_a_process_that_made_a_thread_as_threaded() {
+        std::thread::spawn(|| {}).join().unwrap();
+        assert!(!glibc_single_threaded());
+    }
 
     #[test]
     fn filters_made_ahead_serve_only_their_own_mode() {

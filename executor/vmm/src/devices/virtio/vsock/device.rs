@@ -11,8 +11,9 @@ use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+use super::first_call::FirstCall;
 use super::muxer::Muxer;
-use super::packet::{Header, HDR_LEN, MAX_PKT};
+use super::packet::{Header, HDR_LEN, MAX_PKT, OP_REQUEST, OP_RESPONSE, OP_RW};
 use super::{event_loop, DEVICE_ID, HOST_CID};
 use crate::devices::virtio::queue_events::QueueEvents;
 use crate::devices::virtio::{IrqLine, VirtioDevice, INT_USED_RING};
@@ -58,6 +59,8 @@ pub(super) struct DeviceState {
     /// as long as the largest guest buffer seen (Linux posts 4 KiB ones): a fresh 64 KiB
     /// buffer per fill made its pages private in every child and was zeroed each time.
     pub(super) rx_scratch: Vec<u8>,
+    /// A restored device's first host call, step by step, for the log.
+    pub(super) first_call: FirstCall,
 }
 
 impl DeviceState {
@@ -69,6 +72,7 @@ impl DeviceState {
 
     /// The guest made buffers available on `queue`, whichever way the notification came.
     pub(super) fn on_queue_notify(&mut self, queue: usize) {
+        self.first_call.mark("guest notified");
         if queue == TX {
             self.process_tx();
         }
@@ -78,6 +82,7 @@ impl DeviceState {
                 let now = self.queues[EVT].avail_idx(mem, std::sync::atomic::Ordering::Acquire);
                 if now.is_ok_and(|now| now != sent_at) {
                     self.reset_unacked = None;
+                    self.first_call.mark("reset taken");
                 }
             }
         }
@@ -117,7 +122,19 @@ impl DeviceState {
             let _ = self.queues[TX].add_used(&mem, head, 0);
             used = true;
             match packet {
-                Some((h, Some(payload))) => self.muxer.on_guest_packet(h, &payload),
+                Some((h, Some(payload))) => {
+                    match h.op {
+                        OP_RESPONSE => self.first_call.mark("accepted"),
+                        OP_RW => {
+                            if let Some(line) = self.first_call.answered() {
+                                // One write; a log that cannot be written costs only the line.
+                                let _ = std::io::stderr().write_all(line.as_bytes());
+                            }
+                        }
+                        _ => {}
+                    }
+                    self.muxer.on_guest_packet(h, &payload)
+                }
                 Some((h, None)) => {
                     tracing::warn!(len = h.len, "vsock: oversized or truncated guest packet");
                     self.muxer.rst_for(&h);
@@ -163,6 +180,9 @@ impl DeviceState {
                 self.queues[RX].go_to_previous_position();
                 break;
             };
+            if h.op == OP_REQUEST {
+                self.first_call.mark("request given");
+            }
             let _ = w.write_all(&h.to_bytes());
             if n > 0 {
                 let _ = w.write_all(&buf[..n]);
@@ -232,6 +252,7 @@ impl Vsock {
             stopped: false,
             reset_unacked: None,
             rx_scratch: Vec::new(),
+            first_call: FirstCall::default(),
         }));
         let stop = EventFd::new(libc::EFD_NONBLOCK)
             .map_err(|source| DeviceError::VsockThread { source })?;
@@ -308,6 +329,7 @@ impl VirtioDevice for Vsock {
         // the connection it had just accepted while the host waits on it.
         let mut g = self.state.lock().unwrap();
         g.activate(mem, queues, irq);
+        g.first_call.start();
         g.send_transport_reset();
     }
 
@@ -414,6 +436,7 @@ mod tests {
             stopped: false,
             reset_unacked: None,
             rx_scratch: Vec::new(),
+            first_call: FirstCall::default(),
         };
         let mut v = Vsock {
             state: Arc::new(Mutex::new(state)),

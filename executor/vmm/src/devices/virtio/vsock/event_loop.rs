@@ -29,7 +29,10 @@ pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
         }
         for ev in &events[..n] {
             match ev.data() {
-                TOKEN_LISTENER => g.muxer.accept(),
+                TOKEN_LISTENER => {
+                    g.first_call.mark("host connected");
+                    g.muxer.accept()
+                }
                 TOKEN_STOP => {}
                 t if t >= TOKEN_QUEUE_BASE => {
                     let q = (t - TOKEN_QUEUE_BASE) as usize;

@@ -14,7 +14,8 @@
 //! * `muxer`: the host-side Unix sockets and the table routing packets to streams;
 //! * `device`: the virtio device itself (queues, interrupts, pause, restore);
 //! * `event_loop`: the device thread (host stream events, lost-interrupt watchdog);
-//! * `dump`: the one-line state description logged when diagnosing stalls.
+//! * `dump`: the one-line state description logged when diagnosing stalls;
+//! * `first_call`: what a restored guest's first host call waited on, logged once.
 //!
 //! The signal that asks for that state on demand is handled in [`crate::diagnostics`], not here.
 
@@ -22,6 +23,7 @@ mod connection;
 mod device;
 mod dump;
 mod event_loop;
+mod first_call;
 mod muxer;
 mod packet;
 
