@@ -144,28 +144,62 @@ fn handshake(mut stream: &UnixStream, port: u32) -> Result<(), String> {
     stream
         .write_all(format!("CONNECT {port}\n").as_bytes())
         .map_err(|e| format!("sending: {e}"))?;
-    // Byte-wise so nothing after the line (guest data) is consumed.
-    let mut line = Vec::new();
-    let mut byte = [0u8];
-    while line.len() < 64 {
-        match stream.read(&mut byte) {
-            Ok(0) => {
-                return Err(
-                    "VMM closed the connection (is the guest agent listening on that port?)".into(),
-                )
-            }
-            Ok(_) if byte[0] == b'\n' => break,
-            Ok(_) => line.push(byte[0]),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(format!("reading reply: {e}")),
-        }
-    }
+    let line = read_reply_line(stream)?;
     let line = String::from_utf8_lossy(&line);
     if line.starts_with("OK ") {
         Ok(())
     } else {
         Err(format!("unexpected reply {line:?}"))
     }
+}
+
+/// The longest reply line a VMM sends to CONNECT (`OK <port>` or an `ERR` line).
+const MAX_REPLY_LINE: usize = 64;
+
+/// The VMM's reply line, without taking anything after it (the guest's data follows on the
+/// same stream): what has arrived is peeked at and only the line is read, in two calls rather
+/// than one per byte.
+fn read_reply_line(mut stream: &UnixStream) -> Result<Vec<u8>, String> {
+    let closed = || "VMM closed the connection (is the guest agent listening on that port?)";
+    let mut line = Vec::new();
+    let mut buf = [0u8; MAX_REPLY_LINE];
+    while line.len() < MAX_REPLY_LINE {
+        let room = MAX_REPLY_LINE - line.len();
+        // SAFETY: recv writes at most `room` bytes into `buf`, which outlives the call.
+        let n = unsafe {
+            libc::recv(
+                std::os::fd::AsRawFd::as_raw_fd(stream),
+                buf.as_mut_ptr().cast(),
+                room,
+                libc::MSG_PEEK,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(format!("reading reply: {e}"));
+        }
+        let n = n as usize;
+        if n == 0 {
+            return Err(closed().into());
+        }
+        let end = buf[..n].iter().position(|b| *b == b'\n');
+        let take = end.map_or(n, |i| i + 1);
+        stream
+            .read_exact(&mut buf[..take])
+            .map_err(|e| format!("reading reply: {e}"))?;
+        match end {
+            Some(i) => {
+                line.extend_from_slice(&buf[..i]);
+                return Ok(line);
+            }
+            None => line.extend_from_slice(&buf[..n]),
+        }
+    }
+    // As long as the longest reply: what it says is judged as it is.
+    Ok(line)
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1114,6 +1148,37 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
 mod tests {
     use super::AnswerWait;
     use std::time::Duration;
+
+    use super::read_reply_line;
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+
+    /// The reply line is read whole whether it comes in one piece or several, and the guest's
+    /// data right behind it stays in the stream.
+    #[test]
+    fn the_reply_line_is_taken_and_nothing_after_it() {
+        let whole: &[&[u8]] = &[b"OK 1024\nguest"];
+        let split: &[&[u8]] = &[b"O", b"K 10", b"24\nguest"];
+        for pieces in [whole, split] {
+            let (ours, mut vmm) = UnixStream::pair().unwrap();
+            let pieces: Vec<Vec<u8>> = pieces.iter().map(|p| p.to_vec()).collect();
+            let writer = std::thread::spawn(move || {
+                for p in pieces {
+                    vmm.write_all(&p).unwrap();
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                vmm
+            });
+            assert_eq!(read_reply_line(&ours).unwrap(), b"OK 1024");
+            let _vmm = writer.join().unwrap();
+            let mut rest = [0u8; 5];
+            (&ours).read_exact(&mut rest).unwrap();
+            assert_eq!(&rest, b"guest");
+        }
+        let (ours, vmm) = UnixStream::pair().unwrap();
+        drop(vmm);
+        assert!(read_reply_line(&ours).unwrap_err().contains("VMM closed"));
+    }
 
     #[test]
     fn an_attempt_that_used_its_whole_wait_makes_the_next_wait_twice_as_long() {

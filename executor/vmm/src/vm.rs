@@ -194,9 +194,10 @@ impl Primed {
                         .vsock_uds
                         .as_deref()
                         .ok_or_else(|| RestoreError::NoVsockSocket { dir: dir.clone() })?;
-                    Box::new(Vsock::new(guest_cid, uds)?)
+                    // Its thread starts with the VM, after the VMM's confinement.
+                    Box::new(Vsock::prepare(guest_cid, uds)?)
                 }
-                VirtioKind::Net { mac } => Box::new(Net::new(mac, opts.tap.take())?),
+                VirtioKind::Net { mac } => Box::new(Net::prepare(mac, opts.tap.take())?),
             };
             vm.attach_wired(w, dev)?;
         }
@@ -727,9 +728,12 @@ impl Vm {
     /// Start every vCPU on its own thread.
     pub fn start(self) -> Result<RunningVm> {
         install_signal_handlers()?;
-        // A restored device looks at its queues (guest-written) only now.
+        // Device threads not started yet (a restore's), then a restored device looks at its
+        // queues (guest-written) only now.
         for t in &self.virtio {
-            t.lock().unwrap().activate_restored();
+            let mut t = t.lock().unwrap();
+            t.start_device()?;
+            t.activate_restored();
         }
         let msrs = Arc::new(snapshot::vcpu::msr_candidates(&self.kvm)?);
         let pio = Arc::new(self.pio);

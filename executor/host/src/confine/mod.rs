@@ -195,6 +195,10 @@ impl Ahead {
         // they would only fail.
         let bounding = if root { empty_bounding_set() } else { Ok(()) };
         tine_vmm::vm::read_host_facts();
+        // A failure costs only time: the lock-down tries again.
+        if glibc_single_threaded() {
+            let _ = first_thread();
+        }
         Ahead {
             enforce: seccomp::Filters::compile(SeccompMode::Enforce),
             core,
@@ -308,23 +312,9 @@ pub fn lock_down(
         }
     }
     marks.mark("user");
-    // glibc installs its own signal handlers when the process makes its first thread: make
-    // one now, while rt_sigaction is still allowed, unless one was made already (a restore's
-    // vsock device starts its thread; a VM without devices has none yet).
-    // Its stack is the VMM's size too: glibc keeps it for the next thread, which it would
-    // otherwise give a 2 MiB stack (see `tine_vmm::THREAD_STACK_BYTES`).
+    // Normally done ahead (see `first_thread`); again here if that failed.
     if glibc_single_threaded() {
-        tine_vmm::thread_builder("setup")
-            .spawn(|| {})
-            .map_err(|source| ConfineError::Sys {
-                what: "starting a thread",
-                source,
-            })?
-            .join()
-            .map_err(|_| ConfineError::Sys {
-                what: "starting a thread",
-                source: std::io::Error::other("it panicked"),
-            })?;
+        first_thread()?;
     }
     marks.mark("thread");
     if let Some(f) = filters {
@@ -332,6 +322,38 @@ pub fn lock_down(
     }
     marks.mark("seccomp");
     Ok(())
+}
+
+/// Make and join a thread, so glibc installs the signal handlers it installs with a
+/// process's first thread while `rt_sigaction` is still allowed (the seccomp filters forbid
+/// it; the VM's threads come after them). Its stack is the VMM's size too: glibc keeps it for
+/// the next thread, which it would otherwise give a 2 MiB stack (see
+/// `tine_vmm::THREAD_STACK_BYTES`). Returns once the kernel has let go of the thread: a
+/// mount namespace is entered later (`setns`), which a process sharing its filesystem
+/// context with another thread, even an exiting one, cannot do.
+fn first_thread() -> Result<(), ConfineError> {
+    let failed = |source| ConfineError::Sys {
+        what: "starting a thread",
+        source,
+    };
+    let tid = tine_vmm::thread_builder("setup")
+        // SAFETY: gettid has no preconditions.
+        .spawn(|| unsafe { libc::gettid() })
+        .map_err(failed)?
+        .join()
+        .map_err(|_| failed(std::io::Error::other("it panicked")))?;
+    // Joined as the thread let go of its memory; its filesystem context goes a little later,
+    // before its /proc entry does.
+    let entry = format!("/proc/self/task/{tid}");
+    for _ in 0..1_000 {
+        match std::fs::symlink_metadata(&entry) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            _ => std::thread::yield_now(),
+        }
+    }
+    Err(failed(std::io::Error::other(
+        "the joined thread is still not gone",
+    )))
 }
 
 /// Whether glibc has yet to make this process's first thread, and so to install the signal
@@ -387,6 +409,11 @@ mod tests {
     fn glibc_reports_a_process_that_made_a_thread_as_threaded() {
         std::thread::spawn(|| {}).join().unwrap();
         assert!(!glibc_single_threaded());
+    }
+
+    #[test]
+    fn the_first_thread_is_gone_when_it_returns() {
+        first_thread().unwrap();
     }
 
     #[test]

@@ -113,6 +113,11 @@ impl LostIrqs {
 /// The device half of a virtio device; the transport owns feature negotiation and queue setup.
 pub trait VirtioDevice: Send {
     fn device_type(&self) -> u32;
+    /// Start what the device runs on its own (its thread), if not yet: called as its VM
+    /// starts, before any vCPU runs, and a no-op for a device that needs nothing started.
+    fn start(&mut self) -> Result<(), crate::error::DeviceError> {
+        Ok(())
+    }
     /// Offered feature bits (VIRTIO_F_VERSION_1 is added by the transport).
     fn features(&self) -> u64;
     fn queue_max_sizes(&self) -> &[u16];

@@ -250,6 +250,14 @@ pub struct Net {
 impl Net {
     /// A device with guest MAC `mac`, backed by `tap` (None: no link, frames are dropped).
     pub fn new(mac: Mac, tap: Option<Tap>) -> Result<Self, DeviceError> {
+        let mut n = Self::prepare(mac, tap)?;
+        n.start_thread()?;
+        Ok(n)
+    }
+
+    /// [`Net::new`] without its thread yet: it starts with the VM ([`VirtioDevice::start`]),
+    /// as a restored vsock device's does.
+    pub fn prepare(mac: Mac, tap: Option<Tap>) -> Result<Self, DeviceError> {
         let thread_err = |source| DeviceError::NetThread { source };
         let epoll = Arc::new(Epoll::new().map_err(thread_err)?);
         if let Some(tap) = &tap {
@@ -281,16 +289,25 @@ impl Net {
             guest_csum: false,
             stats: NetStats::default(),
         }));
-        let (worker, ep) = (state.clone(), epoll.clone());
-        let thread = crate::thread_builder("net")
-            .spawn(move || event_loop::run(worker, ep))
-            .map_err(thread_err)?;
         Ok(Self {
             state,
             epoll,
             mac,
-            thread: Some(thread),
+            thread: None,
         })
+    }
+
+    /// Its thread, if it has none yet (see [`Net::prepare`]).
+    fn start_thread(&mut self) -> Result<(), DeviceError> {
+        if self.thread.is_some() {
+            return Ok(());
+        }
+        let (worker, ep) = (self.state.clone(), self.epoll.clone());
+        let thread = crate::thread_builder("net")
+            .spawn(move || event_loop::run(worker, ep))
+            .map_err(|source| DeviceError::NetThread { source })?;
+        self.thread = Some(thread);
+        Ok(())
     }
 
     pub fn stats(&self) -> NetStats {
@@ -327,6 +344,10 @@ fn tap_offloads(acked: u64) -> u32 {
 impl VirtioDevice for Net {
     fn device_type(&self) -> u32 {
         DEVICE_ID
+    }
+
+    fn start(&mut self) -> Result<(), DeviceError> {
+        self.start_thread()
     }
 
     fn features(&self) -> u64 {

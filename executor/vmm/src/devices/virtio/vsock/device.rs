@@ -228,6 +228,15 @@ pub struct Vsock {
 impl Vsock {
     /// Listen on `uds_path` (replaced if a stale socket is there) for guest `guest_cid`.
     pub fn new(guest_cid: u64, uds_path: &Path) -> Result<Self, DeviceError> {
+        let mut v = Self::prepare(guest_cid, uds_path)?;
+        v.start_thread()?;
+        Ok(v)
+    }
+
+    /// [`Vsock::new`] without its thread yet: the socket listens, and the thread starts with
+    /// the VM ([`VirtioDevice::start`]). A VMM that switches users before it starts its VM
+    /// then has no other thread glibc must take through each id change.
+    pub fn prepare(guest_cid: u64, uds_path: &Path) -> Result<Self, DeviceError> {
         // 0-2 are the hypervisor, local and host; the top of the 32-bit range is reserved too.
         const MAX_CID: u64 = u32::MAX as u64 - 1;
         if guest_cid <= HOST_CID || guest_cid > MAX_CID {
@@ -263,16 +272,26 @@ impl Vsock {
                 vmm_sys_util::epoll::EpollEvent::new(vmm_sys_util::epoll::EventSet::IN, TOKEN_STOP),
             )
             .map_err(|source| DeviceError::VsockThread { source })?;
-        let worker = state.clone();
-        let thread = crate::thread_builder("vsock")
-            .spawn(move || event_loop::run(worker, epoll))
-            .map_err(|source| DeviceError::VsockThread { source })?;
         Ok(Self {
             state,
             guest_cid,
             stop,
-            thread: Some(thread),
+            thread: None,
         })
+    }
+
+    /// Its thread, if it has none yet (see [`Vsock::prepare`]).
+    fn start_thread(&mut self) -> Result<(), DeviceError> {
+        if self.thread.is_some() {
+            return Ok(());
+        }
+        let worker = self.state.clone();
+        let epoll = worker.lock().unwrap().muxer.epoll();
+        let thread = crate::thread_builder("vsock")
+            .spawn(move || event_loop::run(worker, epoll))
+            .map_err(|source| DeviceError::VsockThread { source })?;
+        self.thread = Some(thread);
+        Ok(())
     }
 }
 
@@ -295,6 +314,10 @@ impl Drop for Vsock {
 impl VirtioDevice for Vsock {
     fn device_type(&self) -> u32 {
         DEVICE_ID
+    }
+
+    fn start(&mut self) -> Result<(), DeviceError> {
+        self.start_thread()
     }
 
     fn features(&self) -> u64 {

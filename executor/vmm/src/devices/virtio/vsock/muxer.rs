@@ -182,8 +182,9 @@ impl Muxer {
         }
     }
 
-    /// Read the `CONNECT <port>\n` line byte by byte, so data the client sends right after it
-    /// stays in the socket for the established stream.
+    /// Read the `CONNECT <port>\n` line, and nothing after it: data the client sends right
+    /// after the line stays in the socket for the established stream. What is there is peeked
+    /// at and only the line taken (two calls, not one per byte).
     fn handshake(&mut self, token: u64) {
         let mut done = None;
         let mut close = false;
@@ -191,27 +192,38 @@ impl Muxer {
             let ConnState::Handshake(line) = &mut c.state else {
                 return;
             };
-            let mut b = [0u8; 1];
+            let mut buf = [0u8; MAX_HANDSHAKE + 1];
             loop {
-                match c.stream.read(&mut b) {
+                let room = MAX_HANDSHAKE + 1 - line.len();
+                match peek(&c.stream, &mut buf[..room]) {
                     Ok(0) => {
                         close = true;
                         break;
                     }
-                    Ok(_) if b[0] == b'\n' => {
-                        done = parse_connect(line);
-                        close = done.is_none();
-                        break;
-                    }
-                    Ok(_) if line.len() < MAX_HANDSHAKE => line.push(b[0]),
-                    Ok(_) => {
-                        close = true;
-                        break;
+                    Ok(n) => {
+                        let end = buf[..n].iter().position(|b| *b == b'\n');
+                        let take = end.map_or(n, |i| i + 1);
+                        if c.stream.read_exact(&mut buf[..take]).is_err() {
+                            close = true;
+                            break;
+                        }
+                        if let Some(i) = end {
+                            line.extend_from_slice(&buf[..i]);
+                            done = parse_connect(line);
+                            close = done.is_none();
+                            break;
+                        }
+                        line.extend_from_slice(&buf[..n]);
+                        if line.len() > MAX_HANDSHAKE {
+                            close = true;
+                            break;
+                        }
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => {
                         c.readable = false;
                         break;
                     }
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
                     Err(_) => {
                         close = true;
                         break;
@@ -499,6 +511,23 @@ impl Muxer {
     }
 }
 
+/// What `stream` holds, without taking it (`MSG_PEEK`): at most `buf.len()` bytes.
+fn peek(stream: &UnixStream, buf: &mut [u8]) -> std::io::Result<usize> {
+    // SAFETY: recv writes at most `buf.len()` bytes into `buf`, which outlives the call.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_PEEK,
+        )
+    };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
 fn parse_connect(line: &[u8]) -> Option<u32> {
     let s = std::str::from_utf8(line).ok()?.trim_end_matches('\r');
     s.strip_prefix("CONNECT ")?.trim().parse().ok()
@@ -588,5 +617,53 @@ mod tests {
         let mut line = [0u8; 14];
         client.read_exact(&mut line).unwrap();
         assert_eq!(line, *format!("OK {}\n", req.src_port).as_bytes());
+    }
+
+    /// A CONNECT line that arrives in pieces is read whole; what the client sent after it
+    /// stays in the socket, for the guest.
+    #[test]
+    fn a_connect_line_in_pieces_is_read_whole_and_what_follows_it_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v.sock");
+        let mut m = Muxer::bind(3, &path).unwrap();
+        let mut client = UnixStream::connect(&path).unwrap();
+        client.write_all(b"CONN").unwrap();
+        m.accept();
+        let token = *m.conns.keys().next().unwrap();
+        m.on_stream_event(token, EventSet::IN);
+        assert!(
+            m.next_for_guest(4096, &mut [0u8; 16]).is_none(),
+            "no request before the line ends"
+        );
+        client.write_all(b"ECT 52\nhello").unwrap();
+        m.on_stream_event(token, EventSet::IN);
+        let (req, _) = m.next_for_guest(4096, &mut [0u8; 16]).unwrap();
+        assert_eq!((req.op, req.dst_port), (OP_REQUEST, 52));
+        let mut rest = [0u8; 16];
+        let n = peek(&m.conns[&token].stream, &mut rest).unwrap();
+        assert_eq!(&rest[..n], b"hello");
+    }
+
+    /// A line longer than any CONNECT is refused, in one piece or several.
+    #[test]
+    fn an_overlong_connect_line_is_refused() {
+        for pieces in [1, 3] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("v.sock");
+            let mut m = Muxer::bind(3, &path).unwrap();
+            let mut client = UnixStream::connect(&path).unwrap();
+            m.accept();
+            let token = *m.conns.keys().next().unwrap();
+            let long = [b'C'; MAX_HANDSHAKE + 8];
+            for chunk in long.chunks(long.len().div_ceil(pieces)) {
+                client.write_all(chunk).unwrap();
+                m.on_stream_event(token, EventSet::IN);
+            }
+            assert!(m.conns.is_empty(), "closed ({pieces} pieces)");
+            // Read only the line: the rest is a reset, the bytes it never read being dropped.
+            let mut reply = [0u8; 21];
+            client.read_exact(&mut reply).unwrap();
+            assert_eq!(&reply, b"ERR bad CONNECT line\n");
+        }
     }
 }
