@@ -619,17 +619,23 @@ mod tests {
         assert_eq!(line, *format!("OK {}\n", req.src_port).as_bytes());
     }
 
+    /// A muxer with one host client accepted (its directory, which must outlive it, first).
+    fn one_client() -> (tempfile::TempDir, Muxer, UnixStream, u64) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v.sock");
+        let mut m = Muxer::bind(3, &path).unwrap();
+        let client = UnixStream::connect(&path).unwrap();
+        m.accept();
+        let token = *m.conns.keys().next().unwrap();
+        (dir, m, client, token)
+    }
+
     /// A CONNECT line that arrives in pieces is read whole; what the client sent after it
     /// stays in the socket, for the guest.
     #[test]
     fn a_connect_line_in_pieces_is_read_whole_and_what_follows_it_stays() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("v.sock");
-        let mut m = Muxer::bind(3, &path).unwrap();
-        let mut client = UnixStream::connect(&path).unwrap();
+        let (_dir, mut m, mut client, token) = one_client();
         client.write_all(b"CONN").unwrap();
-        m.accept();
-        let token = *m.conns.keys().next().unwrap();
         m.on_stream_event(token, EventSet::IN);
         assert!(
             m.next_for_guest(4096, &mut [0u8; 16]).is_none(),
@@ -648,12 +654,7 @@ mod tests {
     #[test]
     fn an_overlong_connect_line_is_refused() {
         for pieces in [1, 3] {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("v.sock");
-            let mut m = Muxer::bind(3, &path).unwrap();
-            let mut client = UnixStream::connect(&path).unwrap();
-            m.accept();
-            let token = *m.conns.keys().next().unwrap();
+            let (_dir, mut m, mut client, token) = one_client();
             let long = [b'C'; MAX_HANDSHAKE + 8];
             for chunk in long.chunks(long.len().div_ceil(pieces)) {
                 client.write_all(chunk).unwrap();
