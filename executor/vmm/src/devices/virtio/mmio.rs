@@ -276,13 +276,13 @@ impl VirtioMmio {
         Ok(())
     }
 
-    /// Activate a restored device that was active, with the saved queue positions, and tell
-    /// it it was restored. Does nothing for any other.
     /// Start the device's own threads (see [`VirtioDevice::start`]).
     pub fn start_device(&mut self) -> Result<(), crate::error::DeviceError> {
         self.device.start()
     }
 
+    /// Activate a restored device that was active, with the saved queue positions, and tell
+    /// it it was restored. Does nothing for any other.
     pub fn activate_restored(&mut self) {
         if std::mem::take(&mut self.activate_pending) {
             self.activated = true;
