@@ -61,6 +61,17 @@ pub(super) struct DeviceState {
     pub(super) rx_scratch: Vec<u8>,
     /// A restored device's first host call, step by step, for the log.
     pub(super) first_call: FirstCall,
+    /// Queues given used buffers since the interrupt was last considered ([`Self::flush_irq`]).
+    pub(super) irq_due: [bool; QUEUES],
+    pub(super) irqs: IrqCounts,
+}
+
+/// Interrupts the device raised, and the times it had given the guest buffers back but the
+/// guest had asked for none (it was already taking them from those queues).
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct IrqCounts {
+    pub raised: u64,
+    pub not_wanted: u64,
 }
 
 impl DeviceState {
@@ -126,7 +137,7 @@ impl DeviceState {
                     match h.op {
                         OP_RESPONSE => self.first_call.mark("accepted"),
                         OP_RW => {
-                            if let Some(line) = self.first_call.answered() {
+                            if let Some(line) = self.first_call.answered(self.irqs) {
                                 // One write; a log that cannot be written costs only the line.
                                 let _ = std::io::stderr().write_all(line.as_bytes());
                             }
@@ -142,14 +153,35 @@ impl DeviceState {
                 None => tracing::warn!("vsock: unreadable guest packet"),
             }
         }
-        if used {
-            self.signal();
-        }
+        self.irq_due[TX] |= used;
     }
 
-    pub(super) fn signal(&self) {
-        if let Some(irq) = &self.irq {
+    /// Raise the interrupt once for every queue given used buffers since the last call, unless
+    /// the guest has suppressed interrupts on all of them (`VRING_AVAIL_F_NO_INTERRUPT`: Linux
+    /// sets it while its handler drains a queue, and looks at the queue again before clearing
+    /// it). Called where a pass over the queues ends, so a pass that gives back transmit and
+    /// receive buffers, or several receive fills, costs the guest one interrupt: each costs it
+    /// an injection, two MMIO exits (status read, acknowledgement) and an EOI.
+    pub(super) fn flush_irq(&mut self) {
+        if !self.irq_due.iter().any(|d| *d) {
+            return;
+        }
+        let due = std::mem::take(&mut self.irq_due);
+        let (Some(irq), Some(mem)) = (&self.irq, &self.mem) else {
+            return;
+        };
+        // The used entries are written before the flags are read (the guest clears the flag
+        // and then looks for used entries: one of the two sides sees the other).
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let wanted = due
+            .iter()
+            .zip(&self.queues)
+            .any(|(d, q)| *d && guest_wants_interrupt(q, mem));
+        if wanted {
             irq.trigger(INT_USED_RING);
+            self.irqs.raised += 1;
+        } else {
+            self.irqs.not_wanted += 1;
         }
     }
 
@@ -190,9 +222,7 @@ impl DeviceState {
             let _ = self.queues[RX].add_used(&mem, head, (HDR_LEN + n) as u32);
             used = true;
         }
-        if used {
-            self.signal();
-        }
+        self.irq_due[RX] |= used;
     }
 
     /// Connections did not survive the snapshot: tell the guest so it drops its side (its
@@ -212,8 +242,20 @@ impl DeviceState {
             .is_some();
         let _ = self.queues[EVT].add_used(&mem, head, if ok { 4 } else { 0 });
         self.reset_unacked = if ok { avail.ok() } else { None };
-        self.signal();
+        self.irq_due[EVT] = true;
     }
+}
+
+/// False if the driver has asked for no interrupt on `q` (its available ring's flags).
+fn guest_wants_interrupt(q: &Queue, mem: &GuestMemoryMmap) -> bool {
+    use vm_memory::{Bytes, GuestAddress};
+    const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
+    let flags: Result<u16, _> = mem.load(
+        GuestAddress(q.avail_ring()),
+        std::sync::atomic::Ordering::Acquire,
+    );
+    // Unreadable flags: interrupt, as before.
+    flags.map_or(true, |f| u16::from_le(f) & VRING_AVAIL_F_NO_INTERRUPT == 0)
 }
 
 /// The vsock device: owns the host socket and a thread that moves host stream data.
@@ -262,6 +304,8 @@ impl Vsock {
             reset_unacked: None,
             rx_scratch: Vec::new(),
             first_call: FirstCall::default(),
+            irq_due: [false; QUEUES],
+            irqs: IrqCounts::default(),
         }));
         let stop = EventFd::new(libc::EFD_NONBLOCK)
             .map_err(|source| DeviceError::VsockThread { source })?;
@@ -354,10 +398,13 @@ impl VirtioDevice for Vsock {
         g.activate(mem, queues, irq);
         g.first_call.start();
         g.send_transport_reset();
+        g.flush_irq();
     }
 
     fn queue_notify(&mut self, queue: u16) {
-        self.state.lock().unwrap().on_queue_notify(queue as usize);
+        let mut g = self.state.lock().unwrap();
+        g.on_queue_notify(queue as usize);
+        g.flush_irq();
     }
 
     fn attach_queue_events(&mut self, events: &[Arc<EventFd>]) -> bool {
@@ -381,6 +428,7 @@ impl VirtioDevice for Vsock {
             g.process_tx();
             g.process_rx();
         }
+        g.flush_irq();
     }
 
     fn queue_states(&self) -> Vec<QueueState> {
@@ -400,7 +448,9 @@ impl VirtioDevice for Vsock {
     }
 
     fn after_restore(&mut self) {
-        self.state.lock().unwrap().send_transport_reset();
+        let mut g = self.state.lock().unwrap();
+        g.send_transport_reset();
+        g.flush_irq();
     }
 
     fn reset(&mut self) {
@@ -410,6 +460,7 @@ impl VirtioDevice for Vsock {
         g.queues.clear();
         g.irq = None;
         g.reset_unacked = None;
+        g.irq_due = [false; QUEUES];
     }
 }
 
@@ -460,6 +511,8 @@ mod tests {
             reset_unacked: None,
             rx_scratch: Vec::new(),
             first_call: FirstCall::default(),
+            irq_due: [false; QUEUES],
+            irqs: IrqCounts::default(),
         };
         let mut v = Vsock {
             state: Arc::new(Mutex::new(state)),
@@ -652,6 +705,65 @@ mod tests {
         post_buffer(&mem, EVT, 0, 0x9_0000, 4, 1);
         v.queue_notify(EVT as u16);
         assert!(v.state.lock().unwrap().reset_unacked.is_none());
+    }
+
+    /// How many times the device's interrupt line was raised since the last look.
+    fn raised(v: &Vsock) -> u64 {
+        let irq = v.state.lock().unwrap().irq.clone().unwrap();
+        irq.eventfd().read().unwrap_or(0)
+    }
+
+    /// Set or clear `VRING_AVAIL_F_NO_INTERRUPT` on queue `q`, as a driver draining it does.
+    fn suppress_interrupts(mem: &GuestMemoryMmap, q: usize, on: bool) {
+        mem.write_obj(u16::from(on), GuestAddress(ring(q) + 0x1000))
+            .unwrap();
+    }
+
+    #[test]
+    fn a_pass_that_gives_back_transmit_and_receive_buffers_raises_one_interrupt() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let _host_port = UnixListener::bind(dir.path().join("v.sock_77")).unwrap();
+        let (mut v, mem) = activated_without_thread(&uds);
+        post_connect_request(&mem, 77);
+        post_buffer(&mem, RX, 0, 0xa_0000, 4096, 0);
+        v.queue_notify(TX as u16);
+        assert_eq!(
+            (used_idx(&mem, TX), used_idx(&mem, RX)),
+            (1, 1),
+            "the request taken and answered"
+        );
+        assert_eq!(raised(&v), 1, "one interrupt for both queues");
+        let irqs = v.state.lock().unwrap().irqs;
+        assert_eq!((irqs.raised, irqs.not_wanted), (1, 0));
+        v.queue_notify(TX as u16);
+        assert_eq!(raised(&v), 0, "nothing given back: no interrupt");
+    }
+
+    #[test]
+    fn no_interrupt_while_the_guest_has_suppressed_them_on_every_queue_given_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let _host_port = UnixListener::bind(dir.path().join("v.sock_77")).unwrap();
+        let (mut v, mem) = activated_without_thread(&uds);
+        suppress_interrupts(&mem, TX, true);
+        suppress_interrupts(&mem, RX, true);
+        post_connect_request(&mem, 77);
+        post_buffer(&mem, RX, 0, 0xa_0000, 4096, 0);
+        v.queue_notify(TX as u16);
+        assert_eq!((used_idx(&mem, TX), used_idx(&mem, RX)), (1, 1));
+        assert_eq!(
+            raised(&v),
+            0,
+            "the guest is draining both: it asked for none"
+        );
+        assert_eq!(v.state.lock().unwrap().irqs.not_wanted, 1);
+        // The event queue still wants them: the reset raises one.
+        post_buffer(&mem, EVT, 0, 0x9_0000, 4, 0);
+        v.after_restore();
+        assert_eq!(used_idx(&mem, EVT), 1);
+        assert_eq!(raised(&v), 1);
+        assert_eq!(v.state.lock().unwrap().irqs.raised, 1);
     }
 
     #[test]

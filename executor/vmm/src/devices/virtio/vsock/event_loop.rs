@@ -45,7 +45,10 @@ pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
             }
         }
         g.process_rx();
+        // One interrupt for the whole pass, before the watchdog looks for a lost one.
+        g.flush_irq();
         watchdog.check(&mut g);
+        g.flush_irq();
         busy = watchdog.watching();
     }
 }

@@ -4,6 +4,8 @@
 
 use std::time::{Duration, Instant};
 
+use super::device::IrqCounts;
+
 /// One restored device's first call, step by step; each step is kept the first time only.
 #[derive(Debug, Default)]
 pub(super) struct FirstCall {
@@ -30,25 +32,28 @@ impl FirstCall {
         self.steps.push((step, t0.elapsed()));
     }
 
-    /// The guest sent its first data: mark it and return the log line, once.
-    pub(super) fn answered(&mut self) -> Option<String> {
+    /// The guest sent its first data: mark it and return the log line, once, with the
+    /// interrupts the device had raised (and held back) by then.
+    pub(super) fn answered(&mut self, irqs: IrqCounts) -> Option<String> {
         if self.started.is_none() || self.done {
             return None;
         }
         self.mark("first data");
         self.done = true;
-        Some(self.line())
+        Some(self.line(irqs))
     }
 
-    fn line(&self) -> String {
+    fn line(&self, irqs: IrqCounts) -> String {
         let steps: Vec<String> = self
             .steps
             .iter()
             .map(|(s, d)| format!("{s} {:.1}", d.as_secs_f64() * 1e3))
             .collect();
         format!(
-            "tine-vmm: vsock first call, ms after activation: {}\n",
-            steps.join(", ")
+            "tine-vmm: vsock first call, ms after activation: {}; interrupts raised {}, not wanted {}\n",
+            steps.join(", "),
+            irqs.raised,
+            irqs.not_wanted
         )
     }
 }
@@ -61,14 +66,22 @@ mod tests {
     fn steps_are_kept_once_in_order_and_the_line_comes_once() {
         let mut f = FirstCall::default();
         f.mark("host connected");
-        assert!(f.answered().is_none(), "a booted device keeps no timeline");
+        let irqs = IrqCounts {
+            raised: 3,
+            not_wanted: 1,
+        };
+        assert!(
+            f.answered(irqs).is_none(),
+            "a booted device keeps no timeline"
+        );
         f.start();
         f.mark("host connected");
         f.mark("request given");
         f.mark("host connected");
-        let line = f.answered().expect("the first answer gives the line");
+        let line = f.answered(irqs).expect("the first answer gives the line");
+        let (line, counts) = line.trim_end().split_once("; ").unwrap();
+        assert_eq!(counts, "interrupts raised 3, not wanted 1");
         let names: Vec<&str> = line
-            .trim_end()
             .split(": ")
             .nth(2)
             .unwrap()
@@ -76,8 +89,8 @@ mod tests {
             .map(|s| s.rsplit_once(' ').unwrap().0)
             .collect();
         assert_eq!(names, ["host connected", "request given", "first data"]);
-        assert!(f.answered().is_none(), "only once");
+        assert!(f.answered(irqs).is_none(), "only once");
         f.mark("late");
-        assert!(!f.line().contains("late"));
+        assert!(!f.line(irqs).contains("late"));
     }
 }
