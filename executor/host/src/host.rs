@@ -31,6 +31,10 @@ const MAX_CONCURRENT_SPAWNS: usize = 256;
 
 /// Longest a branch may keep the host waiting (a complete image of a large guest included).
 const BRANCH_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a snapshot's recording child runs on after it is ready: as long again as it took
+/// to get there, within these bounds (see `record_working_set`).
+const RECORD_PAST_READY: (Duration, Duration) =
+    (Duration::from_millis(100), Duration::from_secs(1));
 
 /// A running VM snapshotted as a snapshot of its own.
 #[derive(Clone, Debug)]
@@ -1384,10 +1388,25 @@ impl Host {
             }
         };
         let pages: Arc<dyn Pages> = img.clone();
-        let out = self.recording_child(tag, dir, Some(&pages), |_| ());
+        // Recorded on after readiness for as long again as it took (within bounds): work the
+        // guest had due as it resumed (timers long expired, a connection left closing in the
+        // snapshot) runs before a child's Wake at full pace, but can fall after it in this
+        // child, whose every first touch waits for the page server; unrecorded, each such
+        // page costs every child a nested page fault on its way to ready.
+        let out = self.recording_child(tag, dir, Some(&pages), |_| {
+            std::thread::sleep(t0.elapsed().clamp(RECORD_PAST_READY.0, RECORD_PAST_READY.1))
+        });
         match out {
             Ok(_) => {
-                let ws = img.take_recorded().unwrap_or_default();
+                // The page server hands the list over as the VMM's exit ends it.
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let ws = loop {
+                    match img.take_recorded() {
+                        Some(ws) => break ws,
+                        None if Instant::now() >= deadline => break Vec::new(),
+                        None => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                };
                 tracing::info!(%tag, pages = ws.len(), took_ms = t0.elapsed().as_millis() as u64, "working set recorded");
                 ws
             }
@@ -1406,25 +1425,21 @@ impl Host {
     /// not write but would all be given; a page both wrote is one nearly every child writes.
     /// Both lists are hints its children's workers map ahead (see [`tine_vmm::prefault`]);
     /// without them children only fault as before, so what cannot be had is only logged.
+    /// Two more children, mapped ahead with both lists, then complete them with what children
+    /// at that pace write ([`Self::complete_page_lists`]).
     fn record_page_lists(&self, tag: &Tag, dir: &std::path::Path) -> Vec<u64> {
         use crate::lazy::{save_page_list, WORKING_SET_FILE, WRITTEN_SET_FILE};
-        let ws = self.record_working_set(tag, dir);
+        let mut ws = self.record_working_set(tag, dir);
         if ws.is_empty() {
             return ws;
         }
         let t0 = Instant::now();
-        let written = self.written_by_one_child(tag, dir).and_then(|first| {
-            let second = self.written_by_one_child(tag, dir)?;
-            // Both sorted: keep what the first also wrote.
-            Ok(second
-                .into_iter()
-                .filter(|p| first.binary_search(p).is_ok())
-                .collect::<Vec<u64>>())
-        });
+        let written = self.written_by_two_children(tag, dir);
         let kept = save_page_list(dir, WORKING_SET_FILE, &ws).and_then(|()| match written {
             Ok(w) => {
                 tracing::info!(%tag, pages = w.len(), took_ms = t0.elapsed().as_millis() as u64, "written set recorded");
-                save_page_list(dir, WRITTEN_SET_FILE, &w)
+                save_page_list(dir, WRITTEN_SET_FILE, &w)?;
+                self.complete_page_lists(tag, dir, &mut ws, w)
             }
             Err(e) => {
                 tracing::warn!(%tag, "no written set recorded: {e}");
@@ -1436,6 +1451,53 @@ impl Host {
             tracing::warn!(%tag, "keeping the page lists beside the snapshot: {e}");
         }
         ws
+    }
+
+    /// The pages two children both write (sorted), see [`Self::record_page_lists`].
+    fn written_by_two_children(
+        &self,
+        tag: &Tag,
+        dir: &std::path::Path,
+    ) -> std::result::Result<Vec<u64>, String> {
+        let first = self.written_by_one_child(tag, dir)?;
+        let second = self.written_by_one_child(tag, dir)?;
+        // Both sorted: keep what the first also wrote.
+        Ok(second
+            .into_iter()
+            .filter(|p| first.binary_search(p).is_ok())
+            .collect())
+    }
+
+    /// With the lists in place, two more children, now mapped ahead as every later one is,
+    /// so they run at the pace later children run at. Which free page the guest's allocator
+    /// hands out, or when deferred work runs, depends on that pace: the children recorded
+    /// before (the first one served a page per fault, the next two with nothing mapped ahead)
+    /// write some pages that children at full pace do not, and these write others. The
+    /// pages both write beyond the written set join it and the working set, so later children
+    /// find them mapped (each was a read fault, a write fault and its retry).
+    fn complete_page_lists(
+        &self,
+        tag: &Tag,
+        dir: &std::path::Path,
+        ws: &mut Vec<u64>,
+        mut written: Vec<u64>,
+    ) -> Result<()> {
+        use crate::lazy::{save_page_list, WORKING_SET_FILE, WRITTEN_SET_FILE};
+        let t0 = Instant::now();
+        let again = match self.written_by_two_children(tag, dir) {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(%tag, "written set not completed at full pace: {e}");
+                return Ok(());
+            }
+        };
+        let added = add_written_at_full_pace(ws, &mut written, again);
+        tracing::info!(%tag, added, took_ms = t0.elapsed().as_millis() as u64, "written set completed at full pace");
+        if added == 0 {
+            return Ok(());
+        }
+        save_page_list(dir, WORKING_SET_FILE, ws)?;
+        save_page_list(dir, WRITTEN_SET_FILE, &written)
     }
 
     /// Restore one child of the snapshot in `dir` and, once it is ready, the image pages it
@@ -2132,18 +2194,37 @@ fn ask_vmm_then(
     }
 }
 
+/// Add the pages `again` (sorted) holds beyond `written` (sorted, kept so) to it, and those
+/// not touched yet to the end of `ws` (in touch order, so they come last); how many were new
+/// to `written`.
+fn add_written_at_full_pace(ws: &mut Vec<u64>, written: &mut Vec<u64>, again: Vec<u64>) -> usize {
+    let added: Vec<u64> = again
+        .into_iter()
+        .filter(|p| written.binary_search(p).is_err())
+        .collect();
+    let touched: std::collections::HashSet<u64> = ws.iter().copied().collect();
+    ws.extend(added.iter().filter(|p| !touched.contains(p)));
+    let n = added.len();
+    written.extend(added);
+    written.sort_unstable();
+    n
+}
+
 /// A lazily restored child is ready: stop recording its working set (handing it to its page
-/// source, if this child recorded one) and report what its pages cost.
+/// source, if this child recorded one; a snapshot's recording child records on, see
+/// [`Pages::records_past_ready`]) and report what its pages cost.
 fn finish_recording(img: &Arc<dyn Pages>, pages: &ChildPages) -> LazyReport {
     use std::sync::atomic::Ordering::{Relaxed, Release};
-    pages.ready.store(true, Release);
-    let recorded = pages
-        .recorded
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take();
-    if let Some(ws) = recorded.filter(|w| !w.is_empty()) {
-        img.clone().recorded(ws);
+    if !img.records_past_ready() {
+        pages.ready.store(true, Release);
+        let recorded = pages
+            .recorded
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(ws) = recorded.filter(|w| !w.is_empty()) {
+            img.clone().recorded(ws);
+        }
     }
     let (fetched_bytes, fetched_objects) = img.fetched();
     LazyReport {
@@ -2182,6 +2263,22 @@ fn root_memory(dir: &std::path::Path, header: &SnapshotHeader) -> Result<PathBuf
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pages_written_at_full_pace_join_both_lists() {
+        let mut ws = vec![7, 3, 9, 1];
+        let mut written = vec![3, 9];
+        // 9 is known; 1 was touched but not written; 5 was never touched.
+        let added = add_written_at_full_pace(&mut ws, &mut written, vec![1, 5, 9]);
+        assert_eq!(added, 2);
+        assert_eq!(written, [1, 3, 5, 9], "sorted, each once");
+        assert_eq!(ws, [7, 3, 9, 1, 5], "touch order kept, the new page last");
+        assert_eq!(
+            add_written_at_full_pace(&mut ws, &mut written, vec![3, 5]),
+            0
+        );
+        assert_eq!(ws.len(), 5);
+    }
 
     #[test]
     fn a_tag_is_made_by_one_attempt_at_a_time() {

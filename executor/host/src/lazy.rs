@@ -434,6 +434,12 @@ pub(crate) trait Pages: Send + Sync {
     fn claim_recording(&self) -> bool;
     /// A child's recorded working set.
     fn recorded(self: Arc<Self>, pages: Vec<u64>);
+    /// Whether recording goes on after the child is ready, until its VMM exits (the one
+    /// who spawned it decides how long it runs on); the list is then handed over by the
+    /// page server as it ends.
+    fn records_past_ready(&self) -> bool {
+        false
+    }
     /// True for a page that is zero (mapped with UFFDIO_ZEROPAGE, nothing read).
     fn is_zero(&self, page: u64) -> bool;
     /// True if supplying the page needs nothing fetched (zero, or its chunk is here).
@@ -553,6 +559,9 @@ impl Pages for FileImage {
     }
     fn recorded(self: Arc<Self>, pages: Vec<u64>) {
         *self.recorded.lock().unwrap_or_else(|p| p.into_inner()) = Some(pages);
+    }
+    fn records_past_ready(&self) -> bool {
+        true
     }
     fn is_zero(&self, _page: u64) -> bool {
         false // read and copied like any page (the file is sparse: holes read as zeros)
@@ -699,6 +708,19 @@ pub(crate) fn serve(
                     prefetch = None;
                 }
             }
+        }
+    }
+    // A recording kept past readiness ends with the VMM (any other ends at readiness, and
+    // a child that never got there leaves none).
+    if image.records_past_ready() {
+        let recorded = s
+            .pages
+            .recorded
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(ws) = recorded.filter(|w| !w.is_empty()) {
+            image.recorded(ws);
         }
     }
 }
