@@ -3,6 +3,7 @@
 pub mod mmio;
 pub mod net;
 pub mod queue_events;
+pub mod used_irq;
 pub mod vsock;
 
 use std::sync::atomic::{AtomicU32, Ordering};

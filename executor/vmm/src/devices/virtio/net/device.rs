@@ -13,7 +13,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::tap::{Tap, TUN_F_CSUM, VNET_HDR_LEN};
 use super::{event_loop, Mac, DEVICE_ID};
 use crate::devices::virtio::queue_events::QueueEvents;
-use crate::devices::virtio::{IrqLine, VirtioDevice, INT_USED_RING};
+use crate::devices::virtio::used_irq::{IrqCounts, UsedIrq};
+use crate::devices::virtio::{IrqLine, VirtioDevice};
 use crate::error::DeviceError;
 use crate::snapshot::devices::VirtioKind;
 
@@ -52,6 +53,8 @@ pub struct NetStats {
     pub tx_dropped: u64,
     /// Frames from the tap that no guest buffer could hold.
     pub rx_dropped: u64,
+    /// Interrupts raised, and passes that gave buffers back while the guest wanted none.
+    pub irqs: IrqCounts,
 }
 
 /// Everything the vCPU threads (queue notifications without ioeventfds) and the device thread
@@ -76,6 +79,8 @@ pub(super) struct DeviceState {
     /// The guest accepted frames with partial checksums (otherwise header flags must be 0).
     guest_csum: bool,
     stats: NetStats,
+    /// Queues given used buffers since the interrupt was last raised ([`Self::flush_irq`]).
+    used_irq: UsedIrq<QUEUES>,
 }
 
 impl DeviceState {
@@ -113,10 +118,13 @@ impl DeviceState {
         }
     }
 
-    fn signal(&self) {
-        if let Some(irq) = &self.irq {
-            irq.trigger(INT_USED_RING);
-        }
+    /// Raise the interrupt once for the queues given used buffers since the last call (see
+    /// [`UsedIrq`]): called where a pass ends, so frames sent and received in one pass cost
+    /// the guest one interrupt, and none while its NAPI poll is draining those queues.
+    pub(super) fn flush_irq(&mut self) {
+        self.used_irq
+            .flush(self.irq.as_ref(), self.mem.as_ref(), &self.queues);
+        self.stats.irqs = self.used_irq.counts;
     }
 
     /// Send every frame the guest queued.
@@ -166,7 +174,7 @@ impl DeviceState {
             }
         }
         if used {
-            self.signal();
+            self.used_irq.mark(TX);
         }
     }
 
@@ -234,7 +242,7 @@ impl DeviceState {
             }
         }
         if used {
-            self.signal();
+            self.used_irq.mark(RX);
         }
     }
 }
@@ -288,6 +296,7 @@ impl Net {
             kick,
             guest_csum: false,
             stats: NetStats::default(),
+            used_irq: UsedIrq::default(),
         }));
         Ok(Self {
             state,
@@ -379,10 +388,13 @@ impl VirtioDevice for Net {
         g.irq = Some(irq);
         // Frames may have arrived before the driver was up.
         g.process_rx();
+        g.flush_irq();
     }
 
     fn queue_notify(&mut self, queue: u16) {
-        self.state.lock().unwrap().on_queue_notify(queue as usize);
+        let mut g = self.state.lock().unwrap();
+        g.on_queue_notify(queue as usize);
+        g.flush_irq();
     }
 
     fn attach_queue_events(&mut self, events: &[Arc<EventFd>]) -> bool {
@@ -396,12 +408,15 @@ impl VirtioDevice for Net {
         if paused {
             // As vsock: what the parked vCPUs signalled is handled before the snapshot.
             g.drain_queue_events();
+            // Its interrupt too: nothing touches guest memory once paused.
+            g.flush_irq();
         }
         g.paused = paused;
         if !paused {
             g.process_tx();
             // The tap is edge-triggered: frames that arrived while paused are read now.
             g.process_rx();
+            g.flush_irq();
         }
     }
 
@@ -421,7 +436,9 @@ impl VirtioDevice for Net {
 
     fn after_restore(&mut self) {
         // Buffers the guest posted before the snapshot are still posted: use them.
-        self.state.lock().unwrap().process_rx();
+        let mut g = self.state.lock().unwrap();
+        g.process_rx();
+        g.flush_irq();
     }
 
     fn reset(&mut self) {
@@ -430,6 +447,7 @@ impl VirtioDevice for Net {
         g.queues.clear();
         g.irq = None;
         g.rx_len = None;
+        g.used_irq.clear();
     }
 }
 
@@ -489,6 +507,12 @@ mod tests {
         let irq = IrqLine::new(EventFd::new(EFD_NONBLOCK).unwrap());
         net.activate(mem.clone(), queues, irq, net.features());
         (net, mem)
+    }
+
+    /// How many times the device's interrupt line was raised since the last look.
+    fn raised(net: &Net) -> u64 {
+        let irq = net.state.lock().unwrap().irq.clone().unwrap();
+        irq.eventfd().read().unwrap_or(0)
     }
 
     fn ip(args: &str) {
@@ -625,6 +649,16 @@ mod tests {
         net.queue_notify(TX as u16);
         assert_eq!(used(&mem, TX), 1, "the buffer is returned");
         assert_eq!(net.stats().tx_dropped, 1);
+        assert_eq!(raised(&net), 1);
+        // A driver polling its transmit queue (NAPI) has asked for no interrupt: none comes.
+        mem.write_obj(1u16, GuestAddress(ring(TX) + 0x1000))
+            .unwrap();
+        post(&mem, TX, 1, 0x8_0000, frame.len() as u32);
+        net.queue_notify(TX as u16);
+        assert_eq!(used(&mem, TX), 2);
+        assert_eq!(raised(&net), 0);
+        let irqs = net.stats().irqs;
+        assert_eq!((irqs.raised, irqs.not_wanted), (1, 1));
         assert_eq!(
             net.kind(),
             VirtioKind::Net { mac: GUEST_MAC },

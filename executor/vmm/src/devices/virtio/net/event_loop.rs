@@ -33,6 +33,7 @@ pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
                 _ => {}
             }
         }
+        g.flush_irq();
         if let Some(resent) = lost.check(g.irq.as_ref(), g.paused) {
             if resent.is_power_of_two() {
                 tracing::warn!(

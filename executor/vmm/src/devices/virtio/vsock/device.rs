@@ -16,7 +16,8 @@ use super::muxer::Muxer;
 use super::packet::{Header, HDR_LEN, MAX_PKT, OP_REQUEST, OP_RESPONSE, OP_RW};
 use super::{event_loop, DEVICE_ID, HOST_CID};
 use crate::devices::virtio::queue_events::QueueEvents;
-use crate::devices::virtio::{IrqLine, VirtioDevice, INT_USED_RING};
+use crate::devices::virtio::used_irq::UsedIrq;
+use crate::devices::virtio::{IrqLine, VirtioDevice};
 use crate::error::DeviceError;
 use crate::snapshot::devices::VirtioKind;
 
@@ -61,17 +62,8 @@ pub(super) struct DeviceState {
     pub(super) rx_scratch: Vec<u8>,
     /// A restored device's first host call, step by step, for the log.
     pub(super) first_call: FirstCall,
-    /// Queues given used buffers since the interrupt was last considered ([`Self::flush_irq`]).
-    pub(super) irq_due: [bool; QUEUES],
-    pub(super) irqs: IrqCounts,
-}
-
-/// Interrupts the device raised, and the times it had given the guest buffers back but the
-/// guest had asked for none (it was already taking them from those queues).
-#[derive(Debug, Default, Clone, Copy)]
-pub(super) struct IrqCounts {
-    pub raised: u64,
-    pub not_wanted: u64,
+    /// Queues given used buffers since the interrupt was last raised ([`Self::flush_irq`]).
+    pub(super) used_irq: UsedIrq<QUEUES>,
 }
 
 impl DeviceState {
@@ -137,7 +129,7 @@ impl DeviceState {
                     match h.op {
                         OP_RESPONSE => self.first_call.mark("accepted"),
                         OP_RW => {
-                            if let Some(line) = self.first_call.answered(self.irqs) {
+                            if let Some(line) = self.first_call.answered(self.used_irq.counts) {
                                 // One write; a log that cannot be written costs only the line.
                                 let _ = std::io::stderr().write_all(line.as_bytes());
                             }
@@ -153,36 +145,17 @@ impl DeviceState {
                 None => tracing::warn!("vsock: unreadable guest packet"),
             }
         }
-        self.irq_due[TX] |= used;
+        if used {
+            self.used_irq.mark(TX);
+        }
     }
 
-    /// Raise the interrupt once for every queue given used buffers since the last call, unless
-    /// the guest has suppressed interrupts on all of them (`VRING_AVAIL_F_NO_INTERRUPT`: Linux
-    /// sets it while its handler drains a queue, and looks at the queue again before clearing
-    /// it). Called where a pass over the queues ends, so a pass that gives back transmit and
-    /// receive buffers, or several receive fills, costs the guest one interrupt: each costs it
-    /// an injection, two MMIO exits (status read, acknowledgement) and an EOI.
+    /// Raise the interrupt once for the queues given used buffers since the last call (see
+    /// [`UsedIrq`]). Called where a pass over the queues ends, so a pass that gives back
+    /// transmit and receive buffers, or several receive fills, costs the guest one interrupt.
     pub(super) fn flush_irq(&mut self) {
-        if !self.irq_due.iter().any(|d| *d) {
-            return;
-        }
-        let due = std::mem::take(&mut self.irq_due);
-        let (Some(irq), Some(mem)) = (&self.irq, &self.mem) else {
-            return;
-        };
-        // The used entries are written before the flags are read (the guest clears the flag
-        // and then looks for used entries: one of the two sides sees the other).
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        let wanted = due
-            .iter()
-            .zip(&self.queues)
-            .any(|(d, q)| *d && guest_wants_interrupt(q, mem));
-        if wanted {
-            irq.trigger(INT_USED_RING);
-            self.irqs.raised += 1;
-        } else {
-            self.irqs.not_wanted += 1;
-        }
+        self.used_irq
+            .flush(self.irq.as_ref(), self.mem.as_ref(), &self.queues);
     }
 
     /// Fill the guest's receive queue: control packets first, then stream data within credit.
@@ -222,7 +195,9 @@ impl DeviceState {
             let _ = self.queues[RX].add_used(&mem, head, (HDR_LEN + n) as u32);
             used = true;
         }
-        self.irq_due[RX] |= used;
+        if used {
+            self.used_irq.mark(RX);
+        }
     }
 
     /// Connections did not survive the snapshot: tell the guest so it drops its side (its
@@ -242,20 +217,8 @@ impl DeviceState {
             .is_some();
         let _ = self.queues[EVT].add_used(&mem, head, if ok { 4 } else { 0 });
         self.reset_unacked = if ok { avail.ok() } else { None };
-        self.irq_due[EVT] = true;
+        self.used_irq.mark(EVT);
     }
-}
-
-/// False if the driver has asked for no interrupt on `q` (its available ring's flags).
-fn guest_wants_interrupt(q: &Queue, mem: &GuestMemoryMmap) -> bool {
-    use vm_memory::{Bytes, GuestAddress};
-    const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
-    let flags: Result<u16, _> = mem.load(
-        GuestAddress(q.avail_ring()),
-        std::sync::atomic::Ordering::Acquire,
-    );
-    // Unreadable flags: interrupt, as before.
-    flags.map_or(true, |f| u16::from_le(f) & VRING_AVAIL_F_NO_INTERRUPT == 0)
 }
 
 /// The vsock device: owns the host socket and a thread that moves host stream data.
@@ -304,8 +267,7 @@ impl Vsock {
             reset_unacked: None,
             rx_scratch: Vec::new(),
             first_call: FirstCall::default(),
-            irq_due: [false; QUEUES],
-            irqs: IrqCounts::default(),
+            used_irq: UsedIrq::default(),
         }));
         let stop = EventFd::new(libc::EFD_NONBLOCK)
             .map_err(|source| DeviceError::VsockThread { source })?;
@@ -421,14 +383,16 @@ impl VirtioDevice for Vsock {
             // The vCPUs are parked: what they notified through the eventfds is handled now, as
             // it would have been on the vCPU thread, so the snapshot holds no unseen buffers.
             g.drain_queue_events();
+            // Its interrupt too: nothing touches guest memory once paused.
+            g.flush_irq();
         }
         g.paused = paused;
         if !paused {
             // Work that arrived while paused.
             g.process_tx();
             g.process_rx();
+            g.flush_irq();
         }
-        g.flush_irq();
     }
 
     fn queue_states(&self) -> Vec<QueueState> {
@@ -460,7 +424,7 @@ impl VirtioDevice for Vsock {
         g.queues.clear();
         g.irq = None;
         g.reset_unacked = None;
-        g.irq_due = [false; QUEUES];
+        g.used_irq.clear();
     }
 }
 
@@ -511,8 +475,7 @@ mod tests {
             reset_unacked: None,
             rx_scratch: Vec::new(),
             first_call: FirstCall::default(),
-            irq_due: [false; QUEUES],
-            irqs: IrqCounts::default(),
+            used_irq: UsedIrq::default(),
         };
         let mut v = Vsock {
             state: Arc::new(Mutex::new(state)),
@@ -734,7 +697,7 @@ mod tests {
             "the request taken and answered"
         );
         assert_eq!(raised(&v), 1, "one interrupt for both queues");
-        let irqs = v.state.lock().unwrap().irqs;
+        let irqs = v.state.lock().unwrap().used_irq.counts;
         assert_eq!((irqs.raised, irqs.not_wanted), (1, 0));
         v.queue_notify(TX as u16);
         assert_eq!(raised(&v), 0, "nothing given back: no interrupt");
@@ -757,13 +720,13 @@ mod tests {
             0,
             "the guest is draining both: it asked for none"
         );
-        assert_eq!(v.state.lock().unwrap().irqs.not_wanted, 1);
+        assert_eq!(v.state.lock().unwrap().used_irq.counts.not_wanted, 1);
         // The event queue still wants them: the reset raises one.
         post_buffer(&mem, EVT, 0, 0x9_0000, 4, 0);
         v.after_restore();
         assert_eq!(used_idx(&mem, EVT), 1);
         assert_eq!(raised(&v), 1);
-        assert_eq!(v.state.lock().unwrap().irqs.raised, 1);
+        assert_eq!(v.state.lock().unwrap().used_irq.counts.raised, 1);
     }
 
     #[test]

@@ -14,8 +14,8 @@ pub(super) fn describe(s: &DeviceState) -> String {
     let mut out = format!(
         "irq_status={} irqs_raised={} irqs_not_wanted={} paused={} reset_unacked={:?} notify={} ctrl_pending={}",
         s.irq.as_ref().map_or(0, |i| i.status()),
-        s.irqs.raised,
-        s.irqs.not_wanted,
+        s.used_irq.counts.raised,
+        s.used_irq.counts.not_wanted,
         s.paused,
         s.reset_unacked.map(|w| w.0),
         if s.queue_events.is_empty() {

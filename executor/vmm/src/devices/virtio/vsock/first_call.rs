@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::device::IrqCounts;
+use crate::devices::virtio::used_irq::IrqCounts;
 
 /// One restored device's first call, step by step; each step is kept the first time only.
 #[derive(Debug, Default)]
