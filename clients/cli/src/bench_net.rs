@@ -16,6 +16,7 @@ use tine_agent::client::{AgentClient, ExecOptions};
 use tine_host::network::{NetConfig, Policy};
 use tine_host::{Host, Limits, Owner, Readiness, SpawnOptions, SpawnPhases};
 use tine_proto::names::{SandboxId, Tag};
+use tine_vmm::kvm_stats::Counters;
 
 use crate::bench_fetch::p50;
 
@@ -178,6 +179,50 @@ fn iperf3(inet: &Inet, agent: &AgentClient, seconds: u64, reverse: bool) -> Resu
         .context("iperf3's JSON has no end.sum_received.bits_per_second")
 }
 
+/// What KVM counted for one child over a stretch of its run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct KvmDelta {
+    exits: u64,
+    mmio_exits: u64,
+    irq_injections: u64,
+}
+
+impl KvmDelta {
+    fn between(before: &Counters, after: &Counters) -> KvmDelta {
+        let d = |n: &str| after.get(n).saturating_sub(before.get(n));
+        KvmDelta {
+            exits: d("exits"),
+            mmio_exits: d("mmio_exits"),
+            irq_injections: d("irq_injections"),
+        }
+    }
+
+    fn json(d: &Option<KvmDelta>) -> String {
+        match d {
+            Some(d) => format!(
+                "{{\"exits\":{},\"mmio_exits\":{},\"irq_injections\":{}}}",
+                d.exits, d.mmio_exits, d.irq_injections
+            ),
+            None => "null".into(),
+        }
+    }
+}
+
+/// `f`'s result, and the child's KVM counters over it (None where KVM has no statistics files).
+fn kvm_during<T>(
+    host: &Host,
+    id: &SandboxId,
+    f: impl FnOnce() -> Result<T>,
+) -> Result<(T, Option<KvmDelta>)> {
+    let before = host.kvm_counters(id)?;
+    let out = f()?;
+    let after = host.kvm_counters(id)?;
+    Ok((
+        out,
+        before.zip(after).map(|(b, a)| KvmDelta::between(&b, &a)),
+    ))
+}
+
 /// Requests per second for `seconds`, a new connection per request (HTTP/1.0).
 fn requests_per_second(addr: &str, seconds: u64) -> Result<f64> {
     let t0 = Instant::now();
@@ -257,8 +302,8 @@ pub fn run(b: NetBench) -> Result<i32> {
     let (id, _) = spawn_one(&net, &tag, None)?;
     let agent = tine_host::ready::agent(&net.vm_dir(&id)?.join("vsock.sock"));
     install_iperf3(&agent)?;
-    let up = iperf3(&inet, &agent, b.seconds, false)?;
-    let down = iperf3(&inet, &agent, b.seconds, true)?;
+    let (up, up_kvm) = kvm_during(&net, &id, || iperf3(&inet, &agent, b.seconds, false))?;
+    let (down, down_kvm) = kvm_during(&net, &id, || iperf3(&inet, &agent, b.seconds, true))?;
     let started = agent.eval(
         "import threading, http.server; _srv = http.server.ThreadingHTTPServer(('0.0.0.0', 8000), http.server.SimpleHTTPRequestHandler); threading.Thread(target=_srv.serve_forever, daemon=True).start(); 'serving'",
     )?;
@@ -293,11 +338,33 @@ pub fn run(b: NetBench) -> Result<i32> {
         "| TCP server -> guest | {:.0} Mbit/s | iperf3 -c -R |",
         down / 1e6
     );
+    for (way, kvm, bps) in [
+        ("guest -> server", &up_kvm, up),
+        ("server -> guest", &down_kvm, down),
+    ] {
+        let mib = bps * b.seconds as f64 / 8.0 / (1 << 20) as f64;
+        match kvm {
+            Some(k) => println!(
+                "| KVM during TCP {way}, per MiB moved | {:.1} exits, {:.1} to the VMM for MMIO, {:.1} interrupts injected | the child's KVM counters around the iperf3 run (its exec through the agent included): {} exits, {} MMIO, {} injections for {mib:.0} MiB |",
+                k.exits as f64 / mib.max(1e-9),
+                k.mmio_exits as f64 / mib.max(1e-9),
+                k.irq_injections as f64 / mib.max(1e-9),
+                k.exits,
+                k.mmio_exits,
+                k.irq_injections
+            ),
+            None => println!("| KVM during TCP {way} | - | KVM statistics files not available (Linux 5.14+) |"),
+        }
+    }
     println!("| HTTP requests/s, exposed port | {rps_exposed:.0} | {exposed}: a connection per request to python's http.server in the guest |");
     println!("| HTTP requests/s, link address | {rps_direct:.0} | {direct}: the same without the host's forwarder |");
     let doc = format!(
-        "{{\"bench\":\"net\",\"image\":{:?},\"runs\":{},\"seconds\":{},\"spawn_ready_ms_p50_without\":{without_p50:.3},\"spawn_ready_ms_p50_with\":{with_p50:.3},\"network_phase_ms_p50\":{phase_p50:.3},\"tcp_up_bps\":{up:.0},\"tcp_down_bps\":{down:.0},\"http_rps_exposed\":{rps_exposed:.1},\"http_rps_link\":{rps_direct:.1}}}",
-        b.image, b.runs, b.seconds
+        "{{\"bench\":\"net\",\"image\":{:?},\"runs\":{},\"seconds\":{},\"spawn_ready_ms_p50_without\":{without_p50:.3},\"spawn_ready_ms_p50_with\":{with_p50:.3},\"network_phase_ms_p50\":{phase_p50:.3},\"tcp_up_bps\":{up:.0},\"tcp_down_bps\":{down:.0},\"http_rps_exposed\":{rps_exposed:.1},\"http_rps_link\":{rps_direct:.1},\"tcp_up_kvm\":{},\"tcp_down_kvm\":{}}}",
+        b.image,
+        b.runs,
+        b.seconds,
+        KvmDelta::json(&up_kvm),
+        KvmDelta::json(&down_kvm)
     );
     println!("\nspawn phases, p50 ms:\n");
     println!("| phase | with network | without |");
