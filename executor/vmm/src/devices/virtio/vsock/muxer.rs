@@ -602,7 +602,17 @@ mod tests {
         );
         assert!(m.awaiting_guest(), "the request is unanswered");
 
-        let resp = Header {
+        let resp = accepting(&req);
+        m.on_guest_packet(resp, &[]);
+        assert!(!m.awaiting_guest());
+        let mut line = [0u8; 14];
+        client.read_exact(&mut line).unwrap();
+        assert_eq!(line, *format!("OK {}\n", req.src_port).as_bytes());
+    }
+
+    /// The guest's RESPONSE to `req` (a REQUEST to its port 52), with 4 KiB of credit.
+    fn accepting(req: &Header) -> Header {
+        Header {
             src_cid: 3,
             dst_cid: HOST_CID,
             src_port: 52,
@@ -611,12 +621,7 @@ mod tests {
             op: OP_RESPONSE,
             buf_alloc: 4096,
             ..Default::default()
-        };
-        m.on_guest_packet(resp, &[]);
-        assert!(!m.awaiting_guest());
-        let mut line = [0u8; 14];
-        client.read_exact(&mut line).unwrap();
-        assert_eq!(line, *format!("OK {}\n", req.src_port).as_bytes());
+        }
     }
 
     /// A muxer with one host client accepted (its directory, which must outlive it, first).
@@ -648,6 +653,34 @@ mod tests {
         let mut rest = [0u8; 16];
         let n = peek(&m.conns[&token].stream, &mut rest).unwrap();
         assert_eq!(&rest[..n], b"hello");
+    }
+
+    /// A request the client sent in the same write as its CONNECT line (before any `OK`) goes
+    /// to the guest as soon as the guest accepts, with no further readiness event: the stream
+    /// is watched edge-triggered, and its only event came with the line.
+    #[test]
+    fn data_sent_with_the_connect_line_follows_the_guests_answer_at_once() {
+        let (_dir, mut m, mut client, token) = one_client();
+        client.write_all(b"CONNECT 52\nhello").unwrap();
+        m.on_stream_event(token, EventSet::IN);
+        let mut buf = [0u8; 16];
+        let (req, _) = m.next_for_guest(4096, &mut buf).unwrap();
+        assert_eq!((req.op, req.dst_port), (OP_REQUEST, 52));
+        assert!(
+            m.next_for_guest(4096, &mut buf).is_none(),
+            "nothing for the guest before it accepts"
+        );
+        let resp = accepting(&req);
+        m.on_guest_packet(resp, &[]);
+        let (data, n) = m.next_for_guest(4096, &mut buf).unwrap();
+        assert_eq!(
+            (data.op, data.src_port, data.dst_port),
+            (OP_RW, req.src_port, 52)
+        );
+        assert_eq!(&buf[..n], b"hello");
+        let mut line = [0u8; 14];
+        client.read_exact(&mut line).unwrap();
+        assert_eq!(line, *format!("OK {}\n", req.src_port).as_bytes());
     }
 
     /// A line longer than any CONNECT is refused, in one piece or several.
