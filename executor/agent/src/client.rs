@@ -103,27 +103,24 @@ impl Connector {
 
     /// Opens a fresh stream; `timeout` bounds the handshake (at most [`STALL_TIMEOUT`]: the
     /// guest kernel, not the agent, answers a connection request) and is left as the stream's
-    /// read timeout.
-    pub fn connect(&self, timeout: Option<Duration>) -> Result<UnixStream> {
+    /// read timeout. `first` is sent at once, as in [`connect_within`](Self::connect_within).
+    pub fn connect(&self, timeout: Option<Duration>, first: &[u8]) -> Result<UnixStream> {
         let bound = timeout.map_or(STALL_TIMEOUT, |t| t.min(STALL_TIMEOUT));
-        self.connect_within(bound, timeout)
+        self.connect_within(bound, timeout, first)
     }
 
     /// [`connect`](Self::connect), with all of `bound` for the guest kernel to answer:
     /// for a call whose own timeout bounds it. A guest on an overloaded host can take longer
     /// than [`STALL_TIMEOUT`] to get to a connection request, and giving up only makes the
     /// caller connect again, to a guest with more to do.
-    pub fn connect_within(&self, bound: Duration, timeout: Option<Duration>) -> Result<UnixStream> {
-        self.connect_sending(bound, timeout, &[])
-    }
-
-    /// [`connect_within`](Self::connect_within), with `first` sent at once, before the
-    /// VMM's `OK`: behind the CONNECT line in the same write. The VMM reads only the line and
-    /// leaves what follows in the socket until the guest accepts, then gives it to the guest
-    /// in the pass that takes the guest's answer, so a call's request does not wait for this
-    /// side to hear `OK` and write it: one host round trip less per call. `first` must be
-    /// small enough for an empty socket buffer to take whole ([`PIPELINED_MAX`]).
-    fn connect_sending(
+    ///
+    /// `first` (may be empty) is sent at once, before the VMM's `OK`: behind the CONNECT line
+    /// in the same write. The VMM reads only the line and leaves what follows in the socket
+    /// until the guest accepts, then gives it to the guest in the pass that takes the guest's
+    /// answer, so a call's request does not wait for this side to hear `OK` and write it: one
+    /// host round trip less per call. `first` must be small enough for an empty socket buffer
+    /// to take whole ([`PIPELINED_MAX`]).
+    pub fn connect_within(
         &self,
         bound: Duration,
         timeout: Option<Duration>,
@@ -533,7 +530,11 @@ impl Call {
     /// Writes one request frame. The whole frame must be taken within the stall timeout: a
     /// guest that reads a trickle is as stuck as one that reads nothing.
     fn send(&mut self, req: request::Kind) -> Result<()> {
-        let frame = encode_frame(&pb::Request { kind: Some(req) })?;
+        self.send_frame(&encode_frame(&pb::Request { kind: Some(req) })?)
+    }
+
+    /// [`send`](Self::send), of a frame already encoded.
+    fn send_frame(&mut self, frame: &[u8]) -> Result<()> {
         let deadline = Instant::now() + self.stall;
         let mut off = 0;
         while off < frame.len() {
@@ -683,23 +684,13 @@ impl AgentClient {
             return Err(ClientError::Cancelled);
         }
         let started = Instant::now();
-        // A small request goes with the connection request (see `connect_sending`).
-        let msg = pb::Request { kind: Some(req) };
-        let frame = encode_frame(&msg)?;
-        let (first, later) = if frame.len() <= PIPELINED_MAX {
-            (frame.as_slice(), None)
-        } else {
-            (&[][..], msg.kind)
-        };
+        // A small request goes with the connection request (see `Connector::connect_within`).
+        let frame = encode_frame(&pb::Request { kind: Some(req) })?;
+        let pipelined = frame.len() <= PIPELINED_MAX;
+        let first = if pipelined { &frame[..] } else { &[] };
         let stream = match timeout {
-            Some(t) => self.connector.connect_sending(t, Some(t), first)?,
-            None => {
-                let bound = self
-                    .io_timeout
-                    .map_or(STALL_TIMEOUT, |t| t.min(STALL_TIMEOUT));
-                self.connector
-                    .connect_sending(bound, self.io_timeout, first)?
-            }
+            Some(t) => self.connector.connect_within(t, Some(t), first)?,
+            None => self.connector.connect(self.io_timeout, first)?,
         };
         if let Some(t) = timeout {
             // A call's own timeout (ping, Wake) bounds all of it: what the handshake took is
@@ -721,8 +712,8 @@ impl AgentClient {
             cancel,
             stall: self.stall,
         };
-        if let Some(req) = later {
-            call.send(req)?;
+        if !pipelined {
+            call.send_frame(&frame)?;
         }
         Ok(call)
     }
