@@ -449,6 +449,7 @@ fn forked_children_get_a_new_vm_generation_id() {
         &[],
         &[
             "snapshot",
+            "driver-binding-recorded",
             "fork-3",
             "vmgenid-driver-bound",
             "kernel-reseeded-on-fork",
@@ -504,6 +505,7 @@ fn snapshot_a_warm_parent_and_fork_children() {
         &["20"],
         &[
             "snapshot",
+            "vmgenid-driver-not-bound",
             "fork-10",
             "parent-state-in-every-child",
             "divergence",

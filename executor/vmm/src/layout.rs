@@ -65,5 +65,8 @@ pub const ACPI_SLEEP_CONTROL_PORT: u16 = ACPI_PM_PORT;
 pub const ACPI_SLEEP_STATUS_PORT: u16 = ACPI_PM_PORT + 1;
 pub const ACPI_RESET_PORT: u16 = ACPI_PM_PORT + 2;
 pub const ACPI_RESET_VALUE: u8 = 0x01;
+/// Written by the generation ID's `ADDR` method, i.e. when a guest driver binds to it
+/// (devices::vmgenid::Watch).
+pub const VMGENID_WATCH_PORT: u16 = 0x610;
 /// SLP_TYP value we advertise for S5 in the DSDT `_S5_` package.
 pub const ACPI_S5_SLEEP_TYPE: u8 = 5;

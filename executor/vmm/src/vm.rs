@@ -24,7 +24,7 @@ use crate::devices::virtio::mmio::{VirtioMmio, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::net::{Mac, Net, Tap};
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{IrqLine, VirtioDevice};
-use crate::devices::vmgenid::VmGenId;
+use crate::devices::vmgenid::{self, VmGenId};
 use crate::devices::GuestExit;
 use crate::error::{
     ConfigError, DeviceError, Error, MemoryError, RestoreError, Result, SnapshotError, VcpuError,
@@ -215,10 +215,10 @@ impl Primed {
             t.lock().unwrap().restore(s)?;
         }
         // A new VM instance: a new generation ID, announced once the irqchip is back.
-        if state.vmgenid {
-            let g = VmGenId::new(&vm.vm, vm.ram.memory())?;
-            g.notify()?;
-            vm.vmgenid = Some(g);
+        // Raised only for a guest whose driver listens (devices::vmgenid::Driver).
+        if let Some(driver) = state.vmgenid {
+            let raised = vm.attach_generation_id(driver)?.notify_restored()?;
+            tracing::debug!(?driver, raised, "new VM generation ID");
         }
         vm.restore_marks.mark("device-state");
         Ok(vm)
@@ -686,15 +686,23 @@ impl Vm {
     /// boot does this and announces it in the ACPI tables; hand-made guests may opt in.
     pub fn enable_generation_id(&mut self) -> Result<()> {
         if self.vmgenid.is_none() {
-            self.vmgenid = Some(VmGenId::new(&self.vm, self.ram.memory())?);
+            self.attach_generation_id(vmgenid::Driver::NotBound)?;
         }
         Ok(())
+    }
+
+    /// A fresh generation ID and its interrupt line, with the port its `ADDR` method writes to.
+    fn attach_generation_id(&mut self, driver: vmgenid::Driver) -> Result<&VmGenId> {
+        let g = VmGenId::new(&self.vm, self.ram.memory(), driver)?;
+        self.pio
+            .insert(vmgenid::WATCH_PORT, 1, Arc::new(Mutex::new(g.watch())))?;
+        Ok(self.vmgenid.insert(g))
     }
 
     /// The guest's current generation ID, if it has one.
     pub fn generation_id(&self) -> Result<Option<[u8; 16]>> {
         match self.vmgenid {
-            Some(_) => Ok(Some(crate::devices::vmgenid::read(self.ram.memory())?)),
+            Some(_) => Ok(Some(vmgenid::read(self.ram.memory())?)),
             None => Ok(None),
         }
     }
@@ -1191,7 +1199,7 @@ impl RunningVm {
                 .map(|t| t.lock().unwrap().save())
                 .collect(),
             mem_size: self.ram.size(),
-            vmgenid: self.vmgenid.is_some(),
+            vmgenid: self.vmgenid.as_ref().map(VmGenId::driver),
         })
     }
 

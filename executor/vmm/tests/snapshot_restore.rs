@@ -326,6 +326,82 @@ fn each_restore_gets_a_new_generation_id() {
     assert_eq!(raw, [0; 16]);
 }
 
+/// Prints 1 and spins until FLAG is set, then writes the generation ID's watch port (as a
+/// driver's evaluation of `ADDR` does), prints 2 and spins. `bind_first`: write it before
+/// printing 1 as well (a driver that bound at boot).
+fn binding_guest(bind_first: bool) -> Vec<u8> {
+    let port = tine_vmm::layout::VMGENID_WATCH_PORT;
+    let mut c = Vec::new();
+    if bind_first {
+        out8(&mut c, port, 1);
+    }
+    out8(&mut c, 0x3f8, b'1');
+    c.extend_from_slice(&[0x48, 0x8b, 0x04, 0x25]);
+    c.extend_from_slice(&(FLAG as u32).to_le_bytes());
+    c.extend_from_slice(&[0x48, 0x85, 0xc0, 0x74, 0xf3]);
+    out8(&mut c, port, 1);
+    out8(&mut c, 0x3f8, b'2');
+    c.extend_from_slice(&[0xeb, 0xfe]);
+    c
+}
+
+#[test]
+fn whether_the_generation_id_driver_bound_is_kept_from_snapshot_to_snapshot() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let snap = |name: &str| tmp.path().join(name);
+    // Parents: one whose driver bound at boot, one whose never did.
+    for (name, bind_first) in [("bound", true), ("unbound", false)] {
+        let ram = GuestRam::new_memfd(64).unwrap();
+        ram.memory()
+            .write_slice(&binding_guest(bind_first), GuestAddress(CODE))
+            .unwrap();
+        let out = Capture::default();
+        let mut vm = Vm::create(1, ram, Box::new(out.clone())).unwrap();
+        vm.enable_generation_id().unwrap();
+        vm.set_entry(EntryPoint::Linux64 { rip: CODE }).unwrap();
+        let running = vm.start().unwrap();
+        wait_for(&out, "1");
+        let header = running.snapshot(&snap(name)).unwrap();
+        assert!(header.vmgenid);
+        assert_eq!(header.vmgenid_driver, Some(bind_first), "{name}");
+        running.stop();
+    }
+    // One from before the record: as "unbound", without the field.
+    copy_dir(&snap("unbound"), &snap("legacy"));
+    let header = snap("legacy").join("snapshot.json");
+    let mut h: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&header).unwrap()).unwrap();
+    h.as_object_mut().unwrap().remove("vmgenid_driver");
+    std::fs::write(&header, serde_json::to_vec(&h).unwrap()).unwrap();
+
+    // A child's snapshot keeps its parent's record, and records a binding made in the child.
+    let child = |parent: &str, bind: bool, name: &str| {
+        let out = Capture::default();
+        let vm = restore_printing_to(&snap(parent), &out);
+        if bind {
+            vm.ram()
+                .memory()
+                .write_obj(1u64, GuestAddress(FLAG))
+                .unwrap();
+        }
+        let running = vm.start().unwrap();
+        if bind {
+            wait_for(&out, "2");
+        }
+        let header = running.snapshot(&snap(name)).unwrap();
+        running.stop();
+        assert!(header.vmgenid, "{name}");
+        header.vmgenid_driver
+    };
+    assert_eq!(child("bound", false, "bound-child"), Some(true));
+    assert_eq!(child("unbound", false, "unbound-child"), Some(false));
+    assert_eq!(child("unbound-child", true, "bound-late"), Some(true));
+    assert_eq!(child("legacy", false, "legacy-child"), None);
+}
+
 /// The /proc/self/pagemap entry of the page at `addr` (readable without privileges).
 fn pagemap_entry(addr: *mut u8) -> u64 {
     use std::os::unix::fs::FileExt;

@@ -1,7 +1,7 @@
 #!/bin/sh
 # The VM generation ID: a busybox image on Debian's generic kernel, whose CONFIG_VMGENID driver
-# binds to the VMM's VMGENCTR device. Each forked child gets a new generation ID and the
-# Generic Event Device's interrupt, so its kernel reseeds its RNG on its own.
+# binds to the VMM's VMGENCTR device, which the snapshot records. Each forked child gets a new
+# generation ID and the Generic Event Device's interrupt, so its kernel reseeds its RNG on its own.
 # Usage: vmgenid.sh TINE IMAGE WORKDIR
 set -u
 T=$1 IMG=$2 W=$3
@@ -29,6 +29,11 @@ while [ -z "$seen" ] && kill -0 $snap 2>/dev/null; do
 done
 if wait $snap; then ok snapshot
 else fail snapshot "$(tail -5 "$W/snap.err")"; exit 1; fi
+# The driver's binding (its evaluation of ADDR) is in the snapshot's record, so each child's
+# restore raises the GED's interrupt.
+hdr=$(find "$TINE_DATA_DIR" -name snapshot.json | head -1)
+grep -q '"vmgenid_driver": true' "$hdr" 2>/dev/null && ok driver-binding-recorded ||
+  fail driver-binding-recorded "${hdr:-no snapshot.json}: $(grep vmgenid "$hdr" 2>/dev/null | tr -d '\n')"
 echo "parent VMM while it booted: $seen"
 case "$seen" in
   *"CapEff: 0000000000000000 CapBnd: 0000000000000000 NoNewPrivs: 1 Seccomp: 2"*) ok parent-vmm-confined ;;

@@ -11,6 +11,7 @@ use sha2::{Digest, Sha256};
 use super::diff::{self, Overlay, PageRun, INDEX_FILE, MAX_CHAIN, PAGES_FILE};
 use super::host_id::HostIdentity;
 use super::MachineState;
+use crate::devices::vmgenid::Driver;
 use crate::error::{RestoreError, Result, SnapshotError};
 use crate::memory::{GuestRam, Origin};
 
@@ -41,6 +42,11 @@ pub struct SnapshotHeader {
     /// Absent in snapshots of guests booted before it, which are restored without.
     #[serde(default)]
     pub vmgenid: bool,
+    /// Whether the guest's generation-ID driver has bound (devices::vmgenid::Driver): a
+    /// restore raises the interrupt only when it has. Absent for guests booted before the VMM
+    /// watched, whose restores always raise it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vmgenid_driver: Option<bool>,
 }
 
 /// What a diff snapshot applies over, and what it holds.
@@ -323,7 +329,8 @@ pub fn write_with(
                 .virtio
                 .iter()
                 .any(|v| matches!(v.kind, crate::snapshot::devices::VirtioKind::Net { .. })),
-            vmgenid: state.vmgenid,
+            vmgenid: state.vmgenid.is_some(),
+            vmgenid_driver: state.vmgenid.and_then(Driver::to_header),
         };
         let header_json =
             serde_json::to_vec_pretty(&header).map_err(|source| SnapshotError::EncodeHeader {
@@ -462,7 +469,9 @@ fn load_state_marked(
             source,
         })?;
     mark(&mut marks, "decode");
-    state.vmgenid = header.vmgenid;
+    state.vmgenid = header
+        .vmgenid
+        .then(|| Driver::from_header(header.vmgenid_driver));
     if state.mem_size != header.mem_size || state.vcpus.len() as u32 != header.vcpus {
         return Err(RestoreError::HeaderStateMismatch {
             dir: dir.to_path_buf(),
@@ -661,7 +670,7 @@ mod tests {
             serial: Default::default(),
             virtio: Vec::new(),
             mem_size: MEM,
-            vmgenid: true,
+            vmgenid: Some(Driver::NotBound),
         };
         let memory = tempfile::tempfile().unwrap();
         memory.set_len(MEM).unwrap();

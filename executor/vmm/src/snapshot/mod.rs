@@ -82,9 +82,10 @@ pub struct MachineState {
     pub serial: devices::SerialSnapshot,
     pub virtio: Vec<devices::VirtioMmioSnapshot>,
     pub mem_size: u64,
-    /// The guest's tables announce a VM generation ID (devices::vmgenid): a restore gives it a
-    /// new one. Kept in the header (`SnapshotHeader::vmgenid`), so that the state's encoding
-    /// stays the one older snapshots have.
+    /// Set when the guest's tables announce a VM generation ID (devices::vmgenid): a restore
+    /// gives it a new one, and raises its interrupt as the driver's record says. Kept in the
+    /// header (`SnapshotHeader::vmgenid`, `vmgenid_driver`), so that the state's encoding stays
+    /// the one older snapshots have.
     #[serde(skip)]
-    pub vmgenid: bool,
+    pub vmgenid: Option<crate::devices::vmgenid::Driver>,
 }
