@@ -452,6 +452,7 @@ fn forked_children_get_a_new_vm_generation_id() {
             "driver-binding-recorded",
             "fork-3",
             "vmgenid-driver-bound",
+            "ged-interrupt-raised",
             "kernel-reseeded-on-fork",
         ],
     );
@@ -508,6 +509,7 @@ fn snapshot_a_warm_parent_and_fork_children() {
             "vmgenid-driver-not-bound",
             "fork-10",
             "parent-state-in-every-child",
+            "no-ged-interrupt",
             "divergence",
             "sleep-1s",
             "wall-clock",

@@ -8,6 +8,12 @@ export TINE_DATA_DIR=$W/data
 ok() { echo "CHECK $1 ok"; }
 fail() { echo "CHECK $1 FAIL $2"; }
 sock() { echo "$TINE_DATA_DIR/vms/$1/vsock.sock"; }
+# The Generic Event Device's interrupts a guest took (its "ACPI:Ged" line in /proc/interrupts,
+# summed over CPUs), or "none" without such a line.
+ged_irqs() {
+  "$T" exec --socket "$(sock "$1")" -- cat /proc/interrupts 2>&1 |
+    awk '/ACPI:Ged/ {s = 0; for (i = 2; i <= NF && $i ~ /^[0-9]+$/; i++) s += $i; n = s} END {print (n == "" ? "none" : n)}'
+}
 
 if "$T" snapshot --image "$IMG" --tag warm --eval 'parent_value = 12345' 2>"$W/snap.err"; then ok snapshot
 else fail snapshot "$(tail -5 "$W/snap.err")"; fi
@@ -32,6 +38,10 @@ for id in $ids; do
   [ "$v" = 12345 ] && [ "$w" = True ] && good=$((good + 1))
 done
 [ "$good" = 10 ] && ok parent-state-in-every-child || fail parent-state-in-every-child "$good of 10"
+
+# No driver bound, so no child was sent the generation ID's interrupt.
+g=$(ged_irqs "$c2")
+[ "$g" = 0 ] && ok no-ged-interrupt || fail no-ged-interrupt "child $c2 took $g GED interrupts"
 
 "$T" exec --socket "$(sock "$c1")" -- sh -c 'echo mine > /tmp/only-in-child1' >/dev/null
 "$T" eval --socket "$(sock "$c1")" 'secret = 1' >/dev/null

@@ -10,6 +10,12 @@ export TINE_DATA_DIR=$W/data
 ok() { echo "CHECK $1 ok"; }
 fail() { echo "CHECK $1 FAIL $2"; }
 sock() { echo "$TINE_DATA_DIR/vms/$1/vsock.sock"; }
+# The Generic Event Device's interrupts a guest took (its "ACPI:Ged" line in /proc/interrupts,
+# summed over CPUs), or "none" without such a line.
+ged_irqs() {
+  "$T" exec --socket "$(sock "$1")" -- cat /proc/interrupts 2>&1 |
+    awk '/ACPI:Ged/ {s = 0; for (i = 2; i <= NF && $i ~ /^[0-9]+$/; i++) s += $i; n = s} END {print (n == "" ? "none" : n)}'
+}
 reseeded="crng reseeded due to virtual machine fork"
 
 # The parent boots in a VMM worker confined as a child's is: while it boots, some worker
@@ -46,7 +52,7 @@ ids=$(grep 'ready in' "$W/fork" | awk '{print $1}')
 n=$(echo "$ids" | grep -c .)
 [ "$n" = 3 ] && ok fork-3 || fail fork-3 "$n of 3 ready"
 
-good=0 bound=0
+good=0 bound=0 raised=0 geds=""
 for id in $ids; do
   "$T" exec --socket "$(sock "$id")" -- dmesg >"$W/dmesg-$id" 2>&1
   grep -i -e vmgenid -e "$reseeded" -e ACPI0013 "$W/dmesg-$id" | sed "s/^/$id: /"
@@ -54,7 +60,11 @@ for id in $ids; do
   # The driver bound to the device the DSDT announces.
   "$T" exec --socket "$(sock "$id")" -- ls /sys/bus/acpi/drivers/vmgenid/ >"$W/drv-$id" 2>&1
   grep -q VMGENCTR "$W/drv-$id" && bound=$((bound + 1))
+  # Its restore raised the generation ID's interrupt (the record said a driver bound).
+  g=$(ged_irqs "$id"); geds="$geds $g"
+  [ "$g" != none ] && [ "$g" -ge 1 ] && raised=$((raised + 1))
 done
+[ "$raised" = 3 ] && ok ged-interrupt-raised || fail ged-interrupt-raised "GED interrupts per child:$geds"
 [ "$bound" = 3 ] && ok vmgenid-driver-bound || fail vmgenid-driver-bound "$bound of 3: $(cat "$W/drv-$(echo "$ids" | head -1)")"
 [ "$good" = 3 ] && ok kernel-reseeded-on-fork || fail kernel-reseeded-on-fork "$good of 3 children logged \"$reseeded\" once"
 

@@ -38,8 +38,9 @@ pub struct SnapshotHeader {
     #[serde(default)]
     pub network: bool,
     /// The guest's tables announce a VM generation ID at `layout::VMGENID_ADDR` (and its event
-    /// device at `layout::GED_IRQ`): each restore writes a new one and raises the interrupt.
-    /// Absent in snapshots of guests booted before it, which are restored without.
+    /// device at `layout::GED_IRQ`): each restore writes a new one, and raises the interrupt as
+    /// `vmgenid_driver` says. Absent in snapshots of guests booted before it, which are
+    /// restored without.
     #[serde(default)]
     pub vmgenid: bool,
     /// Whether the guest's generation-ID driver has bound (devices::vmgenid::Driver): a
