@@ -1827,6 +1827,10 @@ fn vmm_workers_are_confined() {
     let pid = out[0].pid.expect("a pid");
     let uid = (tine_host::confine::DEFAULT_UID_BASE + pid).to_string();
     let proc = std::path::PathBuf::from(format!("/proc/{pid}"));
+    let own_filters: u32 = proc_status(std::path::Path::new("/proc/self/status"))
+        ["Seccomp_filters"]
+        .parse()
+        .unwrap();
     let mut threads = 0;
     for task in std::fs::read_dir(proc.join("task")).unwrap() {
         let st = proc_status(&task.unwrap().path().join("status"));
@@ -1856,6 +1860,13 @@ fn vmm_workers_are_confined() {
         }
         assert_eq!(st["NoNewPrivs"], "1", "{name}");
         assert_eq!(st["Seccomp"], "2", "{name}");
+        // One program (the refusals spliced into the allow-list), on top of what the executor
+        // itself runs under.
+        assert_eq!(
+            st["Seccomp_filters"].parse::<u32>().unwrap(),
+            own_filters + 1,
+            "{name}"
+        );
         threads += 1;
     }
     assert!(threads >= 2, "the vCPU and control threads at least");

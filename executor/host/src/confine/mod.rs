@@ -110,6 +110,8 @@ pub enum ConfineError {
     Filter(#[from] seccompiler::Error),
     #[error("building the seccomp filter: {0}")]
     Backend(#[from] seccompiler::BackendError),
+    #[error("building the seccomp filter: {0}")]
+    Splice(String),
     #[error("{} is outside the snapshots this VMM sees ({})", path.display(), snapshots.display())]
     OutsideView {
         path: std::path::PathBuf,

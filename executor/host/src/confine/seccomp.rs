@@ -3,19 +3,19 @@
 use std::collections::BTreeMap;
 
 use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen as Len, SeccompCmpOp as Op, SeccompCondition,
-    SeccompFilter, SeccompRule, TargetArch,
+    sock_filter, BpfProgram, SeccompAction, SeccompCmpArgLen as Len, SeccompCmpOp as Op,
+    SeccompCondition, SeccompFilter, SeccompRule, TargetArch,
 };
 
 use super::{sys, ConfineError, SeccompMode};
 
-/// The two filters of one [`SeccompMode`], compiled: the refusals, then the allow-list.
+/// The filter of one [`SeccompMode`], compiled: the allow-list with the refusals spliced in
+/// ahead of it, one program (one filter to load per child, and to run per system call).
 /// Compiling depends on no job, so a worker does it for the default mode before it reports
 /// idle (see `confine::Ahead`).
 pub struct Filters {
     mode: SeccompMode,
-    refused: BpfProgram,
-    allow: BpfProgram,
+    program: BpfProgram,
 }
 
 impl Filters {
@@ -26,14 +26,6 @@ impl Filters {
             SeccompMode::Enforce => SeccompAction::Trap,
             SeccompMode::Log => SeccompAction::Log,
         };
-        // Installed first, so the allow-list need not allow `seccomp` itself.
-        let refused: BpfProgram = SeccompFilter::new(
-            REFUSED.iter().map(|nr| (*nr, Vec::new())).collect(),
-            SeccompAction::Allow,
-            SeccompAction::Errno(libc::ENOSYS as u32),
-            TargetArch::x86_64,
-        )?
-        .try_into()?;
         let allow: BpfProgram = SeccompFilter::new(
             allow_list()?,
             action,
@@ -43,8 +35,7 @@ impl Filters {
         .try_into()?;
         Ok(Some(Filters {
             mode,
-            refused,
-            allow,
+            program: with_refusals(allow)?,
         }))
     }
 
@@ -52,21 +43,76 @@ impl Filters {
         self.mode
     }
 
-    /// Install both on every thread of the process (TSYNC).
+    /// Install it on every thread of the process (TSYNC).
     pub(super) fn install(&self) -> Result<(), ConfineError> {
-        seccompiler::apply_filter_all_threads(&self.refused)?;
-        seccompiler::apply_filter_all_threads(&self.allow)?;
+        seccompiler::apply_filter_all_threads(&self.program)?;
         Ok(())
     }
 }
 
-/// Calls answered ENOSYS rather than trapped (the allow-list lets them through to this
-/// filter, whose errno wins over its allow):
+/// Calls answered ENOSYS rather than trapped (checked before the allow-list, which also
+/// lists them, so that a program without the refusals would only let them through):
 /// - clone3, whose flags sit behind a pointer no filter can read: glibc falls back to clone,
 ///   whose flags the allow-list checks;
 /// - socket and connect, which a guest's vsock connection to the host tries (the host has no
 ///   listeners for it): the guest gets a reset, as before confinement, not a dead sandbox.
 const REFUSED: [i64; 3] = [libc::SYS_clone3, libc::SYS_socket, libc::SYS_connect];
+
+/// seccompiler's programs open with the architecture check (load the arch; jump over the next
+/// instruction if it is x86_64; kill the process): this many instructions.
+const ARCH_CHECK: usize = 3;
+/// `seccomp_data.nr`'s offset.
+const NR_OFFSET: u32 = 0;
+
+fn stmt(code: u32, k: u32) -> sock_filter {
+    sock_filter {
+        code: code as u16,
+        jt: 0,
+        jf: 0,
+        k,
+    }
+}
+
+/// `allow` with [`REFUSED`] answered ENOSYS right after its architecture check. Jumps in
+/// classic BPF are relative and only forward, so the instructions after the splice keep
+/// their targets, and the check's own jump lands on the splice.
+fn with_refusals(mut allow: BpfProgram) -> Result<BpfProgram, ConfineError> {
+    use libc::{BPF_ABS, BPF_JA, BPF_JEQ, BPF_JMP, BPF_K, BPF_LD, BPF_RET, BPF_W};
+    let head: Vec<_> = allow
+        .iter()
+        .take(ARCH_CHECK)
+        .map(|i| (u32::from(i.code), i.jt, i.jf))
+        .collect();
+    let expected = [
+        (BPF_LD | BPF_W | BPF_ABS, 0, 0),
+        (BPF_JMP | BPF_JEQ | BPF_K, 1, 0),
+        (BPF_RET | BPF_K, 0, 0),
+    ];
+    if head != expected {
+        return Err(ConfineError::Splice(format!(
+            "the allow-list does not open with the architecture check: {head:?}"
+        )));
+    }
+    let n = REFUSED.len();
+    let mut refusals = Vec::with_capacity(n + 3);
+    refusals.push(stmt(BPF_LD | BPF_W | BPF_ABS, NR_OFFSET));
+    for (i, nr) in REFUSED.iter().enumerate() {
+        // To the RET at index n + 2, from index 1 + i.
+        refusals.push(sock_filter {
+            code: (BPF_JMP | BPF_JEQ | BPF_K) as u16,
+            jt: (n - i) as u8,
+            jf: 0,
+            k: *nr as u32,
+        });
+    }
+    refusals.push(stmt(BPF_JMP | BPF_JA, 1));
+    refusals.push(stmt(
+        BPF_RET | BPF_K,
+        libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32,
+    ));
+    allow.splice(ARCH_CHECK..ARCH_CHECK, refusals);
+    Ok(allow)
+}
 
 fn arg(index: u8, op: Op, value: u64) -> Result<SeccompCondition, ConfineError> {
     Ok(SeccompCondition::new(index, Len::Dword, op, value)?)
@@ -341,12 +387,104 @@ mod tests {
             (SeccompMode::Enforce, SeccompMode::Log)
         );
         // The action for a call outside the list is what differs between the modes.
-        let code = |p: &BpfProgram| {
-            p.iter()
-                .map(|i| (i.code, i.jt, i.jf, i.k))
-                .collect::<Vec<_>>()
-        };
-        assert_ne!(code(&e.allow), code(&l.allow));
-        assert_eq!(code(&e.refused), code(&l.refused));
+        let execve = Call::new(libc::SYS_execve, [0; 6]);
+        assert_eq!(run(&e.program, &execve), libc::SECCOMP_RET_TRAP);
+        assert_eq!(run(&l.program, &execve), libc::SECCOMP_RET_LOG);
+    }
+
+    /// `<linux/audit.h>`'s architectures (libc has none of them).
+    const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
+    const AUDIT_ARCH_I386: u32 = 0x4000_0003;
+
+    /// One system call as the filter sees it (`struct seccomp_data`).
+    struct Call([u8; 64]);
+
+    impl Call {
+        fn new(nr: i64, args: [u64; 6]) -> Self {
+            Self::on(AUDIT_ARCH_X86_64, nr, args)
+        }
+
+        fn on(arch: u32, nr: i64, args: [u64; 6]) -> Self {
+            let mut d = [0u8; 64];
+            d[0..4].copy_from_slice(&(nr as u32).to_ne_bytes());
+            d[4..8].copy_from_slice(&arch.to_ne_bytes());
+            for (i, a) in args.iter().enumerate() {
+                d[16 + 8 * i..24 + 8 * i].copy_from_slice(&a.to_ne_bytes());
+            }
+            Call(d)
+        }
+    }
+
+    /// Runs a classic BPF program the way the kernel does, over the instructions seccompiler
+    /// and the splice emit; anything else fails the test.
+    fn run(program: &BpfProgram, call: &Call) -> u32 {
+        use libc::*;
+        let (mut pc, mut acc) = (0usize, 0u32);
+        loop {
+            let i = &program[pc];
+            let code = u32::from(i.code);
+            pc += 1;
+            let jump = |taken: bool| if taken { i.jt } else { i.jf } as usize;
+            match code {
+                c if c == BPF_LD | BPF_W | BPF_ABS => {
+                    let at = i.k as usize;
+                    acc = u32::from_ne_bytes(call.0[at..at + 4].try_into().unwrap());
+                }
+                c if c == BPF_ALU | BPF_AND | BPF_K => acc &= i.k,
+                c if c == BPF_JMP | BPF_JA => pc += i.k as usize,
+                c if c == BPF_JMP | BPF_JEQ | BPF_K => pc += jump(acc == i.k),
+                c if c == BPF_JMP | BPF_JGT | BPF_K => pc += jump(acc > i.k),
+                c if c == BPF_JMP | BPF_JGE | BPF_K => pc += jump(acc >= i.k),
+                c if c == BPF_JMP | BPF_JSET | BPF_K => pc += jump(acc & i.k != 0),
+                c if c == BPF_RET | BPF_K => return i.k,
+                c => panic!("instruction {c:#x} at {}", pc - 1),
+            }
+        }
+    }
+
+    #[test]
+    fn one_program_refuses_then_allows_then_traps() {
+        let f = Filters::compile(SeccompMode::Enforce).unwrap().unwrap();
+        let p = &f.program;
+        let enosys = libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32;
+        for nr in REFUSED {
+            assert_eq!(run(p, &Call::new(nr, [0; 6])), enosys, "call {nr}");
+        }
+        let allowed = |nr, args| run(p, &Call::new(nr, args)) == libc::SECCOMP_RET_ALLOW;
+        assert!(allowed(libc::SYS_read, [0; 6]));
+        assert!(allowed(libc::SYS_wait4, [0; 6]), "the list's last call");
+        assert!(allowed(
+            libc::SYS_clone,
+            [CLONE_THREAD_FLAGS, 0, 0, 0, 0, 0]
+        ));
+        assert!(!allowed(libc::SYS_clone, [0, 0, 0, 0, 0, 0]));
+        let kvm_run = 0xAE80;
+        assert!(allowed(libc::SYS_ioctl, [3, kvm_run, 0, 0, 0, 0]));
+        assert_eq!(
+            run(
+                p,
+                &Call::new(libc::SYS_ioctl, [3, KVM_CREATE_VM, 0, 0, 0, 0])
+            ),
+            libc::SECCOMP_RET_TRAP
+        );
+        assert_eq!(
+            run(p, &Call::new(libc::SYS_bpf, [0; 6])),
+            libc::SECCOMP_RET_TRAP
+        );
+        // Another architecture's calls never reach the refusals.
+        assert_eq!(
+            run(p, &Call::on(AUDIT_ARCH_I386, libc::SYS_socket, [0; 6])),
+            libc::SECCOMP_RET_KILL_PROCESS
+        );
+    }
+
+    #[test]
+    fn a_program_without_the_architecture_check_is_not_spliced() {
+        let mut p = Filters::compile(SeccompMode::Enforce)
+            .unwrap()
+            .unwrap()
+            .program;
+        p.drain(..ARCH_CHECK + REFUSED.len() + 3);
+        assert!(matches!(with_refusals(p), Err(ConfineError::Splice(_))));
     }
 }
