@@ -695,7 +695,7 @@ impl Vm {
     fn attach_generation_id(&mut self, driver: vmgenid::Driver) -> Result<&VmGenId> {
         let g = VmGenId::new(&self.vm, self.ram.memory(), driver)?;
         self.pio
-            .insert(vmgenid::WATCH_PORT, 1, Arc::new(Mutex::new(g.watch())))?;
+            .insert(VMGENID_WATCH_PORT, 1, Arc::new(Mutex::new(g.watch())))?;
         Ok(self.vmgenid.insert(g))
     }
 

@@ -8,8 +8,8 @@
 //! The interrupt is raised only for a guest that has such a driver: the interrupt makes a
 //! kernel without one run the GED's AML for nothing, several milliseconds of a child's first
 //! run in the nested lab (docs/performance.md). A driver evaluates `ADDR` when it binds, and
-//! `ADDR` is a method that writes to [`WATCH_PORT`] before it answers, so the VMM sees the
-//! binding and the snapshot keeps it ([`Driver`]).
+//! `ADDR` is a method that writes to [`VMGENID_WATCH_PORT`] before it answers, so the VMM sees
+//! the binding and the snapshot keeps it ([`Driver`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -26,9 +26,6 @@ use crate::layout::{GED_IRQ, VMGENID_ADDR, VMGENID_WATCH_PORT};
 
 /// The generation ID's size in bytes.
 pub const SIZE: usize = 16;
-
-/// The port `ADDR` writes to: one byte, any value.
-pub const WATCH_PORT: u16 = VMGENID_WATCH_PORT;
 
 /// What the VMM knows of the guest's generation-ID driver, as a snapshot keeps it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,7 +89,7 @@ impl VmGenId {
         })
     }
 
-    /// The device behind [`WATCH_PORT`] (the caller puts it on the port bus).
+    /// The device behind [`VMGENID_WATCH_PORT`] (the caller puts it on the port bus).
     pub fn watch(&self) -> Watch {
         Watch(self.bound_here.clone())
     }
@@ -118,8 +115,8 @@ impl VmGenId {
     }
 }
 
-/// [`WATCH_PORT`]: a write means the guest's driver evaluated `ADDR`, i.e. bound. Reads as 0.
-/// A guest can only make its own children's restores raise the interrupt by writing it.
+/// [`VMGENID_WATCH_PORT`]: a write means the guest's driver evaluated `ADDR`, i.e. bound.
+/// Reads as 0. A guest can only make its own children's restores raise the interrupt by writing it.
 pub struct Watch(Arc<AtomicBool>);
 
 impl PioDevice for Watch {
@@ -152,13 +149,13 @@ fn write_fresh(mem: &GuestMemoryMmap) -> Result<()> {
 }
 
 /// The DSDT's part: `\_SB.VGEN` (the ID's address, from method `ADDR`, which first writes
-/// to [`WATCH_PORT`]) and `\_SB.GED0`, whose event method notifies VGEN when its interrupt
-/// fires.
+/// to [`VMGENID_WATCH_PORT`]) and `\_SB.GED0`, whose event method notifies VGEN when its
+/// interrupt fires.
 pub fn aml(out: &mut Vec<u8>) {
     let hid = aml::Name::new("_HID".into(), &"VMGENCTR");
     let cid = aml::Name::new("_CID".into(), &"VM_Gen_Counter");
     let ddn = aml::Name::new("_DDN".into(), &"VM_Gen_Counter");
-    let port = WATCH_PORT;
+    let port = VMGENID_WATCH_PORT;
     let region = aml::OpRegion::new(
         "VGWP".into(),
         aml::OpRegionSpace::SystemIO,
@@ -240,11 +237,11 @@ mod tests {
         let mut out = Vec::new();
         aml(&mut out);
         let has = |needle: &[u8]| out.windows(needle.len()).any(|w| w == needle);
-        // OperationRegion (VGWP, SystemIO, WordConst WATCH_PORT, One).
+        // OperationRegion (VGWP, SystemIO, WordConst VMGENID_WATCH_PORT, One).
         let mut region = vec![0x5b, 0x80];
         region.extend_from_slice(b"VGWP");
         region.extend_from_slice(&[0x01, 0x0b]);
-        region.extend_from_slice(&WATCH_PORT.to_le_bytes());
+        region.extend_from_slice(&VMGENID_WATCH_PORT.to_le_bytes());
         region.push(0x01);
         assert!(has(&region), "no I/O region at the watch port");
         // Method (ADDR, 0, Serialized) { Store (One, VGWB) ... }: a method, not a name.
