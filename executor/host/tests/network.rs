@@ -150,51 +150,6 @@ fn children_get_their_own_confined_network() {
         );
     }
 
-    // Each VMM's net device thread asks for a short slice (tine_vmm::sched), under its
-    // seccomp filter; its vCPU thread keeps the default.
-    let pid = host
-        .list()
-        .into_iter()
-        .find(|v| v.record.id == ids[0])
-        .unwrap()
-        .record
-        .process
-        .pid;
-    let slices: Vec<(String, u64)> = std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .map(|t| {
-            let t = t.unwrap();
-            let name = std::fs::read_to_string(t.path().join("comm")).unwrap();
-            let tid: libc::pid_t = t.file_name().to_string_lossy().parse().unwrap();
-            (
-                name.trim().to_string(),
-                tine_vmm::sched::slice_ns(tid).unwrap(),
-            )
-        })
-        .collect();
-    let slice_of = |name: &str| {
-        slices
-            .iter()
-            .find(|(n, _)| n == name)
-            .unwrap_or_else(|| panic!("no {name} thread in {slices:?}"))
-            .1
-    };
-    if tine_vmm::sched::kernel_keeps_slices() {
-        assert_eq!(
-            slice_of("net"),
-            tine_vmm::sched::DEVICE_SLICE_NS,
-            "{slices:?}"
-        );
-        assert_ne!(
-            slice_of("vcpu0"),
-            tine_vmm::sched::DEVICE_SLICE_NS,
-            "{slices:?}"
-        );
-    } else {
-        println!("     this kernel keeps no slice of a thread's own: {slices:?}");
-        assert!(slice_of("net") == 0);
-    }
-
     // A policy of its own: deny the internet, allow one address and port, deny one network.
     let policy = Policy {
         internet: false,

@@ -15,7 +15,6 @@ pub mod marks;
 pub mod memory;
 pub mod prefault;
 pub mod regs;
-pub mod sched;
 pub mod snapshot;
 pub mod vcpu;
 pub mod vm;
@@ -34,21 +33,6 @@ pub fn thread_builder(name: impl Into<String>) -> std::thread::Builder {
     std::thread::Builder::new()
         .name(name.into())
         .stack_size(THREAD_STACK_BYTES)
-}
-
-/// A device thread's builder: as [`thread_builder`], and the thread asks for a short slice
-/// before it runs `f` (see [`sched`]); a refusal is said in vmm.log and changes nothing else.
-pub fn spawn_device_thread<T: Send + 'static>(
-    name: &str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> std::io::Result<std::thread::JoinHandle<T>> {
-    let label = name.to_string();
-    thread_builder(name).spawn(move || {
-        if let Err(e) = sched::short_slice_for_this_thread() {
-            eprintln!("tine-vmm: {label} thread: asking for a short slice: {e}");
-        }
-        f()
-    })
 }
 pub use error::{Error, Result};
 pub use memory::{GuestRam, Sharing};

@@ -3,9 +3,8 @@
 //!
 //! Order inside the worker (see [`crate::worker::worker_main`]):
 //! 1. while it waits for its job ([`Ahead`]), and again with the job for anything that failed
-//!    then ([`before_restore`]), while it is still one thread: the capability bounding set,
-//!    core dumps, real-time priority and lower nice values go (threads made later inherit
-//!    all of it);
+//!    then ([`before_restore`]), while it is still one thread: the capability bounding set and
+//!    core dumps go (threads made later inherit both);
 //! 2. the restore opens everything the VM needs: /dev/kvm, the snapshot's memory, the tap,
 //!    the console and vmm.log, its vsock and control sockets;
 //! 3. [`lock_down`]: signal handlers, the user switch (which clears every capability on every
@@ -144,23 +143,16 @@ fn last_cap() -> u32 {
         .unwrap_or(40)
 }
 
-/// Turn off core dumps (a dump would hold guest memory), and take away real-time priority and
-/// nice values below the one it has: a VMM thread may set its own scheduling attributes (a
-/// device thread's short slice, `tine_vmm::sched`), and with these limits at 0 an unprivileged
-/// thread can only lower its claim on the CPU, whatever limits the host gave the executor.
-fn limits() -> Result<(), ConfineError> {
-    let zero = libc::rlimit {
+/// Turn off core dumps (a dump would hold guest memory).
+fn no_core_dumps() -> Result<(), ConfineError> {
+    let no_core = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
-    for (what, resource) in [
-        ("limiting core dumps", libc::RLIMIT_CORE),
-        ("limiting real-time priority", libc::RLIMIT_RTPRIO),
-        ("limiting nice values", libc::RLIMIT_NICE),
-    ] {
-        // SAFETY: setrlimit reads the struct we pass.
-        sys(what, unsafe { libc::setrlimit(resource, &zero) })?;
-    }
+    // SAFETY: setrlimit reads the struct we pass.
+    sys("limiting core dumps", unsafe {
+        libc::setrlimit(libc::RLIMIT_CORE, &no_core)
+    })?;
     // A core handler behind a pipe ignores RLIMIT_CORE: keep guest memory out of any dump.
     std::fs::write("/proc/self/coredump_filter", "0").map_err(|source| ConfineError::Sys {
         what: "keeping guest memory out of core dumps",
@@ -200,7 +192,7 @@ impl Ahead {
     pub fn prepare() -> Ahead {
         // SAFETY: geteuid has no preconditions.
         let root = unsafe { libc::geteuid() } == 0;
-        let core = limits();
+        let core = no_core_dumps();
         // Only a root worker may be told to switch users and so to use either; for any other
         // they would only fail.
         let bounding = if root { empty_bounding_set() } else { Ok(()) };
@@ -258,7 +250,7 @@ impl Ahead {
 pub fn before_restore(c: &WorkerConfinement, ahead: &mut Ahead) -> Result<(), ConfineError> {
     if let Err(e) = std::mem::replace(&mut ahead.core, Ok(())) {
         eprintln!("tine-vmm: {e} (ahead); again with the job");
-        limits()?;
+        no_core_dumps()?;
     }
     if c.user.is_some() {
         if let Err(e) = std::mem::replace(&mut ahead.bounding, Ok(())) {

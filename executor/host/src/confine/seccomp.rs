@@ -254,15 +254,6 @@ fn allow_list() -> Result<BTreeMap<i64, Vec<SeccompRule>>, ConfineError> {
     );
     // Only to end its own copier.
     rules.insert(SYS_kill, one_of(1, &[SIGKILL as u64])?);
-    // A device thread's short slice (tine_vmm::sched), for itself only (pid 0, no flags). The
-    // attributes themselves are a pointer the filter cannot read; without privileges the
-    // kernel refuses what would take more CPU (a lower nice value, a real-time or deadline
-    // policy), so a thread can only make its own turns shorter or its share smaller.
-    // (The flags are the third argument of sched_setattr and the fourth of sched_getattr.)
-    for (nr, flags) in [(SYS_sched_getattr, 3), (SYS_sched_setattr, 2)] {
-        let own_without_flags = SeccompRule::new(vec![arg(0, Op::Eq, 0)?, arg(flags, Op::Eq, 0)?])?;
-        rules.insert(nr, vec![own_without_flags]);
-    }
     let mut ioctl = vec![SeccompRule::new(vec![
         arg(1, Op::MaskedEq(0xff00), KVMIO << 8)?,
         arg(1, Op::Ne, KVM_CREATE_VM)?,

@@ -312,7 +312,8 @@ impl Net {
             return Ok(());
         }
         let (worker, ep) = (self.state.clone(), self.epoll.clone());
-        let thread = crate::spawn_device_thread("net", move || event_loop::run(worker, ep))
+        let thread = crate::thread_builder("net")
+            .spawn(move || event_loop::run(worker, ep))
             .map_err(|source| DeviceError::NetThread { source })?;
         self.thread = Some(thread);
         Ok(())

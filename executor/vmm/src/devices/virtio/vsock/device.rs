@@ -293,7 +293,8 @@ impl Vsock {
         }
         let worker = self.state.clone();
         let epoll = worker.lock().unwrap().muxer.epoll();
-        let thread = crate::spawn_device_thread("vsock", move || event_loop::run(worker, epoll))
+        let thread = crate::thread_builder("vsock")
+            .spawn(move || event_loop::run(worker, epoll))
             .map_err(|source| DeviceError::VsockThread { source })?;
         self.thread = Some(thread);
         Ok(())
