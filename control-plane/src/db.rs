@@ -32,9 +32,9 @@ const CONNECTION_PRAGMAS: &[(&str, &str)] = &[
 ];
 
 // The statements `hot` runs too: one text for both paths.
-const EXECUTOR_LOADS: &str =
-    "SELECT e.*, (SELECT count(*) FROM sandboxes s WHERE s.executor_id = e.id \
-     AND s.state IN ('starting', 'ready')) AS live, \
+// `live_sandboxes` is kept by triggers (migration 0010), so this read costs the same with ten
+// live sandboxes or a hundred thousand.
+const EXECUTOR_LOADS: &str = "SELECT e.*, e.live_sandboxes AS live, \
      EXISTS (SELECT 1 FROM snapshot_copies c WHERE c.tag = ?1 AND c.executor_id = e.id) AS holds, \
      (SELECT head_digest FROM snapshots WHERE tag = ?1) AS head_digest \
      FROM executors e ORDER BY e.id";
@@ -49,8 +49,50 @@ const END_SANDBOX: &str = "UPDATE sandboxes SET state = ?, error = ? WHERE id = 
 /// the kill came, so what the heartbeat missed was the kill itself.
 const END_KILLED: &str = "UPDATE sandboxes SET state = 'killed', error = ? WHERE id = ? \
      AND state IN ('starting', 'ready', 'lost') RETURNING *";
+/// Its conditions are the partial index's (migration 0010), so only live sandboxes are read.
+const EXPIRED: &str =
+    "SELECT s.*, e.addr FROM sandboxes s JOIN executors e ON e.id = s.executor_id \
+     WHERE s.expires_ms IS NOT NULL AND s.expires_ms <= ? \
+     AND s.state IN ('starting', 'ready') ORDER BY s.expires_ms LIMIT 256";
+const COUNT_LIVE: &str = "SELECT coalesce(sum(live_sandboxes), 0) FROM executors";
 const SANDBOX_AT: &str =
     "SELECT s.*, e.addr FROM sandboxes s JOIN executors e ON e.id = s.executor_id WHERE s.id = ?";
+
+/// The statement for [`Db::sandboxes_page`], with only the terms it needs, so SQLite can walk
+/// an index in the listing's order (migration 0010) instead of reading and sorting every row,
+/// ended history included. Parameters, in order: the tag if filtered, the page's last
+/// (created_ms, id) if any, the limit.
+fn sandboxes_page_sql(by_tag: bool, include_ended: bool, after: bool) -> &'static str {
+    // Made once each: sqlx takes only static statement texts.
+    static ALL: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(|| {
+        (0..8)
+            .map(|i| page_sql(i & 1 != 0, i & 2 != 0, i & 4 != 0))
+            .collect()
+    });
+    &ALL[usize::from(by_tag) | (usize::from(include_ended) << 1) | (usize::from(after) << 2)]
+}
+
+fn page_sql(by_tag: bool, include_ended: bool, after: bool) -> String {
+    let mut terms = Vec::new();
+    if !include_ended {
+        // The very text of the partial index's condition, so the index is used.
+        terms.push("state IN ('starting', 'ready')");
+    }
+    if by_tag {
+        // Live ones are found among the live (`+` keeps SQLite off the tag's index, which
+        // would walk the snapshot's whole history); any others by the tag's index.
+        terms.push(if include_ended { "tag = ?" } else { "+tag = ?" });
+    }
+    if after {
+        terms.push("(created_ms, id) > (?, ?)");
+    }
+    let filter = if terms.is_empty() {
+        String::new()
+    } else {
+        format!(" WHERE {}", terms.join(" AND "))
+    };
+    format!("SELECT * FROM sandboxes{filter} ORDER BY created_ms, id LIMIT ?")
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -979,14 +1021,10 @@ impl Db {
 
     /// Live sandboxes whose timeout ran out by `now_ms`, with their executors' addresses.
     pub async fn expired(&self, now_ms: i64) -> Result<Vec<SandboxAt>> {
-        Ok(sqlx::query_as(
-            "SELECT s.*, e.addr FROM sandboxes s JOIN executors e ON e.id = s.executor_id \
-             WHERE s.expires_ms IS NOT NULL AND s.expires_ms <= ? \
-             AND s.state IN ('starting', 'ready') ORDER BY s.expires_ms LIMIT 256",
-        )
-        .bind(now_ms)
-        .fetch_all(&self.pool)
-        .await?)
+        Ok(sqlx::query_as(EXPIRED)
+            .bind(now_ms)
+            .fetch_all(&self.pool)
+            .await?)
     }
 
     pub async fn sandbox_at(&self, id: &str) -> Result<Option<SandboxAt>> {
@@ -1059,19 +1097,18 @@ impl Db {
         after: Option<(i64, &str)>,
         limit: u32,
     ) -> Result<Vec<SandboxRow>> {
-        Ok(sqlx::query_as(
-            "SELECT * FROM sandboxes WHERE (?1 IS NULL OR tag = ?1) \
-             AND (?2 OR state IN ('starting', 'ready')) \
-             AND (?3 IS NULL OR (created_ms, id) > (?3, ?4)) \
-             ORDER BY created_ms, id LIMIT ?5",
-        )
-        .bind(tag)
-        .bind(include_ended)
-        .bind(after.map(|a| a.0))
-        .bind(after.map(|a| a.1))
-        .bind(limit)
-        .fetch_all(&self.pool)
-        .await?)
+        let mut q = sqlx::query_as(sandboxes_page_sql(
+            tag.is_some(),
+            include_ended,
+            after.is_some(),
+        ));
+        if let Some(tag) = tag {
+            q = q.bind(tag);
+        }
+        if let Some((created, id)) = after {
+            q = q.bind(created).bind(id);
+        }
+        Ok(q.bind(limit).fetch_all(&self.pool).await?)
     }
 
     /// Forget sandboxes that ended before `cutoff_ms` (history retention); how many.
@@ -1085,11 +1122,10 @@ impl Db {
         )
     }
 
+    /// Live (starting or ready) sandboxes on all executors, from the counts the triggers keep
+    /// (not a scan of every sandbox row, history included).
     pub async fn count_live_sandboxes(&self) -> Result<i64> {
-        let (n,): (i64,) =
-            sqlx::query_as("SELECT count(*) FROM sandboxes WHERE state IN ('starting', 'ready')")
-                .fetch_one(&self.pool)
-                .await?;
+        let (n,): (i64,) = sqlx::query_as(COUNT_LIVE).fetch_one(&self.pool).await?;
         Ok(n)
     }
 }
@@ -1162,6 +1198,22 @@ mod tests {
             layers: None,
             state: NewState::Writing { until_ms },
         }
+    }
+
+    /// Registers `executors` (each on its own address) and a ready snapshot "base" the first
+    /// one holds.
+    async fn executors_with_base(db: &Db, executors: &[&str], report: &ExecutorReport) {
+        for (i, ex) in executors.iter().enumerate() {
+            let addr = format!("http://127.0.0.1:{}", i + 1);
+            db.upsert_executor(ex, &addr, report, "p").await.unwrap();
+        }
+        db.insert_snapshot(&NewSnapshot {
+            state: NewState::Ready,
+            executor_id: executors[0].into(),
+            ..writing("base", 0)
+        })
+        .await
+        .unwrap();
     }
 
     /// The database and the files SQLite keeps beside it are its owner's alone.
@@ -1282,19 +1334,7 @@ mod tests {
             cached_tags: vec!["base".into()],
             ..Default::default()
         };
-        db.upsert_executor("ex-a", "http://127.0.0.1:1", &report, "p")
-            .await
-            .unwrap();
-        db.upsert_executor("ex-b", "http://127.0.0.1:2", &report, "p")
-            .await
-            .unwrap();
-        db.insert_snapshot(&NewSnapshot {
-            state: NewState::Ready,
-            executor_id: "ex-a".into(),
-            ..writing("base", 0)
-        })
-        .await
-        .unwrap();
+        executors_with_base(&db, &["ex-a", "ex-b"], &report).await;
         let rows = [("sb-1".to_string(), "base".to_string(), "ex-a".to_string())];
         db.insert_sandboxes(&rows, (256, 500), Some(60))
             .await
@@ -1348,6 +1388,210 @@ mod tests {
         assert_eq!(db.sandbox_at("nope").await.unwrap(), None);
         // A constraint still fails the call: the same id twice.
         assert!(db.insert_sandboxes(&rows, (0, 0), None).await.is_err());
+        db.close().await;
+    }
+
+    /// Each executor's live count as the triggers keep it, beside a count of its rows.
+    async fn live_counts(db: &Db) -> Vec<(String, i64, i64)> {
+        sqlx::query_as(
+            "SELECT e.id, e.live_sandboxes, (SELECT count(*) FROM sandboxes s \
+             WHERE s.executor_id = e.id AND s.state IN ('starting', 'ready')) \
+             FROM executors e ORDER BY e.id",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+    }
+
+    /// The kept counts equal the rows' after each step; returns them in executor order.
+    async fn kept_counts(db: &Db, step: &str) -> Vec<i64> {
+        let counts = live_counts(db).await;
+        for (id, kept, counted) in &counts {
+            assert_eq!(kept, counted, "{step}: executor {id}");
+        }
+        let loads = db.executor_loads("base").await.unwrap();
+        let live: Vec<i64> = loads.iter().map(|l| l.live).collect();
+        assert_eq!(
+            live,
+            counts.iter().map(|c| c.1).collect::<Vec<_>>(),
+            "{step}"
+        );
+        assert_eq!(
+            db.count_live_sandboxes().await.unwrap(),
+            live.iter().sum::<i64>(),
+            "{step}"
+        );
+        live
+    }
+
+    /// A spawn reads each executor's live count from its row, kept by triggers; every path
+    /// that starts, readies, ends, loses, fails or forgets a sandbox keeps it equal to a count
+    /// of the rows.
+    #[tokio::test]
+    async fn live_counts_follow_every_path_a_sandbox_takes() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("live.db")).await.unwrap();
+        executors_with_base(&db, &["ex-a", "ex-b"], &ExecutorReport::default()).await;
+        let row = |id: &str, ex: &str| (id.to_string(), "base".to_string(), ex.to_string());
+        // One row inline, then several in one transaction.
+        db.insert_sandboxes(&[row("a1", "ex-a")], (0, 0), None)
+            .await
+            .unwrap();
+        let many: Vec<_> = ["a2", "a3", "a4", "a5"]
+            .iter()
+            .map(|id| row(id, "ex-a"))
+            .chain([row("b1", "ex-b"), row("b2", "ex-b")])
+            .collect();
+        db.insert_sandboxes(&many, (0, 0), Some(60)).await.unwrap();
+        assert_eq!(kept_counts(&db, "inserted").await, [5, 2]);
+        for id in ["a1", "a2", "a3", "a4", "b1"] {
+            db.set_sandbox_ready(id, 1).await.unwrap().unwrap();
+        }
+        assert_eq!(kept_counts(&db, "ready").await, [5, 2]);
+        db.end_sandbox("a1", SandboxState::Failed, Some("gone"))
+            .await
+            .unwrap()
+            .unwrap();
+        db.end_killed("a2", None, true).await.unwrap().unwrap();
+        assert_eq!(kept_counts(&db, "ended").await, [3, 2]);
+        // Ending twice moves nothing.
+        assert_eq!(db.end_killed("a2", None, true).await.unwrap(), None);
+        assert_eq!(kept_counts(&db, "ended twice").await, [3, 2]);
+        db.end_reported("ex-b", &[("b1".into(), "crashed".into(), false)])
+            .await
+            .unwrap();
+        assert_eq!(kept_counts(&db, "reported").await, [3, 1]);
+        // Ready ones become lost; then a confirmed kill ends a lost one (not live either way).
+        db.reconcile_sandboxes("ex-a", &["a4".to_string()], -60_000)
+            .await
+            .unwrap();
+        assert_eq!(kept_counts(&db, "lost").await, [2, 1]);
+        db.end_killed("a3", None, true).await.unwrap().unwrap();
+        assert_eq!(kept_counts(&db, "lost, then killed").await, [2, 1]);
+        // A restart fails the spawns still starting (a5, b2).
+        assert_eq!(db.fail_interrupted_spawns().await.unwrap(), 2);
+        assert_eq!(kept_counts(&db, "interrupted").await, [1, 0]);
+        // Forgetting ended history, and deleting a live row by hand, keep the counts too.
+        db.forget_ended_before(i64::MAX).await.unwrap();
+        assert_eq!(kept_counts(&db, "forgotten").await, [1, 0]);
+        sqlx::query("DELETE FROM sandboxes WHERE id = 'a4'")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(kept_counts(&db, "deleted").await, [0, 0]);
+        db.close().await;
+    }
+
+    /// The statements that run per call or every second read an index made for them, never
+    /// every sandbox (a week of history by default) and never sort them.
+    #[tokio::test]
+    async fn frequent_statements_read_their_own_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("plans.db")).await.unwrap();
+        let mut cases = vec![
+            (EXECUTOR_LOADS.to_string(), None),
+            (EXPIRED.to_string(), Some("sandboxes_live_by_expiry")),
+            (COUNT_LIVE.to_string(), None),
+            (SANDBOX_AT.to_string(), Some("sqlite_autoindex_sandboxes_1")),
+        ];
+        for by_tag in [false, true] {
+            for after in [false, true] {
+                cases.push((
+                    sandboxes_page_sql(by_tag, false, after).to_string(),
+                    Some("sandboxes_live_by_created"),
+                ));
+                let all = if by_tag {
+                    "sandboxes_by_tag"
+                } else {
+                    "sandboxes_by_created"
+                };
+                cases.push((
+                    sandboxes_page_sql(by_tag, true, after).to_string(),
+                    Some(all),
+                ));
+            }
+        }
+        for (sql, index) in cases {
+            let plan: Vec<(i64, i64, i64, String)> =
+                sqlx::query_as(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
+                    .fetch_all(&db.pool)
+                    .await
+                    .unwrap();
+            let lines: Vec<&str> = plan.iter().map(|p| p.3.as_str()).collect();
+            for line in &lines {
+                assert!(!line.contains("TEMP B-TREE"), "{sql}: sorts: {lines:?}");
+                let reads_sandboxes = line.starts_with("SCAN s ")
+                    || line.starts_with("SEARCH s ")
+                    || line.contains(" sandboxes ")
+                    || line.ends_with(" sandboxes");
+                if reads_sandboxes {
+                    let want = index.unwrap_or_else(|| panic!("{sql}: reads sandboxes: {lines:?}"));
+                    assert!(line.contains(want), "{sql}: not through {want}: {lines:?}");
+                }
+            }
+            // Correlated subqueries on sandboxes show up as their own lines too.
+            if index.is_none() {
+                assert!(
+                    !lines.iter().any(|l| l.contains("sandboxes")),
+                    "{sql}: {lines:?}"
+                );
+            }
+        }
+        db.close().await;
+    }
+
+    /// A database made before the counts existed gets them from its rows when it is opened.
+    #[tokio::test]
+    async fn an_older_database_gets_its_live_counts_from_its_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.db");
+        {
+            let pool = sqlx::SqlitePool::connect_with(
+                SqliteConnectOptions::new()
+                    .filename(&path)
+                    .create_if_missing(true),
+            )
+            .await
+            .unwrap();
+            // The migrations up to the one that adds the counts, read from a directory of
+            // their own.
+            let older = dir.path().join("migrations");
+            std::fs::create_dir(&older).unwrap();
+            let all = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+            for f in std::fs::read_dir(&all).unwrap() {
+                let f = f.unwrap();
+                let name = f.file_name().into_string().unwrap();
+                if name.as_str() < "0010" {
+                    std::fs::copy(f.path(), older.join(&name)).unwrap();
+                }
+            }
+            let before = sqlx::migrate::Migrator::new(older.as_path()).await.unwrap();
+            assert_eq!(before.iter().count(), 9);
+            before.run(&pool).await.unwrap();
+            sqlx::query(
+                "INSERT INTO executors (id, addr, max_sandboxes, running_sandboxes, \
+                 mem_total_mib, mem_available_mib, registered_ms, last_heartbeat_ms) \
+                 VALUES ('ex-a', 'x', 9, 0, 0, 0, 0, 0), ('ex-b', 'x', 9, 0, 0, 0, 0, 0)",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+            sqlx::query(
+                "INSERT INTO sandboxes (id, tag, executor_id, state, created_ms) VALUES \
+                 ('1', 't', 'ex-a', 'ready', 0), ('2', 't', 'ex-a', 'starting', 0), \
+                 ('3', 't', 'ex-a', 'killed', 0), ('4', 't', 'ex-b', 'lost', 0)",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+            pool.close().await;
+        }
+        let db = Db::open(&path).await.unwrap();
+        let counts = live_counts(&db).await;
+        assert_eq!(
+            counts,
+            [("ex-a".to_string(), 2, 2), ("ex-b".to_string(), 0, 0)]
+        );
         db.close().await;
     }
 

@@ -104,23 +104,62 @@ impl Metrics {
     /// Count, mean and quantiles of each spawn phase so far. A quantile is the upper bound of
     /// the bucket it falls in (a factor of √2 at most above the true value).
     pub fn spawn_phases(&self) -> Vec<PhaseSummary> {
+        self.spawn_phases_since(&PhaseMark::default())
+    }
+
+    /// Where each spawn phase's histogram stands now, for [`Metrics::spawn_phases_since`].
+    pub fn spawn_phase_mark(&self) -> PhaseMark {
+        use prometheus::core::Metric;
+        PhaseMark(
+            SpawnPhase::ALL
+                .iter()
+                .map(|&phase| {
+                    let m = self
+                        .spawn_phase_seconds
+                        .with_label_values(&[phase.name()])
+                        .metric();
+                    let h = m.get_histogram();
+                    PhaseCounts {
+                        count: h.get_sample_count(),
+                        sum_s: h.get_sample_sum(),
+                        cumulative: h
+                            .get_bucket()
+                            .iter()
+                            .map(|b| b.cumulative_count())
+                            .collect(),
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    /// [`Metrics::spawn_phases`] counting only the spawns observed after `mark` was taken
+    /// (e.g. a load's own, not the set-up's before it).
+    pub fn spawn_phases_since(&self, mark: &PhaseMark) -> Vec<PhaseSummary> {
         use prometheus::core::Metric;
         SpawnPhase::ALL
             .iter()
-            .map(|&phase| {
+            .enumerate()
+            .map(|(i, &phase)| {
                 let m = self
                     .spawn_phase_seconds
                     .with_label_values(&[phase.name()])
                     .metric();
                 let h = m.get_histogram();
-                let count = h.get_sample_count();
+                let before = mark.0.get(i);
+                let count = h.get_sample_count() - before.map_or(0, |b| b.count);
+                let sum_s = h.get_sample_sum() - before.map_or(0.0, |b| b.sum_s);
                 // None without samples, or past the last bucket.
                 let bound = |q: f64| {
                     let want = (q * count as f64).ceil().max(1.0) as u64;
                     h.get_bucket()
                         .iter()
-                        .find(|b| count > 0 && b.cumulative_count() >= want)
-                        .map(|b| b.upper_bound())
+                        .enumerate()
+                        .find(|(j, b)| {
+                            let earlier = before.and_then(|b| b.cumulative.get(*j)).copied();
+                            count > 0 && b.cumulative_count() - earlier.unwrap_or(0) >= want
+                        })
+                        .map(|(_, b)| b.upper_bound())
                 };
                 PhaseSummary {
                     phase,
@@ -128,7 +167,7 @@ impl Metrics {
                     mean_s: if count == 0 {
                         0.0
                     } else {
-                        h.get_sample_sum() / count as f64
+                        sum_s / count as f64
                     },
                     p50_s: bound(0.5),
                     p90_s: bound(0.9),
@@ -167,6 +206,19 @@ impl Drop for SpawnTimer {
         self.metrics
             .spawn_phase(SpawnPhase::Total, self.start.elapsed());
     }
+}
+
+/// The spawn-phase histograms at one moment (see [`Metrics::spawn_phase_mark`]); the default
+/// is before any spawn.
+#[derive(Clone, Debug, Default)]
+pub struct PhaseMark(Vec<PhaseCounts>);
+
+#[derive(Clone, Debug)]
+struct PhaseCounts {
+    count: u64,
+    sum_s: f64,
+    /// Each bucket's cumulative count, in the histogram's bucket order.
+    cumulative: Vec<u64>,
 }
 
 /// One spawn phase's distribution (seconds), from its histogram.
@@ -260,5 +312,32 @@ mod tests {
         assert_eq!(admit.count, 0);
         assert_eq!(admit.mean_s, 0.0);
         assert_eq!(admit.p50_s, None);
+    }
+
+    #[test]
+    fn phases_since_a_mark_leave_out_what_came_before() {
+        let m = Metrics::new();
+        // The set-up: slow places that must not show in the load's figures.
+        for _ in 0..50 {
+            m.spawn_phase(SpawnPhase::Place, Duration::from_millis(20));
+        }
+        let mark = m.spawn_phase_mark();
+        for _ in 0..100 {
+            m.spawn_phase(SpawnPhase::Place, Duration::from_micros(100));
+        }
+        let since = m.spawn_phases_since(&mark);
+        let place = since.iter().find(|p| p.phase == SpawnPhase::Place).unwrap();
+        assert_eq!(place.count, 100);
+        assert!((place.mean_s - 100e-6).abs() < 1e-9);
+        let bucket = 100e-6..100e-6 * std::f64::consts::SQRT_2 + 1e-9;
+        assert!(bucket.contains(&place.p99_s.unwrap()), "{:?}", place.p99_s);
+        // Everything so far still has the set-up's tail.
+        let all = m.spawn_phases();
+        let place = all.iter().find(|p| p.phase == SpawnPhase::Place).unwrap();
+        assert_eq!(place.count, 150);
+        assert!(place.p99_s.unwrap() >= 20e-3);
+        // Nothing after the mark: no quantiles, as for a phase never seen.
+        let idle = m.spawn_phases_since(&m.spawn_phase_mark());
+        assert!(idle.iter().all(|p| p.count == 0 && p.p50_s.is_none()));
     }
 }

@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use tine_control_plane::calls::Auth;
+use tine_control_plane::calls::{Auth, SandboxTimeouts};
 use tine_control_plane::db::{ExecutorReport, NewSnapshot};
+use tine_control_plane::metrics::PhaseMark;
 use tine_control_plane::server::{self, RunningServer, ServerConfig};
 use tine_loadtest::null_executor;
 use tine_loadtest::run::{run, Load};
@@ -50,6 +51,14 @@ struct Args {
     /// Loops per second per client (0: back to back, measuring saturation throughput).
     #[arg(long, default_value_t = 10.0)]
     rate_per_client: f64,
+    /// Children spawned before the clock starts and kept live for the whole run (killed
+    /// after it), so each spawn is placed among as many live sandboxes as a busy fleet holds.
+    #[arg(long, default_value_t = 0)]
+    standing: u32,
+    /// Ended sandboxes recorded before the run, as a busy control plane's history holds (a
+    /// week of it by default): written straight into the embedded control plane's database.
+    #[arg(long, default_value_t = 0, conflicts_with = "addr")]
+    history: u64,
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -110,6 +119,7 @@ fn null_executor_id(i: usize) -> String {
 async fn embedded_control_plane(
     dir: &std::path::Path,
     null_executors: &[String],
+    history: u64,
 ) -> Result<(RunningServer, String)> {
     let (user, exec) = (generate_token(), generate_token());
     let cp = server::start(ServerConfig {
@@ -172,6 +182,15 @@ async fn embedded_control_plane(
             .heartbeat(&null_executor_id(i), &report, "loadtest")
             .await?;
     }
+    if history > 0 {
+        let (path, n) = (dir.join("tine.db"), null_executors.len());
+        let started = std::time::Instant::now();
+        tokio::task::spawn_blocking(move || write_history(&path, history, n)).await??;
+        eprintln!(
+            "tine-loadtest: {history} ended sandboxes recorded in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+    }
     // Keep the null executors "up" (heartbeats within three periods) for the whole run.
     let db = cp.ctx.db.clone();
     let n = null_executors.len();
@@ -188,14 +207,61 @@ async fn embedded_control_plane(
     Ok((cp, user))
 }
 
-/// The control plane's own counters for the report: phase table text and JSON fields.
-fn control_plane_report(cp: &RunningServer) -> serde_json::Value {
-    let phases = cp.ctx.metrics.spawn_phases();
+/// Record `n` sandboxes that ended over the past week (killed, each with the default
+/// timeout's expiry), spread over `executors` null executors, in one transaction.
+fn write_history(db: &std::path::Path, n: u64, executors: usize) -> Result<()> {
+    const WEEK_MS: i64 = 7 * 86_400_000;
+    let now = i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis(),
+    )?;
+    let mut conn = rusqlite::Connection::open(db)
+        .with_context(|| format!("opening {} to write history", db.display()))?;
+    conn.busy_timeout(Duration::from_secs(30))?;
+    let tx = conn.transaction()?;
+    // Oldest first, evenly over the week; each lived a second.
+    tx.execute(
+        "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i + 1 < ?1) \
+         INSERT INTO sandboxes (id, tag, executor_id, state, created_ms, ended_ms, expires_ms) \
+         SELECT 'history-' || i, ?2, 'null-' || (i % ?3), 'killed', \
+                ?4 - ?5 + i * (?5 / ?1), ?4 - ?5 + i * (?5 / ?1) + 1000, \
+                ?4 - ?5 + i * (?5 / ?1) + 300000 FROM n",
+        rusqlite::params![n as i64, LOAD_TAG, executors as i64, now, WEEK_MS],
+    )
+    .context("writing history")?;
+    tx.commit()?;
+    Ok(())
+}
+
+/// Where the control plane's counters stood when the load began (after any standing
+/// children were spawned), so its report covers the load alone.
+#[derive(Default)]
+struct Mark {
+    phases: PhaseMark,
+    write_lock_waits: u64,
+    inline_busy_fallbacks: u64,
+}
+
+impl Mark {
+    fn now(cp: &RunningServer) -> Mark {
+        Mark {
+            phases: cp.ctx.metrics.spawn_phase_mark(),
+            write_lock_waits: tine_control_plane::lock_wait::waits(),
+            inline_busy_fallbacks: tine_control_plane::db::inline_fallbacks(),
+        }
+    }
+}
+
+/// The control plane's own counters since `mark`, for the report: phase table text and JSON
+/// fields.
+fn control_plane_report(cp: &RunningServer, mark: &Mark) -> serde_json::Value {
+    let phases = cp.ctx.metrics.spawn_phases_since(&mark.phases);
     serde_json::json!({
         "table": tine_loadtest::report::phase_table(&phases),
         "spawn_phases": tine_loadtest::report::phase_json(&phases),
-        "write_lock_waits": tine_control_plane::lock_wait::waits(),
-        "inline_busy_fallbacks": tine_control_plane::db::inline_fallbacks(),
+        "write_lock_waits": tine_control_plane::lock_wait::waits() - mark.write_lock_waits,
+        "inline_busy_fallbacks": tine_control_plane::db::inline_fallbacks() - mark.inline_busy_fallbacks,
     })
 }
 
@@ -204,12 +270,23 @@ async fn serve_control_plane(a: &Args) -> Result<()> {
         anyhow::bail!("--serve-control-plane needs at least one --null-executor-addr");
     }
     let dir = tempfile::tempdir()?;
-    let (cp, token) = embedded_control_plane(dir.path(), &a.null_executor_addr).await?;
+    let (cp, token) = embedded_control_plane(dir.path(), &a.null_executor_addr, a.history).await?;
     split::tell_parent(
         &serde_json::json!({"addr": format!("http://{}", cp.addr), "token": token}),
     )?;
-    split::until_stdin_closes().await;
-    split::tell_parent(&control_plane_report(&cp))?;
+    let mut mark = Mark::default();
+    let mut lines = split::parent_lines();
+    while let Some(line) = lines.recv().await {
+        if line != split::MARK {
+            anyhow::bail!(
+                "the load process sent {line:?}; only {:?} is understood",
+                split::MARK
+            );
+        }
+        mark = Mark::now(&cp);
+        split::tell_parent(&serde_json::json!({"marked": true}))?;
+    }
+    split::tell_parent(&control_plane_report(&cp, &mark))?;
     cp.shutdown().await?;
     Ok(())
 }
@@ -258,8 +335,9 @@ async fn load(a: Args) -> Result<()> {
         None if split => {
             let execs = null_executors(a.null_executors).await?;
             let cpus = a.cp_cpus.clone();
+            let history = a.history;
             let (child, serving) = tokio::task::spawn_blocking(move || {
-                ControlPlaneChild::start(&execs, cpus.as_ref())
+                ControlPlaneChild::start(&execs, cpus.as_ref(), history)
             })
             .await??;
             (
@@ -272,7 +350,7 @@ async fn load(a: Args) -> Result<()> {
         None => {
             let dir = tempfile::tempdir()?;
             let execs = null_executors(a.null_executors).await?;
-            let (cp, user) = embedded_control_plane(dir.path(), &execs).await?;
+            let (cp, user) = embedded_control_plane(dir.path(), &execs, a.history).await?;
             let addr = format!("http://{}", cp.addr);
             (
                 ControlPlane::InProcess(cp, dir),
@@ -314,7 +392,7 @@ async fn load(a: Args) -> Result<()> {
         ),
     };
     eprintln!(
-        "tine-loadtest: {} clients ({}) over {} connections for {} s against {} ({}); each loop: spawn {} child(ren), exec `true` {}x in each, kill each",
+        "tine-loadtest: {} clients ({}) over {} connections for {} s against {} ({}); each loop: spawn {} child(ren), exec `true` {}x in each, kill each; {} standing children live throughout, {} ended ones recorded before",
         a.clients,
         if a.rate_per_client > 0.0 { format!("{} loops/s each", a.rate_per_client) } else { "back to back".into() },
         a.connections,
@@ -323,13 +401,40 @@ async fn load(a: Args) -> Result<()> {
         placement,
         a.children_per_spawn,
         a.execs_per_child,
+        a.standing,
+        a.history,
     );
-    let (stats, wall) = run(load).await?;
+    let standing = if a.standing > 0 {
+        // Outlive the run (and standing up) with a margin, but not by much if it is cut short.
+        let lifetime = Duration::from_secs(
+            (a.duration_secs + 600).min(u64::from(SandboxTimeouts::default().max_s)),
+        );
+        tine_loadtest::run::stand_up(&load, a.standing, lifetime).await?
+    } else {
+        Vec::new()
+    };
+    // The control plane's figures cover the load alone, not the standing children's spawns.
+    let mut cp = cp;
+    let mark = match &mut cp {
+        ControlPlane::InProcess(server, _) => Mark::now(server),
+        ControlPlane::Child(child) => {
+            tokio::task::block_in_place(|| child.mark())?;
+            Mark::default()
+        }
+        ControlPlane::External => Mark::default(),
+    };
+    let (stats, wall) = run(load.clone()).await?;
+    if !standing.is_empty() {
+        let failed = tine_loadtest::run::stand_down(&load, standing).await?;
+        if failed > 0 {
+            eprintln!("tine-loadtest: {failed} standing children could not be killed");
+        }
+    }
     print!("{}", stats.table(wall));
     let params = serde_json::json!({
         "addr": addr, "clients": a.clients, "connections": a.connections, "duration_s": a.duration_secs,
         "children_per_spawn": a.children_per_spawn, "execs_per_child": a.execs_per_child,
-        "rate_per_client": a.rate_per_client,
+        "rate_per_client": a.rate_per_client, "standing": a.standing, "history": a.history,
         "null_executors": (!matches!(cp, ControlPlane::External)).then_some(a.null_executors),
         "control_plane": cp.placement(),
         "cp_cpus": a.cp_cpus.as_ref().map(|c| c.to_string()),
@@ -339,7 +444,7 @@ async fn load(a: Args) -> Result<()> {
     let report = match cp {
         ControlPlane::External => None,
         ControlPlane::InProcess(cp, _dir) => {
-            let r = control_plane_report(&cp);
+            let r = control_plane_report(&cp, &mark);
             cp.shutdown().await?;
             Some(r)
         }

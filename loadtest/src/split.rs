@@ -5,8 +5,10 @@
 //! the load process re-runs this binary as `--serve-control-plane`: the child holds only the
 //! control plane (SQLite, audit log, auth); the clients and the null executors stay in the
 //! parent, so the executor hop crosses processes as it does in a deployment. The child
-//! reports its address and token as one JSON line on stdout, serves until its stdin closes,
-//! then writes its spawn phases and lock counters as a second JSON line.
+//! reports its address and token as one JSON line on stdout and serves until its stdin closes,
+//! then writes its spawn phases and lock counters as a last JSON line. A `mark` line on its
+//! stdin makes it count from then on only (answered with `{"marked":true}`), so spawns made
+//! to set the load up are left out of its report.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -117,10 +119,12 @@ fn read_json_line(r: &mut impl BufRead, what: &str) -> Result<Value> {
 }
 
 impl ControlPlaneChild {
-    /// Start this binary as the control plane behind `null_executors`, pinned to `cpus`.
+    /// Start this binary as the control plane behind `null_executors`, pinned to `cpus`, with
+    /// `history` ended sandboxes recorded (see `--history`).
     pub fn start(
         null_executors: &[String],
         cpus: Option<&CpuList>,
+        history: u64,
     ) -> Result<(ControlPlaneChild, Serving)> {
         let exe = std::env::current_exe().context("finding tine-loadtest's own binary")?;
         let mut cmd = Command::new(exe);
@@ -130,6 +134,7 @@ impl ControlPlaneChild {
                     .iter()
                     .flat_map(|a| ["--null-executor-addr", a.as_str()]),
             )
+            .args(["--history", &history.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -157,6 +162,23 @@ impl ControlPlaneChild {
             token: field("token")?,
         };
         Ok((cp, serving))
+    }
+
+    /// Have the child report only what comes after this (see the module's note).
+    pub fn mark(&mut self) -> Result<()> {
+        let stdin = self
+            .stdin
+            .as_mut()
+            .context("the control-plane process was told to stop")?;
+        writeln!(stdin, "{MARK}").context("writing to the control-plane process")?;
+        stdin
+            .flush()
+            .context("writing to the control-plane process")?;
+        let answer = read_json_line(&mut self.stdout, "its mark")?;
+        if answer["marked"] != Value::Bool(true) {
+            bail!("control-plane process: {answer} where its mark was due");
+        }
+        Ok(())
     }
 
     /// Tell the child to stop and collect its report (spawn phases, lock counters).
@@ -197,13 +219,22 @@ pub fn tell_parent(v: &Value) -> Result<()> {
     Ok(())
 }
 
-/// In the child: wait until the parent closes our stdin.
-pub async fn until_stdin_closes() {
-    let _ = tokio::task::spawn_blocking(|| {
-        let mut sink = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
-    })
-    .await;
+/// The line that asks the child to mark (see the module's note).
+pub const MARK: &str = "mark";
+
+/// In the child: the parent's lines on our stdin, as they come; the channel closes when the
+/// parent closes our stdin (or it cannot be read).
+pub fn parent_lines() -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line.trim().to_string()).is_err() {
+                break;
+            }
+        }
+    });
+    rx
 }
 
 #[cfg(test)]

@@ -89,6 +89,26 @@ fn a_control_plane_apart_keeps_the_cpus_the_load_gave_up() {
     assert_eq!(v["params"]["cp_cpus"], allowed.to_string().as_str());
 }
 
+/// Standing children and a recorded history, in both placements: the control plane's figures
+/// count the load's spawns only (`check`), not the calls that stood the children up.
+#[test]
+fn standing_children_and_history_are_set_up_before_the_clock() {
+    for extra in [&[][..], &["--split"]] {
+        let args = [extra, &["--standing", "250", "--history", "5000"]].concat();
+        let v = run(&args);
+        check(
+            &v,
+            if extra.is_empty() {
+                "in-process"
+            } else {
+                "own process"
+            },
+        );
+        assert_eq!(v["params"]["standing"], 250);
+        assert_eq!(v["params"]["history"], 5000);
+    }
+}
+
 #[test]
 fn bad_cpu_lists_and_conflicts_are_refused() {
     for (args, why) in [
@@ -101,6 +121,11 @@ fn bad_cpu_lists_and_conflicts_are_refused() {
         // Options only an external control plane uses are not silently dropped.
         (&["--tag", "warm"], "required arguments were not provided"),
         (&["--token-file", "/dev/null"], "--addr"),
+        // History is written into the embedded control plane's own database only.
+        (
+            &["--history", "10", "--addr", "http://127.0.0.1:1"],
+            "cannot be used with",
+        ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_tine-loadtest"))
             .args(args)
