@@ -1,6 +1,8 @@
 //! Prometheus metrics of the control plane, served as text on `/metrics`.
 
-use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
 
 pub struct Metrics {
     registry: Registry,
@@ -15,6 +17,8 @@ pub struct Metrics {
     pub executors_up: IntGauge,
     /// Sandboxes that ended on their own, by cause (out_of_memory, exited).
     pub sandboxes_ended: IntCounterVec,
+    /// Ended sandboxes forgotten past the history retention.
+    pub sandboxes_forgotten: IntCounter,
 }
 
 impl Metrics {
@@ -69,6 +73,11 @@ impl Metrics {
             &["cause"],
         )
         .expect("metric");
+        let sandboxes_forgotten = IntCounter::new(
+            "tine_sandboxes_forgotten_total",
+            "Ended sandboxes forgotten past the history retention",
+        )
+        .expect("metric");
         for c in [
             Box::new(rpcs.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(rpc_seconds.clone()),
@@ -77,6 +86,7 @@ impl Metrics {
             Box::new(sandboxes_active.clone()),
             Box::new(executors_up.clone()),
             Box::new(sandboxes_ended.clone()),
+            Box::new(sandboxes_forgotten.clone()),
         ] {
             registry.register(c).expect("unique metric names");
         }
@@ -89,6 +99,7 @@ impl Metrics {
             sandboxes_active,
             executors_up,
             sandboxes_ended,
+            sandboxes_forgotten,
         }
     }
 

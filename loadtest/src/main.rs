@@ -17,7 +17,7 @@ use tine_control_plane::metrics::PhaseMark;
 use tine_control_plane::server::{self, RunningServer, ServerConfig};
 use tine_loadtest::null_executor;
 use tine_loadtest::run::{run, Load};
-use tine_loadtest::split::{self, ControlPlaneChild, CpuList};
+use tine_loadtest::split::{self, ControlPlaneChild, CpuList, History};
 use tine_rpc::auth::{generate_token, Role, TokenEntry, TokenSet};
 
 #[derive(Parser)]
@@ -59,6 +59,11 @@ struct Args {
     /// week of it by default): written straight into the embedded control plane's database.
     #[arg(long, default_value_t = 0, conflicts_with = "addr")]
     history: u64,
+    /// The recorded history ended evenly over this many days up to now. More than the
+    /// control plane's retention (a week) leaves some past it, for its next pass (every
+    /// minute) to forget while the load runs.
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(1..=3650))]
+    history_days: u32,
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -79,6 +84,15 @@ struct Args {
     /// Internal: a null executor for --serve-control-plane to register.
     #[arg(long, hide = true)]
     null_executor_addr: Vec<String>,
+}
+
+impl Args {
+    fn history(&self) -> History {
+        History {
+            count: self.history,
+            days: self.history_days,
+        }
+    }
 }
 
 fn main() -> Result<()> {
@@ -119,7 +133,7 @@ fn null_executor_id(i: usize) -> String {
 async fn embedded_control_plane(
     dir: &std::path::Path,
     null_executors: &[String],
-    history: u64,
+    history: History,
 ) -> Result<(RunningServer, String)> {
     let (user, exec) = (generate_token(), generate_token());
     let cp = server::start(ServerConfig {
@@ -182,12 +196,14 @@ async fn embedded_control_plane(
             .heartbeat(&null_executor_id(i), &report, "loadtest")
             .await?;
     }
-    if history > 0 {
+    if history.count > 0 {
         let (path, n) = (dir.join("tine.db"), null_executors.len());
         let started = std::time::Instant::now();
         tokio::task::spawn_blocking(move || write_history(&path, history, n)).await??;
         eprintln!(
-            "tine-loadtest: {history} ended sandboxes recorded in {:.1} s",
+            "tine-loadtest: {} ended sandboxes recorded (over {} days) in {:.1} s",
+            history.count,
+            history.days,
             started.elapsed().as_secs_f64()
         );
     }
@@ -207,10 +223,10 @@ async fn embedded_control_plane(
     Ok((cp, user))
 }
 
-/// Record `n` sandboxes that ended over the past week (killed, each with the default
-/// timeout's expiry), spread over `executors` null executors, in one transaction.
-fn write_history(db: &std::path::Path, n: u64, executors: usize) -> Result<()> {
-    const WEEK_MS: i64 = 7 * 86_400_000;
+/// Record the sandboxes of `history` (killed, each with the default timeout's expiry), spread
+/// over `executors` null executors, in one transaction.
+fn write_history(db: &std::path::Path, history: History, executors: usize) -> Result<()> {
+    let span_ms = i64::from(history.days) * 86_400_000;
     let now = i64::try_from(
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)?
@@ -220,14 +236,20 @@ fn write_history(db: &std::path::Path, n: u64, executors: usize) -> Result<()> {
         .with_context(|| format!("opening {} to write history", db.display()))?;
     conn.busy_timeout(Duration::from_secs(30))?;
     let tx = conn.transaction()?;
-    // Oldest first, evenly over the week; each lived a second.
+    // Oldest first, evenly over the span; each lived a second.
     tx.execute(
         "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i + 1 < ?1) \
          INSERT INTO sandboxes (id, tag, executor_id, state, created_ms, ended_ms, expires_ms) \
          SELECT 'history-' || i, ?2, 'null-' || (i % ?3), 'killed', \
                 ?4 - ?5 + i * (?5 / ?1), ?4 - ?5 + i * (?5 / ?1) + 1000, \
                 ?4 - ?5 + i * (?5 / ?1) + 300000 FROM n",
-        rusqlite::params![n as i64, LOAD_TAG, executors as i64, now, WEEK_MS],
+        rusqlite::params![
+            history.count as i64,
+            LOAD_TAG,
+            executors as i64,
+            now,
+            span_ms
+        ],
     )
     .context("writing history")?;
     tx.commit()?;
@@ -241,6 +263,7 @@ struct Mark {
     phases: PhaseMark,
     write_lock_waits: u64,
     inline_busy_fallbacks: u64,
+    forgotten: u64,
 }
 
 impl Mark {
@@ -249,6 +272,7 @@ impl Mark {
             phases: cp.ctx.metrics.spawn_phase_mark(),
             write_lock_waits: tine_control_plane::lock_wait::waits(),
             inline_busy_fallbacks: tine_control_plane::db::inline_fallbacks(),
+            forgotten: cp.ctx.metrics.sandboxes_forgotten.get(),
         }
     }
 }
@@ -262,6 +286,7 @@ fn control_plane_report(cp: &RunningServer, mark: &Mark) -> serde_json::Value {
         "spawn_phases": tine_loadtest::report::phase_json(&phases),
         "write_lock_waits": tine_control_plane::lock_wait::waits() - mark.write_lock_waits,
         "inline_busy_fallbacks": tine_control_plane::db::inline_fallbacks() - mark.inline_busy_fallbacks,
+        "forgotten": cp.ctx.metrics.sandboxes_forgotten.get() - mark.forgotten,
     })
 }
 
@@ -270,7 +295,8 @@ async fn serve_control_plane(a: &Args) -> Result<()> {
         anyhow::bail!("--serve-control-plane needs at least one --null-executor-addr");
     }
     let dir = tempfile::tempdir()?;
-    let (cp, token) = embedded_control_plane(dir.path(), &a.null_executor_addr, a.history).await?;
+    let (cp, token) =
+        embedded_control_plane(dir.path(), &a.null_executor_addr, a.history()).await?;
     split::tell_parent(
         &serde_json::json!({"addr": format!("http://{}", cp.addr), "token": token}),
     )?;
@@ -335,7 +361,7 @@ async fn load(a: Args) -> Result<()> {
         None if split => {
             let execs = null_executors(a.null_executors).await?;
             let cpus = a.cp_cpus.clone();
-            let history = a.history;
+            let history = a.history();
             let (child, serving) = tokio::task::spawn_blocking(move || {
                 ControlPlaneChild::start(&execs, cpus.as_ref(), history)
             })
@@ -350,7 +376,7 @@ async fn load(a: Args) -> Result<()> {
         None => {
             let dir = tempfile::tempdir()?;
             let execs = null_executors(a.null_executors).await?;
-            let (cp, user) = embedded_control_plane(dir.path(), &execs, a.history).await?;
+            let (cp, user) = embedded_control_plane(dir.path(), &execs, a.history()).await?;
             let addr = format!("http://{}", cp.addr);
             (
                 ControlPlane::InProcess(cp, dir),
@@ -434,7 +460,7 @@ async fn load(a: Args) -> Result<()> {
     let params = serde_json::json!({
         "addr": addr, "clients": a.clients, "connections": a.connections, "duration_s": a.duration_secs,
         "children_per_spawn": a.children_per_spawn, "execs_per_child": a.execs_per_child,
-        "rate_per_client": a.rate_per_client, "standing": a.standing, "history": a.history,
+        "rate_per_client": a.rate_per_client, "standing": a.standing, "history": a.history, "history_days": a.history_days,
         "null_executors": (!matches!(cp, ControlPlane::External)).then_some(a.null_executors),
         "control_plane": cp.placement(),
         "cp_cpus": a.cp_cpus.as_ref().map(|c| c.to_string()),
@@ -458,7 +484,18 @@ async fn load(a: Args) -> Result<()> {
             "SQLite busy: {} inline statements found a lock held and went to the pool; {} pooled statements waited for the write lock",
             r["inline_busy_fallbacks"], r["write_lock_waits"]
         );
-        for k in ["spawn_phases", "write_lock_waits", "inline_busy_fallbacks"] {
+        if r["forgotten"].as_u64().is_some_and(|n| n > 0) {
+            println!(
+                "history: {} ended sandboxes forgotten past the retention during the run",
+                r["forgotten"]
+            );
+        }
+        for k in [
+            "spawn_phases",
+            "write_lock_waits",
+            "inline_busy_fallbacks",
+            "forgotten",
+        ] {
             json[k] = r[k].clone();
         }
     }

@@ -118,13 +118,34 @@ fn read_json_line(r: &mut impl BufRead, what: &str) -> Result<Value> {
     serde_json::from_str(&line).with_context(|| format!("control-plane process: {what}: {line:?}"))
 }
 
+/// Ended sandboxes recorded in the control plane's database before the run (`--history`,
+/// `--history-days`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct History {
+    pub count: u64,
+    /// They ended evenly over this many days up to now.
+    pub days: u32,
+}
+
+impl History {
+    /// The arguments that ask a control-plane process for the same.
+    fn args(&self) -> [String; 4] {
+        [
+            "--history".into(),
+            self.count.to_string(),
+            "--history-days".into(),
+            self.days.to_string(),
+        ]
+    }
+}
+
 impl ControlPlaneChild {
     /// Start this binary as the control plane behind `null_executors`, pinned to `cpus`, with
-    /// `history` ended sandboxes recorded (see `--history`).
+    /// `history` recorded.
     pub fn start(
         null_executors: &[String],
         cpus: Option<&CpuList>,
-        history: u64,
+        history: History,
     ) -> Result<(ControlPlaneChild, Serving)> {
         let exe = std::env::current_exe().context("finding tine-loadtest's own binary")?;
         let mut cmd = Command::new(exe);
@@ -134,7 +155,7 @@ impl ControlPlaneChild {
                     .iter()
                     .flat_map(|a| ["--null-executor-addr", a.as_str()]),
             )
-            .args(["--history", &history.to_string()])
+            .args(history.args())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());

@@ -94,7 +94,18 @@ fn a_control_plane_apart_keeps_the_cpus_the_load_gave_up() {
 #[test]
 fn standing_children_and_history_are_set_up_before_the_clock() {
     for extra in [&[][..], &["--split"]] {
-        let args = [extra, &["--standing", "250", "--history", "5000"]].concat();
+        let args = [
+            extra,
+            &[
+                "--standing",
+                "250",
+                "--history",
+                "5000",
+                "--history-days",
+                "6",
+            ],
+        ]
+        .concat();
         let v = run(&args);
         check(
             &v,
@@ -106,6 +117,9 @@ fn standing_children_and_history_are_set_up_before_the_clock() {
         );
         assert_eq!(v["params"]["standing"], 250);
         assert_eq!(v["params"]["history"], 5000);
+        assert_eq!(v["params"]["history_days"], 6);
+        // All within the retention (a week): the run forgets none of them.
+        assert_eq!(v["forgotten"], 0);
     }
 }
 
@@ -126,6 +140,7 @@ fn bad_cpu_lists_and_conflicts_are_refused() {
             &["--history", "10", "--addr", "http://127.0.0.1:1"],
             "cannot be used with",
         ),
+        (&["--history-days", "0"], "not in 1..=3650"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_tine-loadtest"))
             .args(args)
