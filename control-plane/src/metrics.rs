@@ -120,65 +120,56 @@ impl Metrics {
 
     /// Where each spawn phase's histogram stands now, for [`Metrics::spawn_phases_since`].
     pub fn spawn_phase_mark(&self) -> PhaseMark {
-        use prometheus::core::Metric;
         PhaseMark(
             SpawnPhase::ALL
                 .iter()
-                .map(|&phase| {
-                    let m = self
-                        .spawn_phase_seconds
-                        .with_label_values(&[phase.name()])
-                        .metric();
-                    let h = m.get_histogram();
-                    PhaseCounts {
-                        count: h.get_sample_count(),
-                        sum_s: h.get_sample_sum(),
-                        cumulative: h
-                            .get_bucket()
-                            .iter()
-                            .map(|b| b.cumulative_count())
-                            .collect(),
-                    }
-                })
+                .map(|&phase| self.phase_counts(phase).0)
                 .collect(),
         )
+    }
+
+    /// One phase's histogram as it stands: its counts, and each bucket's upper bound.
+    fn phase_counts(&self, phase: SpawnPhase) -> (PhaseCounts, Vec<f64>) {
+        use prometheus::core::Metric;
+        let m = self
+            .spawn_phase_seconds
+            .with_label_values(&[phase.name()])
+            .metric();
+        let h = m.get_histogram();
+        let buckets = h.get_bucket();
+        let counts = PhaseCounts {
+            count: h.get_sample_count(),
+            sum_s: h.get_sample_sum(),
+            cumulative: buckets.iter().map(|b| b.cumulative_count()).collect(),
+        };
+        (counts, buckets.iter().map(|b| b.upper_bound()).collect())
     }
 
     /// [`Metrics::spawn_phases`] counting only the spawns observed after `mark` was taken
     /// (e.g. a load's own, not the set-up's before it).
     pub fn spawn_phases_since(&self, mark: &PhaseMark) -> Vec<PhaseSummary> {
-        use prometheus::core::Metric;
         SpawnPhase::ALL
             .iter()
             .enumerate()
             .map(|(i, &phase)| {
-                let m = self
-                    .spawn_phase_seconds
-                    .with_label_values(&[phase.name()])
-                    .metric();
-                let h = m.get_histogram();
-                let before = mark.0.get(i);
-                let count = h.get_sample_count() - before.map_or(0, |b| b.count);
-                let sum_s = h.get_sample_sum() - before.map_or(0.0, |b| b.sum_s);
+                let (now, bounds) = self.phase_counts(phase);
+                let c = now.since(mark.0.get(i));
                 // None without samples, or past the last bucket.
                 let bound = |q: f64| {
-                    let want = (q * count as f64).ceil().max(1.0) as u64;
-                    h.get_bucket()
+                    let want = (q * c.count as f64).ceil().max(1.0) as u64;
+                    bounds
                         .iter()
-                        .enumerate()
-                        .find(|(j, b)| {
-                            let earlier = before.and_then(|b| b.cumulative.get(*j)).copied();
-                            count > 0 && b.cumulative_count() - earlier.unwrap_or(0) >= want
-                        })
-                        .map(|(_, b)| b.upper_bound())
+                        .zip(&c.cumulative)
+                        .find(|&(_, &n)| c.count > 0 && n >= want)
+                        .map(|(&b, _)| b)
                 };
                 PhaseSummary {
                     phase,
-                    count,
-                    mean_s: if count == 0 {
+                    count: c.count,
+                    mean_s: if c.count == 0 {
                         0.0
                     } else {
-                        sum_s / count as f64
+                        c.sum_s / c.count as f64
                     },
                     p50_s: bound(0.5),
                     p90_s: bound(0.9),
@@ -230,6 +221,23 @@ struct PhaseCounts {
     sum_s: f64,
     /// Each bucket's cumulative count, in the histogram's bucket order.
     cumulative: Vec<u64>,
+}
+
+impl PhaseCounts {
+    /// What was counted after `before` (a mark's; none: everything).
+    fn since(self, before: Option<&PhaseCounts>) -> PhaseCounts {
+        let Some(b) = before else { return self };
+        PhaseCounts {
+            count: self.count - b.count,
+            sum_s: self.sum_s - b.sum_s,
+            cumulative: self
+                .cumulative
+                .iter()
+                .enumerate()
+                .map(|(j, &n)| n - b.cumulative.get(j).copied().unwrap_or(0))
+                .collect(),
+        }
+    }
 }
 
 /// One spawn phase's distribution (seconds), from its histogram.
