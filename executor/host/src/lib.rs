@@ -24,9 +24,11 @@ pub mod pool_size;
 pub mod process;
 pub mod ready;
 pub mod records;
+pub mod stack;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod worker;
+pub mod worker_log;
 
 pub use cgroup::{CgroupMode, CgroupName, ChildLimits, Usage};
 pub use config::{HostConfig, Limits, Owner, Readiness};

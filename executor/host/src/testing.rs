@@ -48,25 +48,40 @@ pub fn kvm_available() -> bool {
 /// (`hlt; jmp hlt`, no interrupts armed): restored children run and stay idle. The guest has
 /// no agent, so spawn it with `Readiness::Running`.
 pub fn write_idle_guest_snapshot(dir: &Path, mem_mib: u64) -> anyhow::Result<()> {
-    idle_guest(dir, mem_mib, false)
+    idle_guest(dir, mem_mib, |_| Ok(()))
 }
 
 /// [`write_idle_guest_snapshot`] with a network interface (a virtio-net device the guest never
 /// drives): its children get a network namespace and their VMMs attach to its tap.
 pub fn write_idle_guest_snapshot_with_network(dir: &Path, mem_mib: u64) -> anyhow::Result<()> {
-    idle_guest(dir, mem_mib, true)
+    idle_guest(dir, mem_mib, |vm| {
+        vm.add_net(crate::network::GUEST_MAC, None)?;
+        Ok(())
+    })
 }
 
-fn idle_guest(dir: &Path, mem_mib: u64, network: bool) -> anyhow::Result<()> {
+/// [`write_idle_guest_snapshot`] with a vsock device the guest never drives, as an agent's
+/// guest has: its children's VMMs run the vsock thread and listener. The parent's socket is
+/// made beside `dir`.
+pub fn write_idle_guest_snapshot_with_vsock(dir: &Path, mem_mib: u64) -> anyhow::Result<()> {
+    idle_guest(dir, mem_mib, |vm| {
+        vm.add_vsock(3, &dir.with_extension("vsock"))?;
+        Ok(())
+    })
+}
+
+fn idle_guest(
+    dir: &Path,
+    mem_mib: u64,
+    devices: impl FnOnce(&mut Vm) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     // mov dx, 0x3f8; mov al, '1'; out dx, al; hlt; jmp -3 (back to hlt)
     let code = [0x66, 0xba, 0xf8, 0x03, 0xb0, b'1', 0xee, 0xf4, 0xeb, 0xfd];
     let ram = GuestRam::new_memfd(mem_mib)?;
     ram.memory().write_slice(&code, GuestAddress(CODE))?;
     let out = Capture::default();
     let mut vm = Vm::create(1, ram, Box::new(out.clone()))?;
-    if network {
-        vm.add_net(crate::network::GUEST_MAC, None)?;
-    }
+    devices(&mut vm)?;
     run_and_snapshot(vm, out, dir, "the idle guest", |c| c.contains('1'))
 }
 

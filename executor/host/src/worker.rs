@@ -774,6 +774,31 @@ fn one_malloc_arena() {
 /// Body of `<worker_exe> __vmm-worker`: wait for a job on stdin (EOF: the daemon went away, exit
 /// quietly), restore, signal, run.
 pub fn worker_main() -> anyhow::Result<i32> {
+    match run_job()? {
+        Outcome::Exit(code) => Ok(code),
+        Outcome::Running { vm, stack } => {
+            // The job's frames are gone; the thread waits just below this one from now on.
+            release_deep_stack(stack);
+            Ok(vm.wait_exit()?.exit_code())
+        }
+    }
+}
+
+/// How [`run_job`] ended.
+enum Outcome {
+    /// Nothing runs (the daemon went away before a job; a probe): the worker's exit code.
+    Exit(i32),
+    /// The VM runs and the control thread serves it: the main thread waits for its end.
+    Running {
+        vm: &'static tine_vmm::vm::RunningVm,
+        stack: std::io::Result<crate::stack::StackMapping>,
+    },
+}
+
+/// The job, up to the VM running. Never inlined into [`worker_main`]: its frame (17 KiB, every
+/// page touched on entry) is then below the one the main thread waits in, and given back.
+#[inline(never)]
+fn run_job() -> anyhow::Result<Outcome> {
     // Its main thread's CPU and page faults per step, from its start (the exec, dynamic
     // loading, Rust's start-up and the command line: "main") to the guest running; pre-start
     // is "main" and "ahead", the rest is per child. Written to vmm.log before the report.
@@ -786,14 +811,19 @@ pub fn worker_main() -> anyhow::Result<i32> {
     // Likewise what confinement needs of no job: core dumps off, the bounding set, its own
     // mount namespace, the seccomp filters.
     let mut ahead = crate::confine::Ahead::prepare();
+    // Where the main thread's stack lies, read now: a read late would leave its buffer's
+    // pages in the heap after the restore's.
+    let stack = crate::stack::StackMapping::of_this_thread();
     cpu.mark("ahead");
     say(IDLE)?;
     // Orders until the job: the host may first have it prime itself for a snapshot.
     let mut primed: Option<std::result::Result<PrimedWorker, String>> = None;
+    let stdin = std_fd(0);
+    let mut orders = std::io::BufReader::with_capacity(ORDER_BUFFER, &*stdin);
     let job = loop {
         let mut line = String::new();
-        if std::io::stdin().lock().read_line(&mut line)? == 0 {
-            return Ok(0);
+        if orders.read_line(&mut line)? == 0 {
+            return Ok(Outcome::Exit(0));
         }
         let order: Order = serde_json::from_str(&line).context(
             "bad order from the executor (a worker binary from another build than the executor's?)",
@@ -810,6 +840,8 @@ pub fn worker_main() -> anyhow::Result<i32> {
             Order::Run(job) => break job,
         }
     };
+    // Nothing more comes on stdin: its buffer goes back to the heap for what follows.
+    drop(orders);
     // From here on our stderr is the child's vmm.log.
     let log = std::fs::File::create(job.dir.join("vmm.log"))?;
     use std::os::fd::AsRawFd;
@@ -917,7 +949,7 @@ pub fn worker_main() -> anyhow::Result<i32> {
     let console = || open_console(Some(&dir.join("console.log")));
     cpu.mark("view");
     let vm = match &job.vm {
-        JobVm::Probe { .. } => return probe(&job, t0, ahead),
+        JobVm::Probe { .. } => return probe(&job, t0, ahead).map(Outcome::Exit),
         JobVm::Restore { snapshot, memory } => {
             let snapshot = crate::confine::view::translate(snapshot)?;
             let opts = RestoreOptions {
@@ -999,8 +1031,15 @@ pub fn worker_main() -> anyhow::Result<i32> {
     // Shared with the control thread for the rest of this process's life.
     let running: &'static tine_vmm::vm::RunningVm = Box::leak(Box::new(running));
     tine_vmm::thread_builder("control").spawn(move || crate::control::serve(control, running))?;
-    let exit = running.wait_exit()?;
-    Ok(exit.exit_code())
+    Ok(Outcome::Running { vm: running, stack })
+}
+
+/// The main thread waits from here on near the top of its stack: the pages the restore took
+/// below it go back to the host (see [`crate::stack`]). A failure costs only those pages.
+fn release_deep_stack(stack: std::io::Result<crate::stack::StackMapping>) {
+    if let Err(e) = stack.and_then(|m| m.release_below_caller()) {
+        eprintln!("tine-vmm: the restore's stack pages are kept: {e}");
+    }
 }
 
 /// `what`'s marks as two vmm.log lines, CPU ms and page faults per step; none without steps
@@ -1018,9 +1057,20 @@ fn mark_lines(what: &str, m: &tine_vmm::marks::Marks) -> String {
 
 /// Say `b` to the host on the report socket.
 fn say(b: u8) -> std::io::Result<()> {
-    let mut out = std::io::stdout().lock();
-    out.write_all(&[b])?;
-    out.flush()
+    (&*std_fd(1)).write_all(&[b])
+}
+
+/// The job's line is read through a buffer this size (a longer line takes more reads).
+const ORDER_BUFFER: usize = 1024;
+
+/// Standard descriptor `fd` as a file that never closes it, read and written without std's
+/// stdin and stdout: their buffers (8 KiB and 1 KiB) are made on first use and kept for the
+/// life of the process, in every child's VMM.
+fn std_fd(fd: std::os::fd::RawFd) -> std::mem::ManuallyDrop<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: 0 and 1 are the worker's pipe and report socket, open for its whole life (report
+    // closes 1 last); ManuallyDrop never closes them.
+    std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) })
 }
 
 /// A restore made ahead for the snapshot of [`PrimeJob`] `job`.
@@ -1179,11 +1229,7 @@ fn probe(job: &WorkerJob, t0: Instant, ahead: crate::confine::Ahead) -> anyhow::
 
 /// Tell the host the guest runs, then close stdout so its end sees EOF if it reads again.
 fn report(done: Restored) {
-    {
-        let mut out = std::io::stdout().lock();
-        let _ = out.write_all(&done.encode());
-        let _ = out.flush();
-    }
+    let _ = (&*std_fd(1)).write_all(&done.encode());
     // SAFETY: closing our own stdout descriptor; nothing writes to it afterwards.
     unsafe { libc::close(1) };
 }

@@ -146,6 +146,20 @@ impl VcpuControl {
     /// Called by a vCPU thread at the top of its loop: returns what to do now, parking while
     /// paused.
     fn checkpoint(&self, index: usize, fd: &VcpuFd, msrs: &[u32]) -> Want {
+        // Read under the lock and released before parking, which takes it again.
+        let want = self.state.lock().unwrap().want;
+        match want {
+            Want::Pause { .. } => self.park(index, fd, msrs),
+            want => want,
+        }
+    }
+
+    /// [`Self::checkpoint`] while paused. Out of line: the state it saves (an XSAVE area and
+    /// more, several KiB) would otherwise sit in the vCPU loop's frame, and a frame's pages
+    /// are all touched on entry (stack probes), so every vCPU thread would hold them for good.
+    #[cold]
+    #[inline(never)]
+    fn park(&self, index: usize, fd: &VcpuFd, msrs: &[u32]) -> Want {
         let mut s = self.state.lock().unwrap();
         loop {
             match s.want {
@@ -187,7 +201,10 @@ impl VcpuRunner {
         result
     }
 
-    /// Registers at a guest crash: the first thing anyone debugging it asks for.
+    /// Registers at a guest crash: the first thing anyone debugging it asks for. Out of line,
+    /// as [`VcpuControl::park`] is.
+    #[cold]
+    #[inline(never)]
     fn log_crash_state(&self) {
         let regs = self.fd.get_regs();
         let sregs = self.fd.get_sregs();

@@ -19,8 +19,14 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    // Warnings go to stderr, which is the child's vmm.log once a job is read (as with `tine`).
-    stderr_log::init();
+    // Warnings go to stderr, which is the child's vmm.log once a job is read. With `RUST_LOG`
+    // set, through tracing-subscriber as `tine`'s do; otherwise through a logger that holds
+    // nothing, since every child's VMM pays for its logger's memory (worker_log).
+    if std::env::var_os("RUST_LOG").is_some() {
+        stderr_log::init();
+    } else if let Err(e) = tine_host::worker_log::init() {
+        eprintln!("tine-vmm-worker: no log: {e}");
+    }
     match tine_host::worker_main() {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
