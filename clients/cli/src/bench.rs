@@ -832,6 +832,11 @@ struct Written {
     children: usize,
     guest_pages: BTreeMap<String, u64>,
     vmm_kib: BTreeMap<String, u64>,
+    /// What the kernel holds for the children, from their cgroups (bytes, summed over
+    /// `cgroup_children`), and all their cgroups were charged (`memory.current`).
+    kernel_bytes: BTreeMap<String, u64>,
+    charged_bytes: u64,
+    cgroup_children: usize,
     /// Children whose guest could not say (no python3 in the image, say), with why.
     unattributed: Vec<String>,
 }
@@ -848,6 +853,18 @@ fn attribute_written(host: &tine_host::Host, sample: &[&SpawnOutcome]) -> Writte
             }
         };
         let vmm = crate::bench_pages::vmm_private_kib(pid).unwrap_or_default();
+        if let Some((kernel, charged)) = host
+            .cgroup_dir(&r.id)
+            .and_then(|d| tine_host::cgroup::kernel_memory(&d))
+        {
+            w.cgroup_children += 1;
+            w.charged_bytes += charged;
+            for (k, bytes) in kernel {
+                *w.kernel_bytes
+                    .entry(format!("host kernel: {k}"))
+                    .or_default() += bytes;
+            }
+        }
         let causes = host
             .vm_dir(&r.id)
             .map_err(anyhow::Error::from)
@@ -1010,6 +1027,33 @@ fn print_written_table(rows: &[(usize, Written)], idle_secs: f64) -> String {
     line("VMM: total", &|w| {
         mib(w.vmm_kib.values().sum(), w.children, 1)
     });
+    // The kernel's share, where children have cgroups: the same children, read after them.
+    let mut kernel: Vec<String> = Vec::new();
+    for (_, w) in rows {
+        for k in w.kernel_bytes.keys() {
+            if !kernel.contains(k) {
+                kernel.push(k.clone());
+            }
+        }
+    }
+    if rows.iter().any(|(_, w)| w.cgroup_children > 0) {
+        let per =
+            |v: u64, w: &Written| v as f64 / (1u64 << 20) as f64 / w.cgroup_children.max(1) as f64;
+        for k in &kernel {
+            line(k, &|w| per(w.kernel_bytes.get(k).copied().unwrap_or(0), w));
+        }
+        line("host kernel: total", &|w| {
+            per(w.kernel_bytes.values().sum(), w)
+        });
+        line("cgroup: memory.current (all it is charged)", &|w| {
+            per(w.charged_bytes, w)
+        });
+        println!("  host kernel = the child's cgroup's memory.stat: kernel stacks of its threads, page tables, KVM's page tables");
+        println!("  for the guest (sec_pagetables), slab, per-CPU, vmalloc; memory.current also holds the pages above (the snapshot's");
+        println!("  shared pages are charged to the executor)");
+    } else {
+        println!("  (no host kernel figures: the children run without cgroups of their own)");
+    }
     for (_, w) in rows {
         for u in &w.unattributed {
             println!("  not attributed: {u}");
@@ -1028,8 +1072,17 @@ fn print_written_table(rows: &[(usize, Written)], idle_secs: f64) -> String {
                 .iter()
                 .map(|(k, v)| (k.clone(), serde_json::json!(mib(*v, w.children, 1))))
                 .collect();
+            let per = |v: u64| v as f64 / (1u64 << 20) as f64 / w.cgroup_children.max(1) as f64;
+            let kernel: serde_json::Map<String, serde_json::Value> = w
+                .kernel_bytes
+                .iter()
+                .map(|(k, v)| (k.clone(), serde_json::json!(per(*v))))
+                .collect();
+            let charged = (w.cgroup_children > 0).then(|| per(w.charged_bytes));
             serde_json::json!({"n": n, "children": w.children, "guest_mib_per_child": guest,
-                               "vmm_mib_per_child": vmm})
+                               "vmm_mib_per_child": vmm, "kernel_mib_per_child": kernel,
+                               "cgroup_children": w.cgroup_children,
+                               "cgroup_mib_per_child": charged})
         })
         .collect();
     serde_json::Value::Array(json).to_string()

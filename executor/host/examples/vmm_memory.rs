@@ -6,6 +6,9 @@
 //! after they idle, each VMM's /proc/PID/smaps is read (Private_Clean + Private_Dirty: pages
 //! no other process maps) and summed by part. Guest RAM is left out: this guest writes none.
 //! At least two children: with one, the binary's clean pages are its alone and would count.
+//! Where the host gives children cgroups (cgroup v2 with the memory controller), a second
+//! table shows what the kernel holds for each child besides those pages (its cgroup's
+//! memory.stat: kernel stacks, page tables, KVM's page tables, slab, per-CPU, vmalloc).
 //!
 //! cargo build --release -p tine-cli --bin tine-vmm-worker
 //! cargo run --release -p tine-host --features testing --example vmm_memory -- \
@@ -126,6 +129,7 @@ fn main() -> anyhow::Result<()> {
     write_idle_guest_snapshot_with_vsock(&dir, 32)?;
     let mut cfg = test_host_config(tmp.path(), a.children as u32 + 1, a.children);
     cfg.worker_exe = worker.clone();
+    cfg.cgroups = tine_host::CgroupMode::Auto;
     let host = Host::open_exclusive(cfg)?;
     host.fill_pool();
     let ids: Vec<SandboxId> = (0..a.children).map(|_| SandboxId::random("m")).collect();
@@ -141,11 +145,21 @@ fn main() -> anyhow::Result<()> {
     }
     std::thread::sleep(a.idle);
     let mut per_child = Vec::new();
+    let mut kernel: Vec<BTreeMap<&'static str, u64>> = Vec::new();
     for v in host.list() {
         let pid = v.record.process.pid;
         let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))
             .with_context(|| format!("reading the smaps of VMM {pid}"))?;
         per_child.push(parts_of(&smaps, &worker));
+        let read = host
+            .cgroup_dir(&v.record.id)
+            .and_then(|d| tine_host::cgroup::kernel_memory(&d));
+        if let Some((counters, charged)) = read {
+            let mut k: BTreeMap<&'static str, u64> = counters.into_iter().collect();
+            k.insert("kernel total", k.values().sum());
+            k.insert("memory.current", charged);
+            kernel.push(k.into_iter().map(|(n, b)| (n, b / 1024)).collect());
+        }
     }
     host.kill_all();
 
@@ -165,13 +179,35 @@ fn main() -> anyhow::Result<()> {
             .iter()
             .map(|c| c.get(part).copied().unwrap_or(0))
             .collect();
-        let mean = v.iter().sum::<u64>() as f64 / v.len() as f64;
-        let (min, max) = (v.iter().min().unwrap(), v.iter().max().unwrap());
-        println!("| {part} | {mean:.1} | {min} | {max} |");
-        json.insert(
-            part.to_string(),
-            serde_json::json!({"mean_kib": mean, "min_kib": min, "max_kib": max}),
+        let (line, figures) = row(part, &v);
+        println!("{line}");
+        json.insert(part.to_string(), figures);
+    }
+    let mut kernel_json = serde_json::Map::new();
+    if kernel.is_empty() {
+        println!(
+            "\nno kernel figures: the children ran without cgroups ({})",
+            host.cgroups_refused()
         );
+    } else {
+        println!(
+            "\nWhat the kernel holds for each child, from its cgroup's memory.stat ({} children; \
+             memory.current is all the cgroup is charged, the pages above included):\n",
+            kernel.len()
+        );
+        println!("| kernel | mean KiB | min KiB | max KiB |");
+        println!("|-|--:|--:|--:|");
+        let mut keys: Vec<&'static str> = tine_host::cgroup::KERNEL_MEMORY.to_vec();
+        keys.extend(["kernel total", "memory.current"]);
+        for key in keys {
+            let v: Vec<u64> = kernel.iter().filter_map(|k| k.get(key).copied()).collect();
+            if v.is_empty() {
+                continue;
+            }
+            let (row, mean) = row(key, &v);
+            println!("{row}");
+            kernel_json.insert(key.to_string(), mean);
+        }
     }
     if let Some(path) = a.json {
         let doc = serde_json::json!({
@@ -179,11 +215,22 @@ fn main() -> anyhow::Result<()> {
             "worker": worker,
             "idle_secs": a.idle.as_secs_f64(),
             "parts": json,
+            "kernel": kernel_json,
         });
         std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// A table row of `v` (KiB, one per child) and the same as JSON.
+fn row(name: &str, v: &[u64]) -> (String, serde_json::Value) {
+    let mean = v.iter().sum::<u64>() as f64 / v.len() as f64;
+    let (min, max) = (v.iter().min().unwrap(), v.iter().max().unwrap());
+    (
+        format!("| {name} | {mean:.1} | {min} | {max} |"),
+        serde_json::json!({"mean_kib": mean, "min_kib": min, "max_kib": max}),
+    )
 }
 
 #[cfg(test)]

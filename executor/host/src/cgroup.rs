@@ -587,6 +587,35 @@ fn read_usage(dir: &Path) -> Option<Usage> {
     })
 }
 
+/// What the kernel holds for a cgroup besides the pages its processes map, in bytes, from
+/// its `memory.stat`: kernel stacks of its threads, its processes' page tables, KVM's page
+/// tables for its guests (`sec_pagetables`, Linux 6.1+), slab, per-CPU data and vmalloc. The
+/// keys a kernel does not count are left out.
+pub const KERNEL_MEMORY: [&str; 6] = [
+    "kernel_stack",
+    "pagetables",
+    "sec_pagetables",
+    "slab",
+    "percpu",
+    "vmalloc",
+];
+
+/// The [`KERNEL_MEMORY`] counters of the cgroup at `dir`, and its `memory.current` (None:
+/// unreadable, e.g. no such cgroup).
+pub fn kernel_memory(dir: &Path) -> Option<(Vec<(&'static str, u64)>, u64)> {
+    let stat = std::fs::read_to_string(dir.join("memory.stat")).ok()?;
+    let current = std::fs::read_to_string(dir.join("memory.current"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let kernel = KERNEL_MEMORY
+        .iter()
+        .filter_map(|k| Some((*k, keyed(&stat, k)?)))
+        .collect();
+    Some((kernel, current))
+}
+
 /// rmdir, retried while the last process is still exiting (up to a second).
 fn remove_when_empty(dir: &Path) {
     for _ in 0..100 {
@@ -885,6 +914,33 @@ mod tests {
         )
         .unwrap();
         assert!(charge_program(tmp.path()).is_err());
+    }
+
+    #[test]
+    fn kernel_memory_is_read_from_memory_stat() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        assert_eq!(kernel_memory(d), None);
+        std::fs::write(d.join("memory.current"), "3145728\n").unwrap();
+        // A kernel before 6.1: no sec_pagetables. "slab_reclaimable" must not pass for "slab".
+        std::fs::write(
+            d.join("memory.stat"),
+            "anon 1048576\nfile 0\nkernel 262144\nkernel_stack 65536\npagetables 40960\n\
+             percpu 1120\nsock 0\nvmalloc 8192\nslab_reclaimable 4096\nslab 20480\n",
+        )
+        .unwrap();
+        let (kernel, current) = kernel_memory(d).unwrap();
+        assert_eq!(current, 3 << 20);
+        assert_eq!(
+            kernel,
+            vec![
+                ("kernel_stack", 65536),
+                ("pagetables", 40960),
+                ("slab", 20480),
+                ("percpu", 1120),
+                ("vmalloc", 8192)
+            ]
+        );
     }
 
     #[test]
