@@ -853,10 +853,11 @@ fn attribute_written(host: &tine_host::Host, sample: &[&SpawnOutcome]) -> Writte
             }
         };
         let vmm = crate::bench_pages::vmm_private_kib(pid).unwrap_or_default();
-        if let Some((kernel, charged)) = host
+        let kernel = host
             .cgroup_dir(&r.id)
-            .and_then(|d| tine_host::cgroup::kernel_memory(&d))
-        {
+            .and_then(|d| tine_host::cgroup::kernel_memory(&d));
+        let charged = host.usage(&r.id).ok().flatten().map(|u| u.memory_current);
+        if let Some((kernel, charged)) = kernel.zip(charged) {
             w.cgroup_children += 1;
             w.charged_bytes += charged;
             for (k, bytes) in kernel {
@@ -984,15 +985,17 @@ fn print_written_table(rows: &[(usize, Written)], idle_secs: f64) -> String {
         |v: u64, per: usize, unit_kib: u64| v as f64 * unit_kib as f64 / 1024.0 / per.max(1) as f64;
     let mut causes: Vec<String> = Vec::new();
     let mut vmm: Vec<String> = Vec::new();
+    let mut kernel: Vec<String> = Vec::new();
     for (_, w) in rows {
-        for k in w.guest_pages.keys() {
-            if !causes.contains(k) {
-                causes.push(k.clone());
-            }
-        }
-        for k in w.vmm_kib.keys() {
-            if !vmm.contains(k) {
-                vmm.push(k.clone());
+        for (names, seen) in [
+            (&mut causes, w.guest_pages.keys()),
+            (&mut vmm, w.vmm_kib.keys()),
+            (&mut kernel, w.kernel_bytes.keys()),
+        ] {
+            for k in seen {
+                if !names.contains(k) {
+                    names.push(k.clone());
+                }
             }
         }
     }
@@ -1028,14 +1031,6 @@ fn print_written_table(rows: &[(usize, Written)], idle_secs: f64) -> String {
         mib(w.vmm_kib.values().sum(), w.children, 1)
     });
     // The kernel's share, where children have cgroups: the same children, read after them.
-    let mut kernel: Vec<String> = Vec::new();
-    for (_, w) in rows {
-        for k in w.kernel_bytes.keys() {
-            if !kernel.contains(k) {
-                kernel.push(k.clone());
-            }
-        }
-    }
     if rows.iter().any(|(_, w)| w.cgroup_children > 0) {
         let per =
             |v: u64, w: &Written| v as f64 / (1u64 << 20) as f64 / w.cgroup_children.max(1) as f64;

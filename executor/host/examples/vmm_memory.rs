@@ -151,10 +151,11 @@ fn main() -> anyhow::Result<()> {
         let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))
             .with_context(|| format!("reading the smaps of VMM {pid}"))?;
         per_child.push(parts_of(&smaps, &worker));
-        let read = host
+        let counters = host
             .cgroup_dir(&v.record.id)
             .and_then(|d| tine_host::cgroup::kernel_memory(&d));
-        if let Some((counters, charged)) = read {
+        let charged = host.usage(&v.record.id)?.map(|u| u.memory_current);
+        if let Some((counters, charged)) = counters.zip(charged) {
             let mut k: BTreeMap<&'static str, u64> = counters.into_iter().collect();
             k.insert("kernel total", k.values().sum());
             k.insert("memory.current", charged);

@@ -600,20 +600,16 @@ pub const KERNEL_MEMORY: [&str; 6] = [
     "vmalloc",
 ];
 
-/// The [`KERNEL_MEMORY`] counters of the cgroup at `dir`, and its `memory.current` (None:
-/// unreadable, e.g. no such cgroup).
-pub fn kernel_memory(dir: &Path) -> Option<(Vec<(&'static str, u64)>, u64)> {
+/// The [`KERNEL_MEMORY`] counters of the cgroup at `dir` (None: unreadable, e.g. no such
+/// cgroup). Its `memory.current` is in its [`Usage`].
+pub fn kernel_memory(dir: &Path) -> Option<Vec<(&'static str, u64)>> {
     let stat = std::fs::read_to_string(dir.join("memory.stat")).ok()?;
-    let current = std::fs::read_to_string(dir.join("memory.current"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    let kernel = KERNEL_MEMORY
-        .iter()
-        .filter_map(|k| Some((*k, keyed(&stat, k)?)))
-        .collect();
-    Some((kernel, current))
+    Some(
+        KERNEL_MEMORY
+            .iter()
+            .filter_map(|k| Some((*k, keyed(&stat, k)?)))
+            .collect(),
+    )
 }
 
 /// rmdir, retried while the last process is still exiting (up to a second).
@@ -921,7 +917,6 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let d = tmp.path();
         assert_eq!(kernel_memory(d), None);
-        std::fs::write(d.join("memory.current"), "3145728\n").unwrap();
         // A kernel before 6.1: no sec_pagetables. "slab_reclaimable" must not pass for "slab".
         std::fs::write(
             d.join("memory.stat"),
@@ -929,10 +924,8 @@ mod tests {
              percpu 1120\nsock 0\nvmalloc 8192\nslab_reclaimable 4096\nslab 20480\n",
         )
         .unwrap();
-        let (kernel, current) = kernel_memory(d).unwrap();
-        assert_eq!(current, 3 << 20);
         assert_eq!(
-            kernel,
+            kernel_memory(d).unwrap(),
             vec![
                 ("kernel_stack", 65536),
                 ("pagetables", 40960),
