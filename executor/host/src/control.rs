@@ -104,21 +104,73 @@ pub enum Reply {
     },
 }
 
-/// Bind the control socket in `vm_dir` (before the host learns the VM runs).
+/// Bind the control socket in `vm_dir` (before the host learns the VM runs). Non-blocking:
+/// [`serve_until_stopped`] accepts only when `poll` says a connection waits, and a connection
+/// that went away meanwhile must not leave it blocked.
 pub fn bind(vm_dir: &Path) -> std::io::Result<UnixListener> {
     let path = vm_dir.join(CONTROL_SOCKET);
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path)?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    listener.set_nonblocking(true)?;
     Ok(listener)
 }
 
-/// Serve requests for `vm`, one connection at a time, until the process ends.
-pub fn serve(listener: UnixListener, vm: &RunningVm) {
-    for conn in listener.incoming() {
-        let Ok(conn) = conn else { continue };
-        if let Err(e) = answer(conn, vm) {
-            tracing::warn!("control connection: {e}");
+/// Serve requests for `vm`, one connection at a time, until one of its vCPUs stops; then
+/// [`RunningVm::wait_exit`] has the guest's end. The thread that waits for the VM serves it:
+/// a thread of its own would cost each child a kernel stack, a task and stack pages for a
+/// socket that is rarely called. `after_each` runs after each connection (the worker gives
+/// back the stack pages a branch took). A connection being answered delays noticing a
+/// stopped guest until its reply is sent (a branch completes first).
+pub fn serve_until_stopped(listener: &UnixListener, vm: &RunningVm, mut after_each: impl FnMut()) {
+    use std::os::fd::AsRawFd;
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: vm.stopped_fd().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfds, for descriptors that outlive the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            // Cannot happen with valid descriptors; the VM's end must still be waited for.
+            tracing::warn!("control socket: poll failed ({e}); no more requests served");
+            return;
+        }
+        if fds[0].revents != 0 {
+            return;
+        }
+        if fds[1].revents == 0 {
+            continue;
+        }
+        match listener.accept() {
+            Ok((conn, _)) => {
+                if let Err(e) = answer(conn, vm) {
+                    tracing::warn!("control connection: {e}");
+                }
+                after_each();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
+                ) => {}
+            Err(e) => {
+                tracing::warn!("control socket: accept failed ({e}); no more requests served");
+                return;
+            }
         }
     }
 }

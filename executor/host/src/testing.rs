@@ -192,7 +192,32 @@ pub const COUNTER: u64 = 0x20_0000;
 /// shows where its memory came from: a branch's children carry on from the branch's count.
 /// No agent: spawn with `Readiness::Running`.
 pub fn write_counter_guest_snapshot(dir: &Path, mem_mib: u64) -> anyhow::Result<()> {
+    counter_guest(dir, mem_mib, None)
+}
+
+/// [`write_counter_guest_snapshot`]'s guest, except that it asks for a reset (the i8042's)
+/// once its time stamp counter has run `cycles` past its start: the parent is snapshotted
+/// after its third line, and a child, whose counter carries on from the snapshot's, stops on
+/// its own in what remains of `cycles` (about as long whatever the host's speed), and its VMM
+/// ends with the guest.
+pub fn write_stopping_counter_guest_snapshot(
+    dir: &Path,
+    mem_mib: u64,
+    cycles: u64,
+) -> anyhow::Result<()> {
+    counter_guest(dir, mem_mib, Some(cycles))
+}
+
+fn counter_guest(dir: &Path, mem_mib: u64, stop_after: Option<u64>) -> anyhow::Result<()> {
     let mut code: Vec<u8> = Vec::new();
+    if let Some(cycles) = stop_after {
+        // rdtsc; shl rdx, 32; or rax, rdx; mov r8, cycles; add r8, rax (r8: the deadline)
+        code.extend_from_slice(&[0x0f, 0x31, 0x48, 0xc1, 0xe2, 0x20, 0x48, 0x09, 0xd0]);
+        code.extend_from_slice(&[0x49, 0xb8]);
+        code.extend_from_slice(&cycles.to_le_bytes());
+        code.extend_from_slice(&[0x49, 0x01, 0xc0]);
+    }
+    let top = code.len();
     // top: mov rbx, [COUNTER]; inc rbx; mov [COUNTER], rbx
     code.extend_from_slice(&[0x48, 0x8b, 0x1c, 0x25]);
     code.extend_from_slice(&(COUNTER as u32).to_le_bytes());
@@ -205,12 +230,24 @@ pub fn write_counter_guest_snapshot(dir: &Path, mem_mib: u64) -> anyhow::Result<
         0x48, 0xc1, 0xc3, 0x04, 0x88, 0xd8, 0x24, 0x0f, 0x04, 0x30, 0x3c, 0x39, 0x76, 0x02, 0x04,
         0x07, 0xee, 0xff, 0xc9, 0x75, 0xeb,
     ]);
-    // mov al, '\n'; out dx, al; mov ecx, 1 << 16; spin: dec ecx; jnz spin; jmp top
+    // mov al, '\n'; out dx, al; mov ecx, 1 << 16; spin: dec ecx; jnz spin
     code.extend_from_slice(&[0xb0, 0x0a, 0xee, 0xb9]);
     code.extend_from_slice(&(1u32 << 16).to_le_bytes());
-    code.extend_from_slice(&[0xff, 0xc9, 0x75, 0xfc, 0xe9]);
-    let back = -((code.len() + 4) as i32);
-    code.extend_from_slice(&back.to_le_bytes());
+    code.extend_from_slice(&[0xff, 0xc9, 0x75, 0xfc]);
+    if stop_after.is_some() {
+        // rdtsc; shl rdx, 32; or rax, rdx; cmp rax, r8; jb top
+        code.extend_from_slice(&[0x0f, 0x31, 0x48, 0xc1, 0xe2, 0x20, 0x48, 0x09, 0xd0]);
+        code.extend_from_slice(&[0x4c, 0x39, 0xc0, 0x0f, 0x82]);
+        let back = top as i32 - (code.len() + 4) as i32;
+        code.extend_from_slice(&back.to_le_bytes());
+        // mov al, 0xfe; out 0x64, al (the i8042's reset); hlt; jmp back to hlt
+        code.extend_from_slice(&[0xb0, 0xfe, 0xe6, 0x64, 0xf4, 0xeb, 0xfd]);
+    } else {
+        // jmp top
+        code.push(0xe9);
+        let back = top as i32 - (code.len() + 4) as i32;
+        code.extend_from_slice(&back.to_le_bytes());
+    }
 
     let ram = GuestRam::new_memfd(mem_mib)?;
     ram.memory().write_slice(&code, GuestAddress(CODE))?;

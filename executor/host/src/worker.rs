@@ -776,9 +776,15 @@ fn one_malloc_arena() {
 pub fn worker_main() -> anyhow::Result<i32> {
     match run_job()? {
         Outcome::Exit(code) => Ok(code),
-        Outcome::Running { vm, stack } => {
+        Outcome::Running { vm, control, stack } => {
             // The job's frames are gone; the thread waits just below this one from now on.
-            release_deep_stack(stack);
+            let stack = release_deep_stack(stack);
+            crate::control::serve_until_stopped(&control, vm, || {
+                // A branch's snapshot takes the stack deep again.
+                if let Some(s) = &stack {
+                    let _ = s.release_below_caller();
+                }
+            });
             Ok(vm.wait_exit()?.exit_code())
         }
     }
@@ -788,9 +794,10 @@ pub fn worker_main() -> anyhow::Result<i32> {
 enum Outcome {
     /// Nothing runs (the daemon went away before a job; a probe): the worker's exit code.
     Exit(i32),
-    /// The VM runs and the control thread serves it: the main thread waits for its end.
+    /// The VM runs: the main thread serves its control socket until it ends.
     Running {
         vm: &'static tine_vmm::vm::RunningVm,
+        control: std::os::unix::net::UnixListener,
         stack: std::io::Result<crate::stack::StackMapping>,
     },
 }
@@ -1028,17 +1035,27 @@ fn run_job() -> anyhow::Result<Outcome> {
         restore,
         start: t1.elapsed(),
     });
-    // Shared with the control thread for the rest of this process's life.
+    // Never dropped: the process ends with it (its device threads are never joined).
     let running: &'static tine_vmm::vm::RunningVm = Box::leak(Box::new(running));
-    tine_vmm::thread_builder("control").spawn(move || crate::control::serve(control, running))?;
-    Ok(Outcome::Running { vm: running, stack })
+    Ok(Outcome::Running {
+        vm: running,
+        control,
+        stack,
+    })
 }
 
 /// The main thread waits from here on near the top of its stack: the pages the restore took
 /// below it go back to the host (see [`crate::stack`]). A failure costs only those pages.
-fn release_deep_stack(stack: std::io::Result<crate::stack::StackMapping>) {
-    if let Err(e) = stack.and_then(|m| m.release_below_caller()) {
-        eprintln!("tine-vmm: the restore's stack pages are kept: {e}");
+/// The mapping, to give back again what a later call takes (None: it is not known).
+fn release_deep_stack(
+    stack: std::io::Result<crate::stack::StackMapping>,
+) -> Option<crate::stack::StackMapping> {
+    match stack.and_then(|m| m.release_below_caller().map(|_| m)) {
+        Ok(m) => Some(m),
+        Err(e) => {
+            eprintln!("tine-vmm: the restore's stack pages are kept: {e}");
+            None
+        }
     }
 }
 

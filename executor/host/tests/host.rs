@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use tine_host::testing::{
     counts, kvm_available, test_host_config, write_checksum_guest_snapshot,
     write_counter_guest_snapshot, write_hog_guest_snapshot, write_idle_guest_snapshot,
+    write_stopping_counter_guest_snapshot,
 };
 use tine_host::{
     BranchKind, CgroupMode, CgroupName, ErrorKind, FetchMode, Host, HostConfig, HostError,
@@ -1498,6 +1499,48 @@ fn children_restore_from_a_held_image() {
 /// (its children count on from the branch, not from the root), the source runs on, a branch
 /// of a branch works, a full branch stands alone, a re-adopted child can be branched, and
 /// bad requests and deleting a parent under its branches are refused.
+/// A child's VMM serves its control socket and waits for its guest on one thread: a guest
+/// that asks for a reset after a while answers a control request while it runs, then its VMM
+/// ends with the guest's code (a reset's, 2) and the host reaps it with that reason.
+fn a_guest_that_stops_ends_its_vmm() {
+    let tmp = tempfile::tempdir().unwrap();
+    let snaps = tmp.path().join("snapshots");
+    std::fs::create_dir_all(&snaps).unwrap();
+    // Seconds at any clock rate: a child lives for what its parent left of them.
+    write_stopping_counter_guest_snapshot(&snaps.join("stopping"), 32, 20_000_000_000).unwrap();
+    let host = Host::open_exclusive(config(tmp.path(), 8, 0)).unwrap();
+    let t0 = Instant::now();
+    let id = spawn_of(&host, &Tag::parse("stopping").unwrap());
+    let first = counts_of(&host, &id, 1)[0];
+    assert!(
+        first < 4_000,
+        "the child starts near the parent's count, not {first}"
+    );
+    let counters = host
+        .kvm_counters(&id)
+        .expect("a running child answers on its control socket")
+        .expect("this host's KVM keeps counters");
+    assert!(counters.0.contains_key("exits"), "{counters:?}");
+    let ended = loop {
+        if let Some(e) = host.reap().into_iter().find(|e| e.id == id) {
+            break e;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the child's guest never stopped"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    println!(
+        "     ended after {:.1} s: {}",
+        t0.elapsed().as_secs_f64(),
+        ended.reason.lines().next().unwrap_or("")
+    );
+    assert!(ended.reason.contains("exit status: 2"), "{}", ended.reason);
+    assert!(!ended.out_of_memory);
+    assert!(host.live_ids().is_empty());
+}
+
 fn branching_running_children() {
     let tmp = tempfile::tempdir().unwrap();
     let root = Tag::parse("counter").unwrap();
@@ -1831,7 +1874,7 @@ fn vmm_workers_are_confined() {
         ["Seccomp_filters"]
         .parse()
         .unwrap();
-    let mut threads = 0;
+    let mut threads = Vec::new();
     for task in std::fs::read_dir(proc.join("task")).unwrap() {
         let st = proc_status(&task.unwrap().path().join("status"));
         let name = &st["Name"];
@@ -1867,9 +1910,12 @@ fn vmm_workers_are_confined() {
             own_filters + 1,
             "{name}"
         );
-        threads += 1;
+        threads.push(name.clone());
     }
-    assert!(threads >= 2, "the vCPU and control threads at least");
+    assert!(
+        threads.len() >= 2 && threads.iter().any(|n| n.starts_with("vcpu")),
+        "the main thread and a vCPU at least: {threads:?}"
+    );
     // Its KVM counters still come through the control socket once it is locked down (the
     // statistics files were opened before).
     let counters = host
@@ -2040,7 +2086,7 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 25] = [
+    let tests: [(&str, fn()); 26] = [
         (
             "idle_workers_prime_themselves_for_the_snapshot_spawned_from",
             idle_workers_prime_themselves_for_the_snapshot_spawned_from,
@@ -2091,6 +2137,10 @@ fn main() {
             a_branch_is_a_diff_layer_other_hosts_fork,
         ),
         ("branching_running_children", branching_running_children),
+        (
+            "a_guest_that_stops_ends_its_vmm",
+            a_guest_that_stops_ends_its_vmm,
+        ),
         (
             "stale_record_is_neither_adopted_nor_killed",
             stale_record_is_neither_adopted_nor_killed,

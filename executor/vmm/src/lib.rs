@@ -21,7 +21,7 @@ pub mod vm;
 
 pub use devices::GuestExit;
 
-/// Stack size of every thread a VMM starts (vCPUs, device threads, its control thread): far
+/// Stack size of every thread a VMM starts (vCPUs, device threads): far
 /// more than they use, and below 2 MiB on purpose. Rust's default of exactly 2 MiB lets the
 /// kernel place a stack on a 2 MiB boundary (as it does next to a huge-page mapping of guest
 /// RAM, and for every such mapping on Linux 6.7+); with transparent huge pages `always` the

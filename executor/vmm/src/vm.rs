@@ -748,6 +748,7 @@ impl Vm {
         let mmio = Arc::new(self.mmio);
         let control = VcpuControl::new(self.vcpus.len());
         let (tx, rx) = mpsc::channel::<(usize, Result<VcpuOutcome>)>();
+        let stopped = Arc::new(EventFd::new(EFD_NONBLOCK)?);
         let mut threads = Vec::new();
         for (index, fd) in self.vcpus.into_iter().enumerate() {
             let runner = VcpuRunner {
@@ -759,9 +760,12 @@ impl Vm {
                 msrs: msrs.clone(),
             };
             let tx = tx.clone();
+            let stopped = stopped.clone();
             let t = crate::thread_builder(format!("vcpu{index}")).spawn(move || {
                 let r = runner.run();
                 let _ = tx.send((index, r));
+                // Cannot fail short of 2^64 - 1 writes; a waiter polls it, never reads it.
+                let _ = stopped.write(1);
             })?;
             threads.push(t);
         }
@@ -772,6 +776,7 @@ impl Vm {
             control,
             threads,
             outcomes: Mutex::new(rx),
+            stopped,
             serial: self.serial,
             virtio: self.virtio,
             started: Instant::now(),
@@ -845,6 +850,8 @@ pub struct RunningVm {
     /// Locked by whoever waits for the guest to stop (the VM stays usable from other threads,
     /// e.g. to branch it, meanwhile).
     outcomes: Mutex<mpsc::Receiver<(usize, Result<VcpuOutcome>)>>,
+    /// Written by each vCPU thread once its outcome is sent (see [`RunningVm::stopped_fd`]).
+    stopped: Arc<EventFd>,
     serial: Arc<Mutex<SerialConsole>>,
     virtio: Vec<Arc<Mutex<VirtioMmio>>>,
     started: Instant,
@@ -1208,6 +1215,15 @@ impl RunningVm {
         let result = self.wait_exit();
         self.finish();
         result
+    }
+
+    /// Readable (for `poll`) from the moment a vCPU has stopped: [`wait_exit`](Self::wait_exit)
+    /// then returns without waiting on a running guest. For a thread that waits on other
+    /// things too, instead of a thread of its own to block in `wait_exit`. Never read it.
+    pub fn stopped_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::{AsRawFd, BorrowedFd};
+        // SAFETY: the eventfd lives as long as self.
+        unsafe { BorrowedFd::borrow_raw(self.stopped.as_raw_fd()) }
     }
 
     /// [`wait`](Self::wait) through a shared reference: returns once every vCPU has stopped
