@@ -22,6 +22,10 @@ pub struct LabArgs {
     /// Host directory to export writable, mounted at the same path inside L1 (repeatable).
     #[arg(long, value_name = "DIR")]
     pub share: Vec<PathBuf>,
+    /// Append ARG to L1's kernel command line (repeatable; one word each), e.g. `debugfs=off`
+    /// to measure what a host kernel setting changes.
+    #[arg(long = "kernel-arg", value_name = "ARG")]
+    pub kernel_args: Vec<String>,
     /// Only print the command's output (no boot timing lines).
     #[arg(long, short)]
     pub quiet: bool,
@@ -65,6 +69,7 @@ pub fn run(args: LabArgs) -> Result<i32> {
         timeout: Duration::from_secs(args.timeout),
         shares,
         progress: !args.quiet,
+        kernel_args: args.kernel_args,
         ..LabConfig::default()
     })?;
     let outcome = lab.run(&LabCommand::new(args.command), &mut std::io::stdout())?;

@@ -60,6 +60,9 @@ pub struct LabConfig {
     pub guest_defaults: bool,
     /// Print boot timing and status lines to stderr.
     pub progress: bool,
+    /// Appended to L1's kernel command line, each one word (e.g. `debugfs=off`, to measure a
+    /// host kernel setting).
+    pub kernel_args: Vec<String>,
 }
 
 impl Default for LabConfig {
@@ -72,6 +75,7 @@ impl Default for LabConfig {
             cache_dir: tine_image::default_cache_dir(),
             guest_defaults: true,
             progress: true,
+            kernel_args: Vec::new(),
         }
     }
 }
@@ -133,6 +137,9 @@ impl Lab {
     /// Installs missing packages, fetches the generic kernel and builds (or reuses) the L1
     /// initramfs; with `guest_defaults`, also prepares the default guest kernel and initramfs.
     pub fn prepare(mut config: LabConfig) -> Result<Lab> {
+        for a in &config.kernel_args {
+            qemu::check_kernel_arg(a)?;
+        }
         apt::ensure_installed(PACKAGES)?;
         for share in &mut config.shares {
             *share = share

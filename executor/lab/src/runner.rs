@@ -132,6 +132,7 @@ impl Lab {
             mem_mib: self.config.mem_mib,
             cpus: self.config.cpus,
             shares: &self.shares,
+            kernel_args: &self.config.kernel_args,
         });
         let started = Instant::now();
         let mut child = spawn_qemu(args)?;
