@@ -1120,8 +1120,13 @@ impl Db {
     /// batches of [`FORGET_BATCH`], each its own transaction, resting after each as long as it
     /// took: one statement over a backlog holds the write lock for as long as it runs (0.6 s
     /// for 120,000 sandboxes), and every spawn meanwhile waits; this way a spawn waits for one
-    /// batch at most, and the lock is free at least half the time.
-    pub async fn forget_ended_before(&self, cutoff_ms: i64) -> Result<u64> {
+    /// batch at most, and the lock is free at least half the time. `forgotten_batch` hears of
+    /// each batch once it is committed, so a pass that fails part-way still counts what it did.
+    pub async fn forget_ended_before(
+        &self,
+        cutoff_ms: i64,
+        mut forgotten_batch: impl FnMut(u64),
+    ) -> Result<u64> {
         let mut forgotten = 0;
         loop {
             let started = std::time::Instant::now();
@@ -1132,6 +1137,9 @@ impl Db {
                 .await?
                 .rows_affected();
             forgotten += n;
+            if n > 0 {
+                forgotten_batch(n);
+            }
             if n < u64::from(FORGET_BATCH) {
                 return Ok(forgotten);
             }
@@ -1489,7 +1497,7 @@ mod tests {
         assert_eq!(db.fail_interrupted_spawns().await.unwrap(), 2);
         assert_eq!(kept_counts(&db, "interrupted").await, [1, 0]);
         // Forgetting ended history, and deleting a live row by hand, keep the counts too.
-        db.forget_ended_before(i64::MAX).await.unwrap();
+        db.forget_ended_before(i64::MAX, |_| {}).await.unwrap();
         assert_eq!(kept_counts(&db, "forgotten").await, [1, 0]);
         sqlx::query("DELETE FROM sandboxes WHERE id = 'a4'")
             .execute(&db.pool)
@@ -1589,10 +1597,17 @@ mod tests {
         let live = [("live".to_string(), "base".to_string(), "ex-a".to_string())];
         db.insert_sandboxes(&live, (0, 0), None).await.unwrap();
 
+        let mut batches = Vec::new();
         assert_eq!(
-            db.forget_ended_before(100_000).await.unwrap(),
+            db.forget_ended_before(100_000, |n| batches.push(n))
+                .await
+                .unwrap(),
             backlog as u64
         );
+        // Each committed batch is told as it goes (the metric counts what a failed pass did).
+        assert_eq!(batches.iter().sum::<u64>(), backlog as u64);
+        assert!(batches.len() > 1, "{batches:?}");
+        assert!(batches.iter().all(|&n| n <= u64::from(FORGET_BATCH)));
         let left: Vec<(String,)> = sqlx::query_as("SELECT id FROM sandboxes ORDER BY id")
             .fetch_all(&db.pool)
             .await
@@ -1603,7 +1618,7 @@ mod tests {
             ["live", "recent-0", "recent-1", "recent-2", "recent-3", "recent-4"]
         );
         assert_eq!(db.count_live_sandboxes().await.unwrap(), 1);
-        assert_eq!(db.forget_ended_before(100_000).await.unwrap(), 0);
+        assert_eq!(db.forget_ended_before(100_000, |_| {}).await.unwrap(), 0);
         db.close().await;
     }
 

@@ -248,12 +248,10 @@ async fn forget_history(api: Api) {
     }
     loop {
         let cutoff = crate::now_ms() - i64::from(history_s) * 1000;
-        match api.ctx.db.forget_ended_before(cutoff).await {
+        let counted = |n| api.ctx.metrics.sandboxes_forgotten.inc_by(n);
+        match api.ctx.db.forget_ended_before(cutoff, counted).await {
             Ok(0) => {}
-            Ok(n) => {
-                api.ctx.metrics.sandboxes_forgotten.inc_by(n);
-                tracing::info!(forgotten = n, "sandboxes past the history retention");
-            }
+            Ok(n) => tracing::info!(forgotten = n, "sandboxes past the history retention"),
             Err(e) => tracing::warn!("forgetting old sandboxes: {e}"),
         }
         tokio::time::sleep(Duration::from_secs(60)).await;

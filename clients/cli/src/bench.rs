@@ -378,7 +378,7 @@ fn smaps_of(pid: u32) -> Option<String> {
 /// [`pss_split_kib`] of smaps text already read.
 fn pss_split(s: &str) -> (u64, u64) {
     let (mut guest, mut vmm) = (0u64, 0u64);
-    crate::bench_pages::for_each_smaps_field(s, |path, field, kib| {
+    tine_host::smaps::for_each_field(s, |path, field, kib| {
         if field == "Pss:" {
             if tine_host::hot::is_guest_ram(path) {
                 guest += kib;
@@ -395,7 +395,7 @@ fn pss_split(s: &str) -> (u64, u64) {
 /// back.
 fn private_kib(s: &str) -> u64 {
     let mut kib = 0u64;
-    crate::bench_pages::for_each_smaps_field(s, |_, field, k| {
+    tine_host::smaps::for_each_field(s, |_, field, k| {
         if field == "Private_Clean:" || field == "Private_Dirty:" {
             kib += k;
         }

@@ -196,7 +196,7 @@ pub fn vmm_private_kib(pid: u32) -> Result<BTreeMap<&'static str, u64>> {
 
 fn split_private(smaps: &str) -> BTreeMap<&'static str, u64> {
     let mut out = BTreeMap::new();
-    for_each_smaps_field(smaps, |path, field, kib| {
+    tine_host::smaps::for_each_field(smaps, |path, field, kib| {
         if field != "Private_Clean:" && field != "Private_Dirty:" {
             return;
         }
@@ -212,28 +212,6 @@ fn split_private(smaps: &str) -> BTreeMap<&'static str, u64> {
         *out.entry(kind).or_default() += kib;
     });
     out
-}
-
-/// Calls `f(path, field, kib)` for every `Field: N kB` line of a process's smaps, with the
-/// path (or `[name]`, or "" for anonymous memory) of the mapping the line belongs to.
-pub fn for_each_smaps_field(smaps: &str, mut f: impl FnMut(&str, &str, u64)) {
-    let mut path = "";
-    for l in smaps.lines() {
-        let mut words = l.split_whitespace();
-        let first = words.next().unwrap_or("");
-        if first.contains('-') && !first.ends_with(':') {
-            // A mapping header: "start-end perms offset dev inode [path]"; a path may hold
-            // spaces, so it is the rest of the line after the fifth field.
-            let mut rest = l;
-            for _ in 0..5 {
-                rest = rest.trim_start();
-                rest = rest.find(char::is_whitespace).map_or("", |i| &rest[i..]);
-            }
-            path = rest.trim();
-        } else if let Some(kib) = words.next().and_then(|v| v.parse().ok()) {
-            f(path, first, kib);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -85,35 +85,28 @@ fn args() -> anyhow::Result<Args> {
 /// KiB per part of one VMM's smaps.
 fn parts_of(smaps: &str, worker: &Path) -> BTreeMap<&'static str, u64> {
     let mut out: BTreeMap<&'static str, u64> = BTreeMap::new();
-    let mut part: Option<&'static str> = None;
-    for line in smaps.lines() {
-        let mut words = line.split_whitespace();
-        let first = words.next().unwrap_or("");
-        if first.contains('-') && !first.ends_with(':') {
-            let path = line.split_whitespace().nth(5).unwrap_or("");
-            part = if tine_host::hot::is_guest_ram(path) {
-                None
-            } else if Path::new(path) == worker {
-                Some("binary")
-            } else if path.starts_with('/') {
-                Some("libraries")
-            } else if path == "[heap]" {
-                Some("heap")
-            } else if path == "[stack]" {
-                Some("main stack")
-            } else if path.is_empty() {
-                Some("other anonymous")
-            } else {
-                Some("other")
-            };
-        } else if first == "Private_Clean:" || first == "Private_Dirty:" {
-            let kib: u64 = words.next().and_then(|v| v.parse().ok()).unwrap_or(0);
-            if let Some(p) = part {
-                *out.entry(p).or_default() += kib;
-                *out.entry("total").or_default() += kib;
-            }
+    tine_host::smaps::for_each_field(smaps, |path, field, kib| {
+        if field != "Private_Clean:" && field != "Private_Dirty:" {
+            return;
         }
-    }
+        let part = if tine_host::hot::is_guest_ram(path) {
+            return;
+        } else if Path::new(path) == worker {
+            "binary"
+        } else if path.starts_with('/') {
+            "libraries"
+        } else if path == "[heap]" {
+            "heap"
+        } else if path == "[stack]" {
+            "main stack"
+        } else if path.is_empty() {
+            "other anonymous"
+        } else {
+            "other"
+        };
+        *out.entry(part).or_default() += kib;
+        *out.entry("total").or_default() += kib;
+    });
     out
 }
 

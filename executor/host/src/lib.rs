@@ -24,6 +24,7 @@ pub mod pool_size;
 pub mod process;
 pub mod ready;
 pub mod records;
+pub mod smaps;
 pub mod stack;
 #[cfg(feature = "testing")]
 pub mod testing;
