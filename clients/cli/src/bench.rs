@@ -617,7 +617,11 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     };
     let mut merge_rows: Vec<Merged> = Vec::new();
     let mut idle_rows: Vec<IdleWorkers> = Vec::new();
+    let mut slab_rows: Vec<crate::bench_slab::Row> = Vec::new();
     for &n in &b.counts {
+        // Before the workers: each one's VM is made as it starts.
+        let waiting_before = host.idle_worker_pids().len();
+        let slab0 = crate::bench_slab::Slab::read();
         // Workers up and waiting before the clock (fork_children finds them there).
         host.prestart_workers_for(&b.tag, n)?;
         idle_rows.push(idle_workers(&host, &b.tag, n));
@@ -660,6 +664,13 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         }
         phase_rows.push((n, phases));
         std::thread::sleep(Duration::from_secs_f64(b.idle_secs)); // let children go idle
+        slab_rows.push(crate::bench_slab::Row {
+            n,
+            waiting_before,
+            growth: slab0
+                .zip(crate::bench_slab::Slab::read())
+                .map(|(before, now)| now.growth_per_child(&before, n)),
+        });
         let split: Vec<(u64, u64)> = reports
             .iter()
             .filter_map(|r| r.pid.and_then(pss_split_kib))
@@ -706,6 +717,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
     let idle_json = print_idle_workers(&idle_rows);
     let phases_json = print_phase_table(&phase_rows);
     let written_json = print_written_table(&written_rows, b.idle_secs);
+    let slab_json = crate::bench_slab::print_table(&slab_rows);
     let counters_json = print_child_counters(&counter_rows);
     let merged_json = if b.merge_pages {
         print_merged_table(&merge_rows, b.idle_secs)
@@ -713,7 +725,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         "null".to_string()
     };
     let doc = format!(
-        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"idle_secs\":{},\"hold_image\":{},\"merge_pages\":{},\"prime_workers\":{},\"idle_workers\":[{}],\"rows\":[{}],\"phases\":[{}],\"written\":{},\"kvm_to_ready_p50\":{},\"merged\":{}}}",
+        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"idle_secs\":{},\"hold_image\":{},\"merge_pages\":{},\"prime_workers\":{},\"idle_workers\":[{}],\"rows\":[{}],\"phases\":[{}],\"written\":{},\"slab_by_cache\":{},\"kvm_to_ready_p50\":{},\"merged\":{}}}",
         b.tag.as_str(),
         pct(&floor, 0.5),
         b.idle_secs,
@@ -724,6 +736,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         rows.join(","),
         phases_json.join(","),
         written_json,
+        slab_json,
         counters_json,
         merged_json
     );

@@ -6,6 +6,7 @@ mod bench_burst;
 mod bench_fetch;
 mod bench_net;
 mod bench_pages;
+mod bench_slab;
 mod defaults;
 mod doctor;
 mod fork;
