@@ -8,11 +8,11 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tine_vmm::kvm_stats::Counters;
-use tine_vmm::vm::{RunningVm, SnapshotKind};
+use tine_vmm::vm::{DeviceLoop, RunningVm, SnapshotKind};
 
 pub const CONTROL_SOCKET: &str = "control.sock";
 /// Longest request line a worker reads: a request is a path and a word.
@@ -116,62 +116,131 @@ pub fn bind(vm_dir: &Path) -> std::io::Result<UnixListener> {
     Ok(listener)
 }
 
-/// Serve requests for `vm`, one connection at a time, until one of its vCPUs stops; then
-/// [`RunningVm::wait_exit`] has the guest's end. The thread that waits for the VM serves it:
-/// a thread of its own would cost each child a kernel stack, a task and stack pages for a
-/// socket that is rarely called. `after_each` runs after each connection (the worker gives
-/// back the stack pages a branch took). A connection being answered delays noticing a
-/// stopped guest until its reply is sent (a branch completes first).
-pub fn serve_until_stopped(listener: &UnixListener, vm: &RunningVm, mut after_each: impl FnMut()) {
+/// The VMM's main thread for the life of its VM: it turns the event loops of `vm`'s devices
+/// that run here (see [`tine_vmm::vm::DeviceLoop`]), and takes connections on the control
+/// socket, until one of `vm`'s vCPUs stops; then [`RunningVm::wait_exit`] has the guest's end.
+/// A thread per device loop and one for a socket that is rarely called would cost each child a
+/// kernel stack, a task and stack pages apiece. Each connection is answered on a thread of its
+/// own, one at a time, so that a branch (which writes a snapshot, and for a live one waits for
+/// its copier while the guest runs on) never holds up the devices.
+pub fn serve_until_stopped(
+    listener: &UnixListener,
+    vm: &'static RunningVm,
+    mut loops: Vec<Box<dyn DeviceLoop>>,
+) {
     use std::os::fd::AsRawFd;
+    // Each loop waits first, as a device thread does: a turn before any event had its watchdog
+    // act on the interrupts of the restore, and made the Wake slower (docs/performance.md).
+    let mut due: Vec<Option<Instant>> = loops
+        .iter()
+        .map(|l| Some(Instant::now() + l.first_wait()))
+        .collect();
     loop {
-        let mut fds = [
-            libc::pollfd {
-                fd: vm.stopped_fd().as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: listener.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
+        let mut fds = vec![
+            pollfd(vm.stopped_fd().as_raw_fd()),
+            pollfd(listener.as_raw_fd()),
         ];
-        // SAFETY: two valid pollfds, for descriptors that outlive the call.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        // fds[2..] are the live loops', in this order.
+        let live: Vec<usize> = (0..loops.len()).filter(|&i| due[i].is_some()).collect();
+        fds.extend(live.iter().map(|&i| pollfd(loops[i].fd().as_raw_fd())));
+        let now = Instant::now();
+        let timeout = due
+            .iter()
+            .flatten()
+            .min()
+            .map_or(-1, |at| ceil_ms(at.saturating_duration_since(now)));
+        // SAFETY: valid pollfds, for descriptors that outlive the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
             // Cannot happen with valid descriptors; the VM's end must still be waited for.
-            tracing::warn!("control socket: poll failed ({e}); no more requests served");
+            tracing::warn!("VMM main loop: poll failed ({e}); devices and control stop here");
             return;
         }
         if fds[0].revents != 0 {
             return;
         }
-        if fds[1].revents == 0 {
-            continue;
+        if fds[1].revents != 0 && !accept(listener, vm) {
+            // No more requests; the devices still need turning.
+            fds[1].fd = -1;
         }
-        match listener.accept() {
-            Ok((conn, _)) => {
-                if let Err(e) = answer(conn, vm) {
-                    tracing::warn!("control connection: {e}");
-                }
-                after_each();
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
-                ) => {}
-            Err(e) => {
-                tracing::warn!("control socket: accept failed ({e}); no more requests served");
-                return;
+        let now = Instant::now();
+        for (k, &i) in live.iter().enumerate() {
+            let woken = fds[2 + k].revents != 0;
+            if woken || due[i].is_some_and(|at| at <= now) {
+                due[i] = next_turn(loops[i].turn());
             }
         }
+    }
+}
+
+fn pollfd(fd: std::os::fd::RawFd) -> libc::pollfd {
+    libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    }
+}
+
+fn next_turn(wait: Option<Duration>) -> Option<Instant> {
+    wait.map(|d| Instant::now() + d)
+}
+
+/// `d` in whole milliseconds for poll, rounded up (rounded down, a wait shorter than 1 ms
+/// would spin).
+fn ceil_ms(d: Duration) -> i32 {
+    d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+}
+
+/// Take a waiting connection and answer it on a thread of its own (see
+/// [`serve_until_stopped`]). False when the socket can take no more.
+fn accept(listener: &UnixListener, vm: &'static RunningVm) -> bool {
+    let conn = match listener.accept() {
+        Ok((conn, _)) => conn,
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock
+                    | std::io::ErrorKind::Interrupted
+                    | std::io::ErrorKind::ConnectionAborted
+            ) =>
+        {
+            return true
+        }
+        Err(e) => {
+            tracing::warn!("control socket: accept failed ({e}); no more requests served");
+            return false;
+        }
+    };
+    // The connection moves into the thread only once it exists: a refusal (a child at its
+    // cgroup's pids.max) leaves it here, to be answered on this thread instead.
+    let (tx, rx) = std::sync::mpsc::channel::<UnixStream>();
+    let spawned = tine_vmm::thread_builder("control").spawn(move || {
+        if let Ok(conn) = rx.recv() {
+            answer_one(conn, vm)
+        }
+    });
+    match spawned {
+        Ok(_) => {
+            let _ = tx.send(conn);
+        }
+        Err(e) => {
+            tracing::warn!("control connection answered on the main thread: no thread ({e})");
+            answer_one(conn, vm);
+        }
+    }
+    true
+}
+
+/// [`answer`], one request at a time, as a single thread served them.
+fn answer_one(conn: UnixStream, vm: &RunningVm) {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    if let Err(e) = answer(conn, vm) {
+        tracing::warn!("control connection: {e}");
     }
 }
 

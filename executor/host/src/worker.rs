@@ -776,15 +776,15 @@ fn one_malloc_arena() {
 pub fn worker_main() -> anyhow::Result<i32> {
     match run_job()? {
         Outcome::Exit(code) => Ok(code),
-        Outcome::Running { vm, control, stack } => {
-            // The job's frames are gone; the thread waits just below this one from now on.
-            let stack = release_deep_stack(stack);
-            crate::control::serve_until_stopped(&control, vm, || {
-                // A branch's snapshot takes the stack deep again.
-                if let Some(s) = &stack {
-                    let _ = s.release_below_caller();
-                }
-            });
+        Outcome::Running {
+            vm,
+            loops,
+            control,
+            stack,
+        } => {
+            // The job's frames are gone; the thread runs just below this one from now on.
+            release_deep_stack(stack);
+            crate::control::serve_until_stopped(&control, vm, loops);
             Ok(vm.wait_exit()?.exit_code())
         }
     }
@@ -794,9 +794,11 @@ pub fn worker_main() -> anyhow::Result<i32> {
 enum Outcome {
     /// Nothing runs (the daemon went away before a job; a probe): the worker's exit code.
     Exit(i32),
-    /// The VM runs: the main thread serves its control socket until it ends.
+    /// The VM runs: the main thread turns its devices' loops and serves its control socket
+    /// until it ends.
     Running {
         vm: &'static tine_vmm::vm::RunningVm,
+        loops: Vec<Box<dyn tine_vmm::vm::DeviceLoop>>,
         control: std::os::unix::net::UnixListener,
         stack: std::io::Result<crate::stack::StackMapping>,
     },
@@ -1022,7 +1024,7 @@ fn run_job() -> anyhow::Result<Outcome> {
     cpu.mark("lock-down");
     // A copy: starting takes the VM.
     let vm_marks = vm.restore_marks().clone();
-    let running = vm.start()?;
+    let (running, loops) = vm.start_with_loops()?;
     cpu.mark("start");
     // Before the report, so the line is there once the host has its child; in one write (see
     // prefault_working_set); a log that cannot be written costs the line, never the VM.
@@ -1039,23 +1041,17 @@ fn run_job() -> anyhow::Result<Outcome> {
     let running: &'static tine_vmm::vm::RunningVm = Box::leak(Box::new(running));
     Ok(Outcome::Running {
         vm: running,
+        loops,
         control,
         stack,
     })
 }
 
-/// The main thread waits from here on near the top of its stack: the pages the restore took
+/// The main thread runs from here on near the top of its stack: the pages the restore took
 /// below it go back to the host (see [`crate::stack`]). A failure costs only those pages.
-/// The mapping, to give back again what a later call takes (None: it is not known).
-fn release_deep_stack(
-    stack: std::io::Result<crate::stack::StackMapping>,
-) -> Option<crate::stack::StackMapping> {
-    match stack.and_then(|m| m.release_below_caller().map(|_| m)) {
-        Ok(m) => Some(m),
-        Err(e) => {
-            eprintln!("tine-vmm: the restore's stack pages are kept: {e}");
-            None
-        }
+fn release_deep_stack(stack: std::io::Result<crate::stack::StackMapping>) {
+    if let Err(e) = stack.and_then(|m| m.release_below_caller()) {
+        eprintln!("tine-vmm: the restore's stack pages are kept: {e}");
     }
 }
 

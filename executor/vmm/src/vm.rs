@@ -23,6 +23,7 @@ use crate::devices::serial::SerialConsole;
 use crate::devices::virtio::mmio::{VirtioMmio, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::net::{Mac, Net, Tap};
 use crate::devices::virtio::vsock::Vsock;
+pub use crate::devices::virtio::DeviceLoop;
 use crate::devices::virtio::{IrqLine, VirtioDevice};
 use crate::devices::vmgenid::{self, VmGenId};
 use crate::devices::GuestExit;
@@ -733,13 +734,28 @@ impl Vm {
         regs::setup_boot_vcpu(&self.vcpus[0], 0, entry)
     }
 
-    /// Start every vCPU on its own thread.
+    /// Start every vCPU on its own thread, and every device's thread.
     pub fn start(self) -> Result<RunningVm> {
+        self.start_devices(false).map(|(vm, _)| vm)
+    }
+
+    /// [`start`](Self::start), except that the devices that can (vsock) hand their event loops
+    /// to the caller instead of starting threads of their own: the caller must turn them (see
+    /// [`DeviceLoop`]) for as long as the VM runs, or those devices stall.
+    pub fn start_with_loops(self) -> Result<(RunningVm, Vec<Box<dyn DeviceLoop>>)> {
+        self.start_devices(true)
+    }
+
+    fn start_devices(self, hand_loops: bool) -> Result<(RunningVm, Vec<Box<dyn DeviceLoop>>)> {
         install_signal_handlers()?;
         // Device threads not started yet (a restore's), then a restored device looks at its
         // queues (guest-written) only now.
+        let mut loops = Vec::new();
         for t in &self.virtio {
             let mut t = t.lock().unwrap();
+            if hand_loops {
+                loops.extend(t.take_device_loop());
+            }
             t.start_device()?;
             t.activate_restored();
         }
@@ -769,7 +785,7 @@ impl Vm {
             })?;
             threads.push(t);
         }
-        Ok(RunningVm {
+        let running = RunningVm {
             _kvm: self.kvm,
             vm: self.vm,
             ram: self.ram,
@@ -782,7 +798,8 @@ impl Vm {
             started: Instant::now(),
             vmgenid: self.vmgenid,
             stats: self.stats,
-        })
+        };
+        Ok((running, loops))
     }
 
     /// Run until the guest stops or a vCPU fails.

@@ -281,6 +281,11 @@ impl VirtioMmio {
         self.device.start()
     }
 
+    /// See [`VirtioDevice::take_loop`].
+    pub fn take_device_loop(&mut self) -> Option<Box<dyn super::DeviceLoop>> {
+        self.device.take_loop()
+    }
+
     /// Activate a restored device that was active, with the saved queue positions, and tell
     /// it it was restored. Does nothing for any other.
     pub fn activate_restored(&mut self) {

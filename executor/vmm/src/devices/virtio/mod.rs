@@ -111,6 +111,22 @@ impl LostIrqs {
     }
 }
 
+/// A device's event loop, run by the owner of its VM on a thread the owner already has,
+/// instead of on a thread of the device's own (a thread per device costs each VM a kernel
+/// stack, a task and stack pages). The owner waits until [`fd`](Self::fd) is readable or the
+/// last turn's timeout ran out, then turns it again.
+pub trait DeviceLoop: Send {
+    /// Readable when the loop has something to handle.
+    fn fd(&self) -> std::os::fd::BorrowedFd<'_>;
+    /// How long the owner may wait before the first turn if nothing wakes it: the first wait
+    /// of a thread of the device's own. The owner does not turn it before.
+    fn first_wait(&self) -> std::time::Duration;
+    /// Handle what is ready, without waiting. Returns how long the owner may wait before the
+    /// next turn if nothing wakes it (the loop's own timed checks), or None once the device
+    /// has stopped: it is not turned again.
+    fn turn(&mut self) -> Option<std::time::Duration>;
+}
+
 /// The device half of a virtio device; the transport owns feature negotiation and queue setup.
 pub trait VirtioDevice: Send {
     fn device_type(&self) -> u32;
@@ -118,6 +134,12 @@ pub trait VirtioDevice: Send {
     /// starts, before any vCPU runs, and a no-op for a device that needs nothing started.
     fn start(&mut self) -> Result<(), crate::error::DeviceError> {
         Ok(())
+    }
+    /// Instead of [`start`](Self::start): hand over the event loop a thread of the device's
+    /// own would run, for the VM's owner to run (see [`DeviceLoop`]); `start` then starts
+    /// nothing. None: the device has no loop to hand over (none, or its thread runs it).
+    fn take_loop(&mut self) -> Option<Box<dyn DeviceLoop>> {
+        None
     }
     /// Offered feature bits (VIRTIO_F_VERSION_1 is added by the transport).
     fn features(&self) -> u64;

@@ -80,11 +80,29 @@ pub fn wait(
     watching: bool,
     device: &str,
 ) -> Option<usize> {
-    let timeout = if watching {
+    epoll_wait(epoll, events, wait_timeout(watching), device)
+}
+
+/// How long [`wait`] waits.
+pub fn wait_timeout(watching: bool) -> Duration {
+    if watching {
         LostIrqs::RESEND_AFTER / 2
     } else {
         IDLE_WAKE
-    };
+    }
+}
+
+/// The events ready now, without waiting (a loop turned by its VM's owner, who waited).
+pub fn ready(epoll: &Epoll, events: &mut [EpollEvent], device: &str) -> Option<usize> {
+    epoll_wait(epoll, events, Duration::ZERO, device)
+}
+
+fn epoll_wait(
+    epoll: &Epoll,
+    events: &mut [EpollEvent],
+    timeout: Duration,
+    device: &str,
+) -> Option<usize> {
     match epoll.wait(timeout.as_millis() as i32, events) {
         Ok(n) => Some(n),
         Err(e) if e.kind() == ErrorKind::Interrupted => Some(0),

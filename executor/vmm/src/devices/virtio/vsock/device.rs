@@ -221,13 +221,24 @@ impl DeviceState {
     }
 }
 
-/// The vsock device: owns the host socket and a thread that moves host stream data.
+/// The vsock device: owns the host socket and an event loop that moves host stream data, run
+/// on a thread of its own or by the VM's owner.
 pub struct Vsock {
     state: Arc<Mutex<DeviceState>>,
     guest_cid: u64,
-    /// Wakes the thread when the device is dropped (see `Drop`).
+    /// Wakes the loop when the device is dropped (see `Drop`).
     stop: EventFd,
-    thread: Option<std::thread::JoinHandle<()>>,
+    runner: Runner,
+}
+
+/// Who runs the device's event loop.
+enum Runner {
+    /// Nobody yet (see [`Vsock::prepare`]).
+    NotYet,
+    /// Its own thread.
+    Thread(std::thread::JoinHandle<()>),
+    /// The VM's owner (see [`VirtioDevice::take_loop`]).
+    Handed,
 }
 
 impl Vsock {
@@ -282,22 +293,26 @@ impl Vsock {
             state,
             guest_cid,
             stop,
-            thread: None,
+            runner: Runner::NotYet,
         })
     }
 
-    /// Its thread, if it has none yet (see [`Vsock::prepare`]).
+    /// Its thread, if nobody runs its loop yet (see [`Vsock::prepare`]).
     fn start_thread(&mut self) -> Result<(), DeviceError> {
-        if self.thread.is_some() {
+        if !matches!(self.runner, Runner::NotYet) {
             return Ok(());
         }
-        let worker = self.state.clone();
-        let epoll = worker.lock().unwrap().muxer.epoll();
+        let pump = self.pump();
         let thread = crate::thread_builder("vsock")
-            .spawn(move || event_loop::run(worker, epoll))
+            .spawn(move || pump.run())
             .map_err(|source| DeviceError::VsockThread { source })?;
-        self.thread = Some(thread);
+        self.runner = Runner::Thread(thread);
         Ok(())
+    }
+
+    fn pump(&self) -> event_loop::Pump {
+        let epoll = self.state.lock().unwrap().muxer.epoll();
+        event_loop::Pump::new(self.state.clone(), epoll)
     }
 }
 
@@ -311,7 +326,7 @@ impl Drop for Vsock {
     fn drop(&mut self) {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).stopped = true;
         let _ = self.stop.write(1);
-        if let Some(t) = self.thread.take() {
+        if let Runner::Thread(t) = std::mem::replace(&mut self.runner, Runner::NotYet) {
             let _ = t.join();
         }
     }
@@ -324,6 +339,14 @@ impl VirtioDevice for Vsock {
 
     fn start(&mut self) -> Result<(), DeviceError> {
         self.start_thread()
+    }
+
+    fn take_loop(&mut self) -> Option<Box<dyn crate::devices::virtio::DeviceLoop>> {
+        if !matches!(self.runner, Runner::NotYet) {
+            return None;
+        }
+        self.runner = Runner::Handed;
+        Some(Box::new(self.pump()))
     }
 
     fn features(&self) -> u64 {
@@ -481,7 +504,7 @@ mod tests {
             state: Arc::new(Mutex::new(state)),
             guest_cid: 3,
             stop: EventFd::new(EFD_NONBLOCK).unwrap(),
-            thread: None,
+            runner: Runner::NotYet,
         };
         let (mem, queues, irq) = guest_rings();
         v.activate(mem.clone(), queues, irq, 0);
@@ -649,6 +672,54 @@ mod tests {
         mem.read_slice(&mut hb, GuestAddress(0xa_0000)).unwrap();
         let h = Header::parse(&hb);
         assert_eq!((h.op, h.dst_port), (OP_REQUEST, 52));
+    }
+
+    /// A device whose loop the VM's owner runs starts no thread: a host connection waits
+    /// until the owner, woken by the loop's descriptor, turns it; once the device is gone the
+    /// loop says so.
+    #[test]
+    fn a_loop_handed_to_the_owner_serves_connections_when_turned() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let mut v = Vsock::prepare(3, &uds).unwrap();
+        let mut l = v.take_loop().expect("a loop to hand over");
+        assert!(
+            l.first_wait() > std::time::Duration::ZERO,
+            "waits before its first turn"
+        );
+        assert!(v.take_loop().is_none(), "handed over once");
+        v.start().unwrap();
+        assert!(matches!(v.runner, Runner::Handed), "no thread started");
+        let (mem, queues, irq) = guest_rings();
+        post_buffer(&mem, RX, 0, 0xa_0000, 4096, 0);
+        v.activate(mem.clone(), queues, irq, 0);
+        let mut client = std::os::unix::net::UnixStream::connect(&uds).unwrap();
+        client.write_all(b"CONNECT 52\n").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(used_idx(&mem, RX), 0, "nothing runs the loop but its owner");
+        let t0 = std::time::Instant::now();
+        while used_idx(&mem, RX) == 0 {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(10),
+                "never served"
+            );
+            let mut fd = libc::pollfd {
+                fd: l.fd().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut fd, 1, 1000) };
+            let wait = l.turn().expect("the device runs");
+            assert!(wait > std::time::Duration::ZERO);
+        }
+        let mut hb = [0u8; HDR_LEN];
+        mem.read_slice(&mut hb, GuestAddress(0xa_0000)).unwrap();
+        let h = Header::parse(&hb);
+        assert_eq!((h.op, h.dst_port), (OP_REQUEST, 52));
+        drop(v);
+        assert!(l.turn().is_none(), "a dropped device's loop has stopped");
     }
 
     #[test]

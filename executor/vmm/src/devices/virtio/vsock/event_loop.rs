@@ -1,9 +1,11 @@
-//! The device thread: waits on the host streams and the queue notification eventfds (epoll),
-//! hands stream events to the muxer, drains the transmit queue when the guest notifies it,
-//! fills the guest's receive queue, and runs the watchdog that recovers from lost interrupts and
-//! reports work that stays stuck.
+//! The device's event loop: waits on the host streams and the queue notification eventfds
+//! (epoll), hands stream events to the muxer, drains the transmit queue when the guest notifies
+//! it, fills the guest's receive queue, and runs the watchdog that recovers from lost
+//! interrupts and reports work that stays stuck. Run on a thread of the device's own
+//! ([`Pump::run`]) or turned by the VM's owner ([`DeviceLoop`]).
 
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -12,22 +14,50 @@ use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use super::device::{DeviceState, TOKEN_QUEUE_BASE, TOKEN_STOP};
 use super::dump;
 use super::muxer::TOKEN_LISTENER;
-use crate::devices::virtio::{queue_events, LostIrqs, INT_USED_RING};
+use crate::devices::virtio::{queue_events, DeviceLoop, LostIrqs, INT_USED_RING};
 use crate::diagnostics::DumpRequests;
 
-pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
-    let mut events = vec![EpollEvent::default(); 64];
-    let mut watchdog = IrqWatchdog::default();
-    let mut busy = false;
-    loop {
-        let Some(n) = queue_events::wait(&epoll, &mut events, busy, "vsock") else {
-            return;
-        };
-        let mut g = state.lock().unwrap();
-        if g.stopped {
-            return;
+pub(super) struct Pump {
+    state: Arc<Mutex<DeviceState>>,
+    epoll: Arc<Epoll>,
+    events: Vec<EpollEvent>,
+    watchdog: IrqWatchdog,
+    /// Something pending that the next checks must follow closely.
+    busy: bool,
+}
+
+impl Pump {
+    pub(super) fn new(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) -> Pump {
+        Pump {
+            state,
+            epoll,
+            events: vec![EpollEvent::default(); 64],
+            watchdog: IrqWatchdog::default(),
+            busy: false,
         }
-        for ev in &events[..n] {
+    }
+
+    /// The device's own thread.
+    pub(super) fn run(mut self) {
+        loop {
+            let Some(n) = queue_events::wait(&self.epoll, &mut self.events, self.busy, "vsock")
+            else {
+                return;
+            };
+            if !self.handle(n) {
+                return;
+            }
+        }
+    }
+
+    /// Handle the first `n` of the events just waited for (none: a timed check); false once
+    /// the device stopped.
+    fn handle(&mut self, n: usize) -> bool {
+        let mut g = self.state.lock().unwrap();
+        if g.stopped {
+            return false;
+        }
+        for ev in &self.events[..n] {
             match ev.data() {
                 TOKEN_LISTENER => {
                     g.first_call.mark("host connected");
@@ -47,9 +77,27 @@ pub(super) fn run(state: Arc<Mutex<DeviceState>>, epoll: Arc<Epoll>) {
         g.process_rx();
         // One interrupt for the whole pass, before the watchdog looks for a lost one.
         g.flush_irq();
-        watchdog.check(&mut g);
+        self.watchdog.check(&mut g);
         g.flush_irq();
-        busy = watchdog.watching();
+        self.busy = self.watchdog.watching();
+        true
+    }
+}
+
+impl DeviceLoop for Pump {
+    fn fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the epoll lives as long as self.
+        unsafe { BorrowedFd::borrow_raw(self.epoll.as_raw_fd()) }
+    }
+
+    fn first_wait(&self) -> Duration {
+        queue_events::wait_timeout(self.busy)
+    }
+
+    fn turn(&mut self) -> Option<Duration> {
+        let n = queue_events::ready(&self.epoll, &mut self.events, "vsock")?;
+        self.handle(n)
+            .then(|| queue_events::wait_timeout(self.busy))
     }
 }
 
