@@ -144,9 +144,10 @@ const KVMIO: u64 = 0xAE;
 const KVM_CREATE_VM: u64 = 0xAE01;
 const KVM_CREATE_VCPU: u64 = 0xAE41;
 
-/// Every system call a running VMM makes: its vCPU and device threads, its main thread (device loops, the control socket), a thread per control connection, a branch
-/// (full, diff, live with its forked copier) and a rebase. Found by running the host tests
-/// and the lab scenarios under [`SeccompMode::Log`] and reading the kernel's log.
+/// Every system call a running VMM makes: its vCPU and device threads, its main thread (device
+/// loops, the control socket), a thread per control connection, a branch (full, diff, live with
+/// its forked copier) and a rebase. Found by running the host tests and the lab scenarios under
+/// [`SeccompMode::Log`] and reading the kernel's log.
 fn allow_list() -> Result<BTreeMap<i64, Vec<SeccompRule>>, ConfineError> {
     use libc::*;
     let any: &[i64] = &[
