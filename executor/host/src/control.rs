@@ -135,10 +135,12 @@ pub fn serve_until_stopped(
         .iter()
         .map(|l| Some(Instant::now() + l.first_wait()))
         .collect();
+    // False once the socket can take no more connections: poll skips a negative descriptor.
+    let mut listening = true;
     loop {
         let mut fds = vec![
             pollfd(vm.stopped_fd().as_raw_fd()),
-            pollfd(listener.as_raw_fd()),
+            pollfd(if listening { listener.as_raw_fd() } else { -1 }),
         ];
         // fds[2..] are the live loops', in this order.
         let live: Vec<usize> = (0..loops.len()).filter(|&i| due[i].is_some()).collect();
@@ -163,9 +165,9 @@ pub fn serve_until_stopped(
         if fds[0].revents != 0 {
             return;
         }
-        if fds[1].revents != 0 && !accept(listener, vm) {
-            // No more requests; the devices still need turning.
-            fds[1].fd = -1;
+        if fds[1].revents != 0 {
+            // No more requests after a refusal; the devices still need turning.
+            listening = accept(listener, vm);
         }
         let now = Instant::now();
         for (k, &i) in live.iter().enumerate() {
