@@ -854,6 +854,13 @@ struct Written {
     unattributed: Vec<String>,
 }
 
+impl Written {
+    /// `bytes` summed over the children with cgroups, in MiB per such child.
+    fn mib_per_cgroup_child(&self, bytes: u64) -> f64 {
+        bytes as f64 / (1u64 << 20) as f64 / self.cgroup_children.max(1) as f64
+    }
+}
+
 fn attribute_written(host: &tine_host::Host, sample: &[&SpawnOutcome]) -> Written {
     let mut w = Written::default();
     for r in sample {
@@ -1045,16 +1052,16 @@ fn print_written_table(rows: &[(usize, Written)], idle_secs: f64) -> String {
     });
     // The kernel's share, where children have cgroups: the same children, read after them.
     if rows.iter().any(|(_, w)| w.cgroup_children > 0) {
-        let per =
-            |v: u64, w: &Written| v as f64 / (1u64 << 20) as f64 / w.cgroup_children.max(1) as f64;
         for k in &kernel {
-            line(k, &|w| per(w.kernel_bytes.get(k).copied().unwrap_or(0), w));
+            line(k, &|w| {
+                w.mib_per_cgroup_child(w.kernel_bytes.get(k).copied().unwrap_or(0))
+            });
         }
         line("host kernel: total", &|w| {
-            per(w.kernel_bytes.values().sum(), w)
+            w.mib_per_cgroup_child(w.kernel_bytes.values().sum())
         });
         line("cgroup: memory.current (all it is charged)", &|w| {
-            per(w.charged_bytes, w)
+            w.mib_per_cgroup_child(w.charged_bytes)
         });
         println!("  host kernel = the child's cgroup's memory.stat: kernel stacks of its threads, page tables, KVM's page tables");
         println!("  for the guest (sec_pagetables), slab, per-CPU, vmalloc; memory.current also holds the pages above (the snapshot's");
@@ -1080,13 +1087,12 @@ fn print_written_table(rows: &[(usize, Written)], idle_secs: f64) -> String {
                 .iter()
                 .map(|(k, v)| (k.clone(), serde_json::json!(mib(*v, w.children, 1))))
                 .collect();
-            let per = |v: u64| v as f64 / (1u64 << 20) as f64 / w.cgroup_children.max(1) as f64;
             let kernel: serde_json::Map<String, serde_json::Value> = w
                 .kernel_bytes
                 .iter()
-                .map(|(k, v)| (k.clone(), serde_json::json!(per(*v))))
+                .map(|(k, v)| (k.clone(), serde_json::json!(w.mib_per_cgroup_child(*v))))
                 .collect();
-            let charged = (w.cgroup_children > 0).then(|| per(w.charged_bytes));
+            let charged = (w.cgroup_children > 0).then(|| w.mib_per_cgroup_child(w.charged_bytes));
             serde_json::json!({"n": n, "children": w.children, "guest_mib_per_child": guest,
                                "vmm_mib_per_child": vmm, "kernel_mib_per_child": kernel,
                                "cgroup_children": w.cgroup_children,

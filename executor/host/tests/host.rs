@@ -1495,10 +1495,6 @@ fn children_restore_from_a_held_image() {
     );
 }
 
-/// Branch running children: a diff holds only what the child wrote and carries its state
-/// (its children count on from the branch, not from the root), the source runs on, a branch
-/// of a branch works, a full branch stands alone, a re-adopted child can be branched, and
-/// bad requests and deleting a parent under its branches are refused.
 /// A child's VMM serves its control socket and waits for its guest on one thread: a guest
 /// that asks for a reset after a while answers a control request while it runs, then its VMM
 /// ends with the guest's code (a reset's, 2) and the host reaps it with that reason.
@@ -1513,8 +1509,8 @@ fn a_guest_that_stops_ends_its_vmm() {
     let id = spawn_of(&host, &Tag::parse("stopping").unwrap());
     let first = counts_of(&host, &id, 1)[0];
     assert!(
-        first < 4_000,
-        "the child starts near the parent's count, not {first}"
+        first < 40,
+        "the child starts near the parent's count (3), not {first}"
     );
     let counters = host
         .kvm_counters(&id)
@@ -1541,6 +1537,10 @@ fn a_guest_that_stops_ends_its_vmm() {
     assert!(host.live_ids().is_empty());
 }
 
+/// Branch running children: a diff holds only what the child wrote and carries its state
+/// (its children count on from the branch, not from the root), the source runs on, a branch
+/// of a branch works, a full branch stands alone, a re-adopted child can be branched, and
+/// bad requests and deleting a parent under its branches are refused.
 fn branching_running_children() {
     let tmp = tempfile::tempdir().unwrap();
     let root = Tag::parse("counter").unwrap();
