@@ -84,6 +84,12 @@ fn net_of(host: &Host, id: &SandboxId) -> String {
         .expect("a networked child records its namespace")
 }
 
+/// The pid of `id`'s VMM.
+fn pid_of(host: &Host, id: &SandboxId) -> u32 {
+    let v = host.list().into_iter().find(|v| &v.record.id == id);
+    v.expect("a live child").record.process.pid
+}
+
 fn ns_exists(name: &str) -> bool {
     Path::new("/run/netns").join(name).exists()
 }
@@ -150,6 +156,20 @@ fn children_get_their_own_confined_network() {
         );
     }
 
+    // Each VMM serves its tap from its main thread, as it does its vsock: no device threads.
+    for id in &ids {
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", pid_of(&host, id))).unwrap();
+        let names: Vec<String> = tasks
+            .map(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).unwrap())
+            .map(|n| n.trim().to_string())
+            .collect();
+        assert!(names.iter().any(|n| n.starts_with("vcpu")), "{names:?}");
+        assert!(
+            !names.iter().any(|n| n == "net" || n == "vsock"),
+            "a device thread in a networked child's VMM: {names:?}"
+        );
+    }
+
     // A policy of its own: deny the internet, allow one address and port, deny one network.
     let policy = Policy {
         internet: false,
@@ -181,14 +201,7 @@ fn children_get_their_own_confined_network() {
     // A crashed VMM: the reaper removes its network.
     let victim = &ids[0];
     let victim_ns = net_of(&host, victim);
-    let pid = host
-        .list()
-        .into_iter()
-        .find(|v| &v.record.id == victim)
-        .unwrap()
-        .record
-        .process
-        .pid;
+    let pid = pid_of(&host, victim);
     // SAFETY: signalling a VMM worker this test started.
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     let t0 = std::time::Instant::now();

@@ -739,7 +739,7 @@ impl Vm {
         self.start_devices(false).map(|(vm, _)| vm)
     }
 
-    /// [`start`](Self::start), except that the devices that can (vsock) hand their event loops
+    /// [`start`](Self::start), except that the devices that can (vsock, net) hand their event loops
     /// to the caller instead of starting threads of their own: the caller must turn them (see
     /// [`DeviceLoop`]) for as long as the VM runs, or those devices stall.
     pub fn start_with_loops(self) -> Result<(RunningVm, Vec<Box<dyn DeviceLoop>>)> {

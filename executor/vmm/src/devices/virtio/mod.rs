@@ -3,6 +3,7 @@
 pub mod mmio;
 pub mod net;
 pub mod queue_events;
+mod runner;
 pub mod used_irq;
 pub mod vsock;
 
@@ -125,6 +126,26 @@ pub trait DeviceLoop: Send {
     /// next turn if nothing wakes it (the loop's own timed checks), or None once the device
     /// has stopped: it is not turned again.
     fn turn(&mut self) -> Option<std::time::Duration>;
+}
+
+/// Test helper: as a VM's owner does, wait (up to 1 s) for `l`'s descriptor, then turn it,
+/// until `done`; fails after 10 s or if the device stops.
+#[cfg(test)]
+pub(crate) fn turn_until(l: &mut dyn DeviceLoop, mut done: impl FnMut() -> bool) {
+    use std::os::fd::AsRawFd;
+    let t0 = Instant::now();
+    while !done() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never done");
+        let mut fd = libc::pollfd {
+            fd: l.fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut fd, 1, 1000) };
+        let wait = l.turn().expect("the device runs");
+        assert!(wait > Duration::ZERO);
+    }
 }
 
 /// The device half of a virtio device; the transport owns feature negotiation and queue setup.

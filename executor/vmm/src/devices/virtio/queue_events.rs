@@ -1,4 +1,4 @@
-//! What the device threads of vsock and net share: the queue notification eventfds KVM
+//! What the event loops of vsock and net share: the queue notification eventfds KVM
 //! signals (one per queue, watched in the device's epoll) and the wait that also wakes for
 //! the lost-interrupt check.
 

@@ -13,8 +13,9 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::tap::{Tap, TUN_F_CSUM, VNET_HDR_LEN};
 use super::{event_loop, Mac, DEVICE_ID};
 use crate::devices::virtio::queue_events::QueueEvents;
+use crate::devices::virtio::runner::Runner;
 use crate::devices::virtio::used_irq::{IrqCounts, UsedIrq};
-use crate::devices::virtio::{IrqLine, VirtioDevice};
+use crate::devices::virtio::{DeviceLoop, IrqLine, VirtioDevice};
 use crate::error::DeviceError;
 use crate::snapshot::devices::VirtioKind;
 
@@ -247,12 +248,13 @@ impl DeviceState {
     }
 }
 
-/// The virtio-net device: a tap (or none) and the thread that serves it.
+/// The virtio-net device: a tap (or none), and its event loop, run on a thread of its own or by
+/// the VM's owner.
 pub struct Net {
     state: Arc<Mutex<DeviceState>>,
     epoll: Arc<Epoll>,
     mac: Mac,
-    thread: Option<std::thread::JoinHandle<()>>,
+    runner: Runner,
 }
 
 impl Net {
@@ -302,21 +304,20 @@ impl Net {
             state,
             epoll,
             mac,
-            thread: None,
+            runner: Runner::NotYet,
         })
     }
 
-    /// Its thread, if it has none yet (see [`Net::prepare`]).
+    /// Its thread, if nobody runs its loop yet (see [`Net::prepare`]).
     fn start_thread(&mut self) -> Result<(), DeviceError> {
-        if self.thread.is_some() {
-            return Ok(());
-        }
-        let (worker, ep) = (self.state.clone(), self.epoll.clone());
-        let thread = crate::thread_builder("net")
-            .spawn(move || event_loop::run(worker, ep))
-            .map_err(|source| DeviceError::NetThread { source })?;
-        self.thread = Some(thread);
-        Ok(())
+        let pump = self.pump();
+        self.runner
+            .start_thread("net", || move || pump.run())
+            .map_err(|source| DeviceError::NetThread { source })
+    }
+
+    fn pump(&self) -> event_loop::Pump {
+        event_loop::Pump::new(self.state.clone(), self.epoll.clone())
     }
 
     pub fn stats(&self) -> NetStats {
@@ -329,13 +330,12 @@ impl Drop for Net {
         {
             let g = &mut *self.state.lock().unwrap_or_else(|p| p.into_inner());
             g.stopped = true;
-            // Now, not at its next idle wake-up: the thread lets go of guest RAM and the tap.
+            // Now, not at its next idle wake-up: the loop lets go of guest RAM and the tap.
             let _ = g.kick.write(1);
         }
-        // Waited for, so the RAM and the tap are released when the device is (see Vsock).
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        // Waited for, so the RAM and the tap are released when the device is (see Vsock). A
+        // loop handed over holds them until its owner turns it once more, which the kick asks.
+        self.runner.join();
     }
 }
 
@@ -357,6 +357,12 @@ impl VirtioDevice for Net {
 
     fn start(&mut self) -> Result<(), DeviceError> {
         self.start_thread()
+    }
+
+    fn take_loop(&mut self) -> Option<Box<dyn DeviceLoop>> {
+        self.runner
+            .hand_over()
+            .then(|| Box::new(self.pump()) as Box<dyn DeviceLoop>)
     }
 
     fn features(&self) -> u64 {
@@ -492,6 +498,12 @@ mod tests {
 
     fn activated(tap: Option<Tap>) -> (Net, GuestMemoryMmap) {
         let mut net = Net::new(GUEST_MAC, tap).unwrap();
+        let mem = activate(&mut net);
+        (net, mem)
+    }
+
+    /// Activate `net` over 1 MiB of guest memory with both rings set up; returns that memory.
+    fn activate(net: &mut Net) -> GuestMemoryMmap {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let queues = (0..2)
             .map(|q| {
@@ -506,7 +518,7 @@ mod tests {
             .collect();
         let irq = IrqLine::new(EventFd::new(EFD_NONBLOCK).unwrap());
         net.activate(mem.clone(), queues, irq, net.features());
-        (net, mem)
+        mem
     }
 
     /// How many times the device's interrupt line was raised since the last look.
@@ -638,6 +650,38 @@ mod tests {
         wait_until("the read-only buffer is returned", || used(&mem, RX) == 3);
         assert_eq!(used_len(&mem, RX, 2), 0);
         assert_eq!(net.stats().rx_dropped, 2);
+    }
+
+    /// A device whose loop the VM's owner runs starts no thread: a frame from the host waits
+    /// until the owner, woken by the loop's descriptor, turns it; once the device is gone the
+    /// loop says so.
+    #[test]
+    fn a_loop_handed_to_the_owner_moves_frames_when_turned() {
+        let Some(tap) = tap_in_own_netns() else {
+            return;
+        };
+        let mut net = Net::prepare(GUEST_MAC, Some(tap)).unwrap();
+        let mut l = net.take_loop().expect("a loop to hand over");
+        assert!(
+            l.first_wait() > Duration::ZERO,
+            "waits before its first turn"
+        );
+        assert!(net.take_loop().is_none(), "handed over once");
+        net.start().unwrap();
+        assert!(matches!(net.runner, Runner::Handed), "no thread started");
+        let mem = activate(&mut net);
+        post(&mem, RX, 0, 0x9_0000, 2048);
+        let host = UdpSocket::bind("10.9.0.1:7001").unwrap();
+        host.send_to(b"for the owner to deliver", "10.9.0.2:5000")
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(used(&mem, RX), 0, "nothing runs the loop but its owner");
+        crate::devices::virtio::turn_until(&mut *l, || used(&mem, RX) == 1);
+        let mut got = vec![0u8; used_len(&mem, RX, 0) as usize];
+        mem.read_slice(&mut got, GuestAddress(0x9_0000)).unwrap();
+        assert!(got.ends_with(b"for the owner to deliver"), "{got:?}");
+        drop(net);
+        assert!(l.turn().is_none(), "a dropped device's loop has stopped");
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //!
 //! * `tap`: opening `/dev/net/tun`, the virtio-net header, offloads;
 //! * `device`: the virtio device (config space, feature negotiation, RX/TX queues, pause);
-//! * `event_loop`: the device thread (tap readiness, queue notifications, lost interrupts).
+//! * `event_loop`: the device's event loop (tap readiness, queue notifications, lost
+//!   interrupts), on a thread of its own or turned by the VM's owner.
 
 mod device;
 mod event_loop;

@@ -16,6 +16,7 @@ use super::muxer::Muxer;
 use super::packet::{Header, HDR_LEN, MAX_PKT, OP_REQUEST, OP_RESPONSE, OP_RW};
 use super::{event_loop, DEVICE_ID, HOST_CID};
 use crate::devices::virtio::queue_events::QueueEvents;
+use crate::devices::virtio::runner::Runner;
 use crate::devices::virtio::used_irq::UsedIrq;
 use crate::devices::virtio::{IrqLine, VirtioDevice};
 use crate::error::DeviceError;
@@ -231,16 +232,6 @@ pub struct Vsock {
     runner: Runner,
 }
 
-/// Who runs the device's event loop.
-enum Runner {
-    /// Nobody yet (see [`Vsock::prepare`]).
-    NotYet,
-    /// Its own thread.
-    Thread(std::thread::JoinHandle<()>),
-    /// The VM's owner (see [`VirtioDevice::take_loop`]).
-    Handed,
-}
-
 impl Vsock {
     /// Listen on `uds_path` (replaced if a stale socket is there) for guest `guest_cid`.
     pub fn new(guest_cid: u64, uds_path: &Path) -> Result<Self, DeviceError> {
@@ -299,21 +290,19 @@ impl Vsock {
 
     /// Its thread, if nobody runs its loop yet (see [`Vsock::prepare`]).
     fn start_thread(&mut self) -> Result<(), DeviceError> {
-        if !matches!(self.runner, Runner::NotYet) {
-            return Ok(());
-        }
-        let pump = self.pump();
-        let thread = crate::thread_builder("vsock")
-            .spawn(move || pump.run())
-            .map_err(|source| DeviceError::VsockThread { source })?;
-        self.runner = Runner::Thread(thread);
-        Ok(())
+        let state = &self.state;
+        self.runner
+            .start_thread("vsock", || {
+                let pump = pump(state);
+                move || pump.run()
+            })
+            .map_err(|source| DeviceError::VsockThread { source })
     }
+}
 
-    fn pump(&self) -> event_loop::Pump {
-        let epoll = self.state.lock().unwrap().muxer.epoll();
-        event_loop::Pump::new(self.state.clone(), epoll)
-    }
+fn pump(state: &Arc<Mutex<DeviceState>>) -> event_loop::Pump {
+    let epoll = state.lock().unwrap().muxer.epoll();
+    event_loop::Pump::new(state.clone(), epoll)
 }
 
 impl Drop for Vsock {
@@ -326,9 +315,7 @@ impl Drop for Vsock {
     fn drop(&mut self) {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).stopped = true;
         let _ = self.stop.write(1);
-        if let Runner::Thread(t) = std::mem::replace(&mut self.runner, Runner::NotYet) {
-            let _ = t.join();
-        }
+        self.runner.join();
     }
 }
 
@@ -342,11 +329,9 @@ impl VirtioDevice for Vsock {
     }
 
     fn take_loop(&mut self) -> Option<Box<dyn crate::devices::virtio::DeviceLoop>> {
-        if !matches!(self.runner, Runner::NotYet) {
-            return None;
-        }
-        self.runner = Runner::Handed;
-        Some(Box::new(self.pump()))
+        self.runner
+            .hand_over()
+            .then(|| Box::new(pump(&self.state)) as Box<dyn crate::devices::virtio::DeviceLoop>)
     }
 
     fn features(&self) -> u64 {
@@ -679,7 +664,6 @@ mod tests {
     /// loop says so.
     #[test]
     fn a_loop_handed_to_the_owner_serves_connections_when_turned() {
-        use std::os::fd::AsRawFd;
         let dir = tempfile::tempdir().unwrap();
         let uds = dir.path().join("v.sock");
         let mut v = Vsock::prepare(3, &uds).unwrap();
@@ -698,22 +682,7 @@ mod tests {
         client.write_all(b"CONNECT 52\n").unwrap();
         std::thread::sleep(std::time::Duration::from_millis(20));
         assert_eq!(used_idx(&mem, RX), 0, "nothing runs the loop but its owner");
-        let t0 = std::time::Instant::now();
-        while used_idx(&mem, RX) == 0 {
-            assert!(
-                t0.elapsed() < std::time::Duration::from_secs(10),
-                "never served"
-            );
-            let mut fd = libc::pollfd {
-                fd: l.fd().as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd.
-            unsafe { libc::poll(&mut fd, 1, 1000) };
-            let wait = l.turn().expect("the device runs");
-            assert!(wait > std::time::Duration::ZERO);
-        }
+        crate::devices::virtio::turn_until(&mut *l, || used_idx(&mem, RX) == 1);
         let mut hb = [0u8; HDR_LEN];
         mem.read_slice(&mut hb, GuestAddress(0xa_0000)).unwrap();
         let h = Header::parse(&hb);

@@ -13,7 +13,7 @@
 //! * `connection`: one stream's state machine and credit accounting;
 //! * `muxer`: the host-side Unix sockets and the table routing packets to streams;
 //! * `device`: the virtio device itself (queues, interrupts, pause, restore);
-//! * `event_loop`: the device thread (host stream events, lost-interrupt watchdog);
+//! * `event_loop`: the event loop (host stream events, lost-interrupt watchdog);
 //! * `dump`: the one-line state description logged when diagnosing stalls;
 //! * `first_call`: what a restored guest's first host call waited on, logged once.
 //!
