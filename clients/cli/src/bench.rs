@@ -355,6 +355,11 @@ pub struct ForkBench {
     /// the snapshot and maps its working set after its job arrives; see docs/performance.md).
     #[arg(long)]
     no_prime: bool,
+    /// Seconds after each child's guest starts to give back the guest RAM pages its VMM holds
+    /// unchanged from the snapshot (written back as they were, or copied ahead with the working
+    /// set and never changed), inside one short pause; 0: never.
+    #[arg(long, default_value_t = 2.0, value_parser = crate::local::parse_give_back_after)]
+    give_back_after: f64,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -536,7 +541,11 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         "     memory = PSS of the child VMM processes after all are ready and idle for {} s, divided by N, split into guest RAM (the memory.img mapping: shared pages by share, pages the guest wrote in full) and the VMM process itself;",
         b.idle_secs
     );
-    println!("     CPU/child = the whole machine's busy CPU time in ms (/proc/stat, all CPUs, counted at clock-tick resolution) from the clock until all N are ready, divided by N.");
+    println!("     CPU/child = the whole machine's busy CPU time in ms (/proc/stat, all CPUs, counted at clock-tick resolution) from the clock until all N are ready, divided by N;");
+    match crate::local::give_back_after(b.give_back_after) {
+        Some(d) => println!("     each child's VMM gives back the guest pages it holds unchanged from the snapshot {:.1} s after its guest starts (--give-back-after; 0: never).", d.as_secs_f64()),
+        None => println!("     no child gives back the guest pages it holds unchanged (--give-back-after 0)."),
+    }
     let mut cold: Vec<f64> = Vec::new();
     for i in 0..b.cold_runs {
         let d = cold_boot(&b.image)?;
@@ -581,6 +590,7 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         tine_host::Limits {
             merge_pages: b.merge_pages,
             prime_workers: !b.no_prime,
+            give_back_after: crate::local::give_back_after(b.give_back_after),
             ..tine_host::Limits::one_shot()
         },
         tine_host::Readiness::Agent,
@@ -725,13 +735,14 @@ fn fork_bench(b: ForkBench) -> Result<i32> {
         "null".to_string()
     };
     let doc = format!(
-        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"idle_secs\":{},\"hold_image\":{},\"merge_pages\":{},\"prime_workers\":{},\"idle_workers\":[{}],\"rows\":[{}],\"phases\":[{}],\"written\":{},\"slab_by_cache\":{},\"kvm_to_ready_p50\":{},\"merged\":{}}}",
+        "{{\"bench\":\"fork\",\"tag\":{:?},\"cold_ready_ms_p50\":{cold_p50:.3},\"kvm_floor_ms_p50\":{:.3},\"idle_secs\":{},\"hold_image\":{},\"merge_pages\":{},\"prime_workers\":{},\"give_back_after_secs\":{},\"idle_workers\":[{}],\"rows\":[{}],\"phases\":[{}],\"written\":{},\"slab_by_cache\":{},\"kvm_to_ready_p50\":{},\"merged\":{}}}",
         b.tag.as_str(),
         pct(&floor, 0.5),
         b.idle_secs,
         b.hold_image,
         b.merge_pages,
         !b.no_prime,
+        b.give_back_after,
         idle_json.join(","),
         rows.join(","),
         phases_json.join(","),

@@ -174,9 +174,22 @@ fn iperf3(inet: &Inet, agent: &AgentClient, seconds: u64, reverse: bool) -> Resu
         );
     }
     let doc: serde_json::Value = serde_json::from_slice(&out).context("iperf3's JSON")?;
+    if let Some(e) = doc["error"].as_str() {
+        bail!("iperf3 in the guest: {e}");
+    }
     doc["end"]["sum_received"]["bits_per_second"]
         .as_f64()
-        .context("iperf3's JSON has no end.sum_received.bits_per_second")
+        .with_context(|| {
+            let end = doc["end"].to_string();
+            format!("iperf3's JSON has no end.sum_received.bits_per_second; its end: {end:.400}")
+        })
+}
+
+/// JSON object `doc` with `"key":value` added at its end.
+fn with_field(doc: &str, key: &str, value: &str) -> String {
+    // Only the object's own closing brace: the last field's value may end in one too.
+    let open = doc.strip_suffix('}').unwrap_or(doc);
+    format!("{open},{key:?}:{value}}}")
 }
 
 /// What KVM counted for one child over a stretch of its run.
@@ -377,14 +390,24 @@ pub fn run(b: NetBench) -> Result<i32> {
             "{{\"phase\":{name:?},\"with_ms_p50\":{w:.3},\"without_ms_p50\":{wo:.3}}}"
         ));
     }
-    let doc = format!(
-        "{}, \"phases\":[{}]}}",
-        doc.trim_end_matches('}'),
-        phases_json.join(",")
-    );
+    let doc = with_field(&doc, "phases", &format!("[{}]", phases_json.join(",")));
     println!("\njson: {doc}");
     if let Some(p) = b.json {
         std::fs::write(&p, &doc).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_field_goes_inside_the_object_even_after_a_nested_one() {
+        let doc = r#"{"a":1,"kvm":{"exits":2}}"#;
+        let out = with_field(doc, "phases", "[]");
+        assert_eq!(out, r#"{"a":1,"kvm":{"exits":2},"phases":[]}"#);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["kvm"]["exits"], 2);
+    }
 }

@@ -277,6 +277,19 @@ fn host_nameservers() -> Vec<Ipv4Addr> {
         .collect()
 }
 
+/// `--give-back-after`: seconds, finite and not negative.
+pub fn parse_give_back_after(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=86_400.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?} is not a number of seconds from 0 to 86400")),
+    }
+}
+
+/// [`Limits::give_back_after`] from `--give-back-after` seconds (0: never).
+pub fn give_back_after(secs: f64) -> Option<std::time::Duration> {
+    (secs > 0.0).then(|| std::time::Duration::from_secs_f64(secs))
+}
+
 /// The host as the CLI's own commands (`tine snapshot/fork/ls/kill`, benches) see it.
 /// `prime`: idle workers prime themselves for the snapshot forked from ([`Limits::prime_workers`]).
 pub fn cli_host(readiness: Readiness, prime: bool) -> Result<Host> {

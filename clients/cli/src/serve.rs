@@ -111,6 +111,11 @@ pub struct UpArgs {
     /// child's cgroup.
     #[arg(long)]
     no_prime: bool,
+    /// Seconds after each child's guest starts to give back the guest RAM pages its VMM holds
+    /// unchanged from the snapshot (written back as they were, or copied ahead with the working
+    /// set and never changed), inside one short pause; 0: never.
+    #[arg(long, default_value_t = 2.0, value_parser = crate::local::parse_give_back_after)]
+    give_back_after: f64,
     /// Start even though /dev/kvm is PVM (VM calls will fail).
     #[arg(long)]
     allow_pvm: bool,
@@ -214,6 +219,7 @@ pub fn up(a: UpArgs) -> Result<i32> {
                     hot_image_mib: a.hot_image_mib,
                     merge_pages: a.merge_pages,
                     prime_workers: !a.no_prime,
+                    give_back_after: local::give_back_after(a.give_back_after),
                     ..tine_host::Limits::default()
                 },
                 // One host: its snapshots are always here.
@@ -485,6 +491,11 @@ pub struct ExecutorArgs {
     /// child's cgroup.
     #[arg(long)]
     no_prime: bool,
+    /// Seconds after each child's guest starts to give back the guest RAM pages its VMM holds
+    /// unchanged from the snapshot (written back as they were, or copied ahead with the working
+    /// set and never changed), inside one short pause; 0: never.
+    #[arg(long, default_value_t = 2.0, value_parser = crate::local::parse_give_back_after)]
+    give_back_after: f64,
     #[arg(long)]
     allow_plaintext_remote: bool,
     #[arg(long)]
@@ -551,6 +562,7 @@ pub fn executor(a: ExecutorArgs) -> Result<i32> {
                         hot_image_mib: a.hot_image_mib,
                         merge_pages: a.merge_pages,
                         prime_workers: !a.no_prime,
+                        give_back_after: local::give_back_after(a.give_back_after),
                         ..tine_host::Limits::default()
                     },
                     a.store.clone().map(|url| local::StoreChoice {

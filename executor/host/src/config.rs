@@ -73,12 +73,20 @@ pub struct Limits {
     /// daemon's CPU, and merging across tenants lets one child time another's writes (a
     /// known side channel). Needs `/sys/kernel/mm/ksm/run` = 1 ([`crate::ksm`]).
     pub merge_pages: bool,
+    /// How long after a child's guest starts its VMM gives back the guest RAM pages it holds
+    /// privately but unchanged from the snapshot (pages written back as they were, or copied
+    /// ahead with the working set and never changed), inside one short pause; they then map
+    /// the snapshot's pages again, shared with its other children. None: never.
+    pub give_back_after: Option<Duration>,
     /// Idle workers prime themselves for the snapshot last spawned from: its restore done up
     /// to what needs the child, its working set mapped (see [`crate::worker::PrimeJob`]). Each
     /// primed worker holds the pages that working set writes (under 1 MiB for python-numpy),
     /// charged to the executor rather than to a child.
     pub prime_workers: bool,
 }
+
+/// Late enough that a child's Wake and the guest's own work after its resume are done.
+pub const DEFAULT_GIVE_BACK_AFTER: Duration = Duration::from_secs(2);
 
 impl Default for Limits {
     fn default() -> Self {
@@ -92,6 +100,7 @@ impl Default for Limits {
             parent_ready_timeout: Duration::from_secs(900),
             hot_image_mib: 2048,
             merge_pages: false,
+            give_back_after: Some(DEFAULT_GIVE_BACK_AFTER),
             prime_workers: true,
         }
     }

@@ -123,10 +123,14 @@ pub fn bind(vm_dir: &Path) -> std::io::Result<UnixListener> {
 /// kernel stack, a task and stack pages apiece. Each connection is answered on a thread of its
 /// own, one at a time, so that a branch (which writes a snapshot, and for a live one waits for
 /// its copier while the guest runs on) never holds up the devices.
+///
+/// At `give_back_at` it gives back the guest RAM pages the VMM holds unchanged from the
+/// snapshot ([`RunningVm::give_back_unchanged`]), once, between two requests.
 pub fn serve_until_stopped(
     listener: &UnixListener,
     vm: &'static RunningVm,
     mut loops: Vec<Box<dyn DeviceLoop>>,
+    mut give_back_at: Option<Instant>,
 ) {
     use std::os::fd::AsRawFd;
     // Each loop waits first, as a device thread does: a turn before any event had its watchdog
@@ -149,6 +153,7 @@ pub fn serve_until_stopped(
         let timeout = due
             .iter()
             .flatten()
+            .chain(&give_back_at)
             .min()
             .map_or(-1, |at| ceil_ms(at.saturating_duration_since(now)));
         // SAFETY: valid pollfds, for descriptors that outlive the call.
@@ -176,8 +181,43 @@ pub fn serve_until_stopped(
                 due[i] = next_turn(loops[i].turn());
             }
         }
+        if give_back_at.is_some_and(|at| at <= now) {
+            give_back_at = give_back(vm);
+        }
     }
 }
+
+/// Give back the pages `vm` holds unchanged, unless a request is being answered (a branch
+/// pauses the guest itself, and the devices turned here must not wait for it): None once
+/// done, or when to try again.
+fn give_back(vm: &RunningVm) -> Option<Instant> {
+    let _one = match ONE_AT_A_TIME.try_lock() {
+        Ok(one) => one,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => {
+            return Some(Instant::now() + Duration::from_secs(1))
+        }
+    };
+    let t0 = Instant::now();
+    let line = match vm.give_back_unchanged() {
+        Ok(Some(g)) => format!(
+            "tine-vmm: gave back {} of {} private guest RAM pages, unchanged from the snapshot, in {:.1} ms (guest paused {:.1} ms)\n",
+            g.given_back,
+            g.private_pages,
+            t0.elapsed().as_secs_f64() * 1e3,
+            g.paused.as_secs_f64() * 1e3
+        ),
+        // Not RAM over a sole snapshot image: nothing to say.
+        Ok(None) => return None,
+        Err(e) => format!("tine-vmm: guest RAM pages not given back: {e}\n"),
+    };
+    let _ = std::io::stderr().write_all(line.as_bytes());
+    None
+}
+
+/// Requests are answered one at a time, as a single thread served them, and the give-back
+/// runs between two of them.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn pollfd(fd: std::os::fd::RawFd) -> libc::pollfd {
     libc::pollfd {
@@ -239,7 +279,6 @@ fn accept(listener: &UnixListener, vm: &'static RunningVm) -> bool {
 
 /// [`answer`], one request at a time, as a single thread served them.
 fn answer_one(conn: UnixStream, vm: &RunningVm) {
-    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     if let Err(e) = answer(conn, vm) {
         tracing::warn!("control connection: {e}");

@@ -169,6 +169,9 @@ struct ChildPlan<'a> {
     policy: Option<&'a Policy>,
     /// Its cgroup's limits (None: no cgroup).
     limits: Option<&'a ChildLimits>,
+    /// Its VMM gives back the pages it holds unchanged ([`Limits::give_back_after`]); not a
+    /// child recorded for the snapshot's page lists, whose copies are what it records.
+    give_back: bool,
 }
 
 /// How one child of a spawn ended.
@@ -736,12 +739,18 @@ impl Host {
     ) -> WorkerJob {
         // Children only: a booting parent's RAM is shared memory, which KSM never merges.
         let merge_pages = self.cfg.limits.merge_pages && matches!(vm, JobVm::Restore { .. });
+        let give_back_after_ms = match vm {
+            JobVm::Restore { .. } => self.cfg.limits.give_back_after,
+            _ => None,
+        }
+        .map(|d| d.as_millis() as u64);
         WorkerJob {
             vm,
             dir: dir.to_path_buf(),
             netns,
             confine: self.cfg.confine.for_worker(pid),
             merge_pages,
+            give_back_after_ms,
             #[cfg(feature = "testing")]
             trip_seccomp: self.cfg.confine.trip_seccomp,
         }
@@ -1309,6 +1318,7 @@ impl Host {
                                 image: image.as_ref(),
                                 policy: policy.as_ref(),
                                 limits: limits.as_ref(),
+                                give_back: true,
                             },
                             id,
                         )
@@ -1535,6 +1545,7 @@ impl Host {
             image: None,
             policy: None,
             limits: None,
+            give_back: false,
         };
         let out = self.spawn_one(&plan, id.clone());
         let got = out.result.map(|_| ready(out.pid));
@@ -1585,13 +1596,11 @@ impl Host {
     fn spawn_one(&self, plan: &ChildPlan<'_>, id: SandboxId) -> SpawnOutcome {
         let ChildPlan {
             tag,
-            snapshot,
             readiness,
             timeout,
             lazy,
             image,
-            policy,
-            limits,
+            ..
         } = *plan;
         let t = Instant::now();
         let span = tracing::info_span!("spawn.child", id = %id, tag = %tag);
@@ -1610,7 +1619,7 @@ impl Host {
             (None, Some(image)) => Memory::Held(image),
             (None, None) => Memory::Image,
         };
-        let handed = self.hand_off(tag, snapshot, &id, memory, policy, limits);
+        let handed = self.hand_off(plan, &id, memory);
         let (pid, restored_pipe, process, network) = match handed {
             Ok(x) => x,
             Err(e) => return fail(id, None, e),
@@ -1696,15 +1705,12 @@ impl Host {
     /// `reserve` took.
     fn hand_off(
         &self,
-        tag: &Tag,
-        snapshot: &std::path::Path,
+        plan: &ChildPlan<'_>,
         id: &SandboxId,
         memory: Memory<'_>,
-        policy: Option<&Policy>,
-        limits: Option<&ChildLimits>,
     ) -> Result<(u32, std::fs::File, ProcessIdentity, Duration)> {
         let _s = tracing::info_span!("spawn.handoff").entered();
-        let started = self.start_worker(tag, snapshot, id, memory, policy, limits);
+        let started = self.start_worker(plan, id, memory);
         let mut vms = self.vms();
         vms.starting -= 1;
         let cancelled = vms.pending.remove(id) == Some(true);
@@ -1732,13 +1738,18 @@ impl Host {
     /// behind on failure.
     fn start_worker(
         &self,
-        tag: &Tag,
-        snapshot: &std::path::Path,
+        plan: &ChildPlan<'_>,
         id: &SandboxId,
         memory: Memory<'_>,
-        policy: Option<&Policy>,
-        limits: Option<&ChildLimits>,
     ) -> Result<(VmRecord, Child, std::fs::File, Duration)> {
+        let &ChildPlan {
+            tag,
+            snapshot,
+            policy,
+            limits,
+            give_back,
+            ..
+        } = plan;
         let dir = self.cfg.vms_dir().join(id.as_str());
         match std::fs::create_dir(&dir) {
             Ok(()) => {}
@@ -1798,7 +1809,7 @@ impl Host {
                 }
                 .map_err(|e| HostError::Cgroup(e.to_string()))?;
             }
-            let (mut child, restored, waited_in) = worker.run(&self.worker_job(
+            let mut job = self.worker_job(
                 pid,
                 JobVm::Restore {
                     snapshot: snapshot.to_path_buf(),
@@ -1806,7 +1817,11 @@ impl Host {
                 },
                 &dir,
                 lease.as_ref().map(|l| l.path()),
-            ))?;
+            );
+            if !give_back {
+                job.give_back_after_ms = None;
+            }
+            let (mut child, restored, waited_in) = worker.run(&job)?;
             if let Some(c) = waited_in {
                 cgroup = Some(c.keep());
             }

@@ -54,6 +54,10 @@ pub struct WorkerJob {
     /// [`crate::Limits::merge_pages`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub merge_pages: bool,
+    /// Milliseconds after the guest starts to give back the guest RAM pages the child holds
+    /// unchanged from its snapshot (see [`crate::Limits::give_back_after`]); None: never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub give_back_after_ms: Option<u64>,
     /// Tests only: once confined, make a system call outside the allow-list.
     #[cfg(feature = "testing")]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -781,10 +785,11 @@ pub fn worker_main() -> anyhow::Result<i32> {
             loops,
             control,
             stack,
+            give_back_at,
         } => {
             // The job's frames are gone; the thread runs just below this one from now on.
             release_deep_stack(stack);
-            crate::control::serve_until_stopped(&control, vm, loops);
+            crate::control::serve_until_stopped(&control, vm, loops, give_back_at);
             Ok(vm.wait_exit()?.exit_code())
         }
     }
@@ -801,6 +806,8 @@ enum Outcome {
         loops: Vec<Box<dyn tine_vmm::vm::DeviceLoop>>,
         control: std::os::unix::net::UnixListener,
         stack: std::io::Result<crate::stack::StackMapping>,
+        /// When to give back the guest RAM pages held unchanged (the job's setting).
+        give_back_at: Option<Instant>,
     },
 }
 
@@ -1039,11 +1046,15 @@ fn run_job() -> anyhow::Result<Outcome> {
     });
     // Never dropped: the process ends with it (its device threads are never joined).
     let running: &'static tine_vmm::vm::RunningVm = Box::leak(Box::new(running));
+    let give_back_at = job
+        .give_back_after_ms
+        .map(|ms| Instant::now() + Duration::from_millis(ms));
     Ok(Outcome::Running {
         vm: running,
         loops,
         control,
         stack,
+        give_back_at,
     })
 }
 

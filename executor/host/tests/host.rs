@@ -1137,17 +1137,28 @@ const RESTORE_STEPS: [&str; 12] = [
     "device-state",
 ];
 
+/// The counter guest's snapshot under tag `counter` in `tmp`'s data directory, carrying page
+/// lists: the working set `touched` and the written set `written`. Returns its directory.
+fn counter_snapshot_with_page_lists(
+    tmp: &tempfile::TempDir,
+    touched: &[u64],
+    written: &[u64],
+) -> std::path::PathBuf {
+    let snap = tmp.path().join("snapshots").join("counter");
+    std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
+    write_counter_guest_snapshot(&snap, 32).unwrap();
+    use tine_host::lazy::{save_page_list, WORKING_SET_FILE, WRITTEN_SET_FILE};
+    save_page_list(&snap, WORKING_SET_FILE, touched).unwrap();
+    save_page_list(&snap, WRITTEN_SET_FILE, written).unwrap();
+    snap
+}
+
 /// A snapshot that carries a working set has its children map those pages before they run
 /// (vmm.log says how); a damaged working set is ignored, never a failed spawn.
 fn children_prefault_their_snapshot_s_working_set() {
     let tmp = tempfile::tempdir().unwrap();
     let tag = Tag::parse("counter").unwrap();
-    let snap = tmp.path().join("snapshots").join("counter");
-    std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
-    write_counter_guest_snapshot(&snap, 32).unwrap();
-    use tine_host::lazy::{save_page_list, WORKING_SET_FILE, WRITTEN_SET_FILE};
-    save_page_list(&snap, WORKING_SET_FILE, &[257, 0, 1, 2, 256]).unwrap();
-    save_page_list(&snap, WRITTEN_SET_FILE, &[256]).unwrap();
+    let snap = counter_snapshot_with_page_lists(&tmp, &[257, 0, 1, 2, 256], &[256]);
     // Unprimed workers: each child maps the working set as it restores (the primed path is
     // idle_workers_prime_themselves_for_the_snapshot_spawned_from).
     let mut cfg = config(tmp.path(), 8, 1);
@@ -1228,7 +1239,7 @@ fn children_prefault_their_snapshot_s_working_set() {
     }
 
     // Truncated: no prefault, and the child runs as before.
-    let ws = snap.join(WORKING_SET_FILE);
+    let ws = snap.join(tine_host::lazy::WORKING_SET_FILE);
     let bytes = std::fs::read(&ws).unwrap();
     std::fs::write(&ws, &bytes[..bytes.len() - 3]).unwrap();
     let d = spawn_of(&host, &tag);
@@ -1493,6 +1504,71 @@ fn children_restore_from_a_held_image() {
         "{:?}",
         host.held_images()
     );
+}
+
+/// A child's VMM gives back, once, the guest RAM pages it holds as the snapshot has them (here
+/// two pages copied ahead with the written set that the guest never changes), keeps the page
+/// it changed (the counter's), and the guest runs on through the pause.
+fn children_give_back_pages_they_hold_unchanged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tag = Tag::parse("counter").unwrap();
+    let counter_page = tine_host::testing::COUNTER / 4096;
+    let snap =
+        counter_snapshot_with_page_lists(&tmp, &[0, 1, 2, 256, 300, counter_page], &[256, 300]);
+    let mut cfg = config(tmp.path(), 8, 1);
+    cfg.limits.give_back_after = Some(Duration::from_millis(1500));
+    let host = Host::open_exclusive(cfg).unwrap();
+    let c = spawn_of(&host, &tag);
+    let pid = host
+        .list()
+        .into_iter()
+        .find(|v| v.record.id == c)
+        .unwrap()
+        .record
+        .process
+        .pid;
+    let image = snap.join(tine_vmm::snapshot::file::MEMORY_FILE);
+    let written = || tine_host::pagemap::written_pages(pid, &image).unwrap();
+    // Counting: it has written its counter's page.
+    counts_of(&host, &c, 2);
+    let before = written();
+    for p in [256, 300, counter_page] {
+        assert!(
+            before.contains(&p),
+            "page {p} held privately at first: {before:?}"
+        );
+    }
+    let log = host.vm_dir(&c).unwrap().join("vmm.log");
+    let t0 = Instant::now();
+    let line = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if let Some(l) = text.lines().find(|l| l.contains("tine-vmm: gave back")) {
+            break l.to_string();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no give-back in vmm.log:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    println!("     {line}");
+    let after = written();
+    assert!(
+        !after.contains(&256) && !after.contains(&300),
+        "the unchanged pages map the image again: {after:?}"
+    );
+    assert!(after.contains(&counter_page), "{after:?}");
+    let given: u64 = line
+        .split_whitespace()
+        .nth(3)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(given >= 2, "{line}");
+    // The guest counts on, one by one, through the pause.
+    let at = counts_of(&host, &c, 1).len();
+    let counts = counts_of(&host, &c, at + 5);
+    assert!(counts.windows(2).all(|w| w[1] == w[0] + 1), "{counts:?}");
+    assert!(host.kill(&c).unwrap());
 }
 
 /// A child's VMM serves its control socket and waits for its guest on one thread: a guest
@@ -2086,7 +2162,11 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 26] = [
+    let tests: [(&str, fn()); 27] = [
+        (
+            "children_give_back_pages_they_hold_unchanged",
+            children_give_back_pages_they_hold_unchanged,
+        ),
         (
             "idle_workers_prime_themselves_for_the_snapshot_spawned_from",
             idle_workers_prime_themselves_for_the_snapshot_spawned_from,

@@ -129,6 +129,12 @@ pub enum MemoryError {
         #[source]
         source: std::io::Error,
     },
+    #[error("guest memory: giving back unchanged pages: {step}: {source}")]
+    GiveBack {
+        step: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("guest memory: no host address for guest RAM at {guest_addr:#x}: {source}")]
     HostAddress {
         guest_addr: u64,

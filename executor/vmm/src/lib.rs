@@ -8,6 +8,7 @@ pub mod cpuid;
 pub mod devices;
 pub mod diagnostics;
 pub mod error;
+pub mod give_back;
 pub mod host;
 pub mod kvm_stats;
 pub mod layout;

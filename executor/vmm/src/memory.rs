@@ -434,40 +434,35 @@ impl GuestRam {
         done: &mut Rebased,
     ) -> Result<()> {
         for &(r, file_offset) in pieces {
-            let ram =
-                self.image_host_ptr(r.offset(), r.len())
-                    .ok_or(MemoryError::OverlayOutside {
-                        offset: r.offset(),
-                        len: r.len(),
-                    })?;
-            // SAFETY: inside one of our RAM mappings (checked above); the guest is paused.
-            let ram = unsafe { std::slice::from_raw_parts(ram as *const u8, r.len() as usize) };
-            let mut stretch: Option<u64> = None;
-            for i in 0..=r.count {
-                let same = i < r.count && {
-                    let at = (i * PAGE) as usize..((i + 1) * PAGE) as usize;
-                    let f = file_offset as usize;
-                    ram[at.clone()] == file_bytes[f + at.start..f + at.end]
-                };
-                match (same, stretch) {
-                    (true, None) => stretch = Some(i),
-                    (false, Some(start)) => {
-                        let run = PageRun {
-                            first: r.first + start,
-                            count: i - start,
-                        };
-                        self.map_from(&layer.file, run, file_offset + start * PAGE)?;
-                        done.pages_mapped += run.count;
-                        stretch = None;
-                    }
-                    _ => {}
-                }
-                if i < r.count && !same {
-                    done.pages_kept += 1;
-                }
-            }
+            // The guest is paused.
+            let ram = self.run_bytes(r)?;
+            let f = file_offset as usize;
+            let image = &file_bytes[f..f + r.len() as usize];
+            done.pages_kept +=
+                crate::snapshot::diff::for_each_equal_stretch(ram, image, |start, count| {
+                    let run = PageRun {
+                        first: r.first + start,
+                        count,
+                    };
+                    self.map_from(&layer.file, run, file_offset + start * PAGE)?;
+                    done.pages_mapped += count;
+                    Ok::<(), crate::error::Error>(())
+                })?;
         }
         Ok(())
+    }
+
+    /// The bytes of image pages `r`, which must lie inside one RAM range. Nothing may write
+    /// them while they are read (the guest and the devices are paused).
+    pub fn run_bytes(&self, r: PageRun) -> Result<&[u8]> {
+        let ptr = self
+            .image_host_ptr(r.offset(), r.len())
+            .ok_or(MemoryError::OverlayOutside {
+                offset: r.offset(),
+                len: r.len(),
+            })?;
+        // SAFETY: inside one of our RAM mappings (checked above), which live as long as self.
+        Ok(unsafe { std::slice::from_raw_parts(ptr as *const u8, r.len() as usize) })
     }
 
     /// Host address of image bytes `[offset, offset + len)` if they lie inside one RAM range.
@@ -491,6 +486,15 @@ impl GuestRam {
 
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The image that backs every page of this RAM not held privately: restored (copy-on-write)
+    /// from a snapshot's complete image, with no diff layer mapped over it. None otherwise.
+    pub fn sole_image(&self) -> Option<&File> {
+        let l = self.layers();
+        let sole = !l.bases.is_empty() && l.overlays.is_empty();
+        drop(l);
+        sole.then_some(self.file.as_deref()).flatten()
     }
 
     /// The backing file; None for anonymous RAM.

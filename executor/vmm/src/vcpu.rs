@@ -121,9 +121,20 @@ impl VcpuControl {
         true
     }
 
-    /// Wait until every live vCPU parked for the current pause request. Returns the saved
-    /// states (when asked for) in vCPU order, or an error if a vCPU exited meanwhile.
-    pub fn wait_parked(&self) -> Result<Vec<Option<Result<VcpuState>>>> {
+    /// Wait until every live vCPU parked for the current pause request, or fail if a vCPU
+    /// exited meanwhile.
+    pub fn wait_parked(&self) -> Result<()> {
+        self.parked_then(|_| ())
+    }
+
+    /// [`wait_parked`](Self::wait_parked), then take the states the vCPUs saved (for a pause
+    /// that asked for them), in vCPU order. A pause that saves nothing need not hold room for
+    /// them: each is several KiB, and memory a child's VMM touches once stays with it.
+    pub fn wait_parked_and_saved(&self) -> Result<Vec<Option<Result<VcpuState>>>> {
+        self.parked_then(|s| s.saved.iter_mut().map(|v| v.take()).collect())
+    }
+
+    fn parked_then<T>(&self, f: impl FnOnce(&mut ControlState) -> T) -> Result<T> {
         let mut s = self.state.lock().unwrap();
         loop {
             let epoch = s.epoch;
@@ -131,7 +142,7 @@ impl VcpuControl {
                 return Err(VcpuError::StoppedWhilePausing { index }.into());
             }
             if s.parked.iter().all(|p| *p == Some(epoch)) {
-                return Ok(s.saved.iter_mut().map(|v| v.take()).collect());
+                return Ok(f(&mut s));
             }
             s = self.cv.wait(s).unwrap();
         }
@@ -154,6 +165,16 @@ impl VcpuControl {
         }
     }
 
+    /// A vCPU's own state, saved for a pause that asked for it. Out of line from
+    /// [`Self::park`] for the same reason park is out of the loop: only a pause that saves
+    /// (a snapshot, a branch) takes this frame, not every pause (a give-back's).
+    #[cold]
+    #[inline(never)]
+    fn save_own_state(&self, index: usize, fd: &VcpuFd, msrs: &[u32]) {
+        let saved = crate::snapshot::vcpu::save(fd, index, msrs);
+        self.state.lock().unwrap().saved[index] = Some(saved);
+    }
+
     /// [`Self::checkpoint`] while paused. Out of line: the state it saves (an XSAVE area and
     /// more, several KiB) would otherwise sit in the vCPU loop's frame, and a frame's pages
     /// are all touched on entry (stack probes), so every vCPU thread would hold them for good.
@@ -168,9 +189,10 @@ impl VcpuControl {
                     drop(s);
                     // Tell KVM the guest was paused on purpose (no soft-lockup warning).
                     let _ = fd.kvmclock_ctrl();
-                    let saved = save.then(|| crate::snapshot::vcpu::save(fd, index, msrs));
+                    if save {
+                        self.save_own_state(index, fd, msrs);
+                    }
                     s = self.state.lock().unwrap();
-                    s.saved[index] = saved;
                     s.parked[index] = Some(epoch);
                     self.cv.notify_all();
                 }

@@ -923,6 +923,23 @@ impl RunningVm {
         self.control.request(Want::Run);
     }
 
+    /// Give back the guest RAM pages this VMM holds privately but unchanged from the snapshot
+    /// (see [`crate::give_back`]); the guest is paused only to compare them with the image.
+    /// None: this VM's RAM is not mapped over a sole snapshot image (booted, page-by-page, or
+    /// with diff layers); it is not paused then.
+    pub fn give_back_unchanged(&self) -> Result<Option<crate::give_back::GivenBack>> {
+        // Found while the guest runs; only the comparisons need it paused.
+        let Some(runs) = crate::give_back::private_pages(&self.ram)? else {
+            return Ok(None);
+        };
+        let t0 = Instant::now();
+        self.pause()?;
+        let found = crate::give_back::give_back_unchanged(&self.ram, &runs);
+        self.resume();
+        let paused = t0.elapsed();
+        found.map(|g| Some(crate::give_back::GivenBack { paused, ..g }))
+    }
+
     /// Pause, save the whole machine into `dir` (atomically), and leave the VM paused.
     pub fn snapshot(&self, dir: &Path) -> Result<SnapshotHeader> {
         let t0 = Instant::now();
@@ -1203,7 +1220,7 @@ impl RunningVm {
             return Err(VcpuError::Stopping.into());
         }
         self.kick();
-        let saved = self.control.wait_parked()?;
+        let saved = self.control.wait_parked_and_saved()?;
         self.set_devices_paused(true);
         let mut vcpus = Vec::with_capacity(saved.len());
         for (index, s) in saved.into_iter().enumerate() {

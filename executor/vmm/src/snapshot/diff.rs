@@ -57,9 +57,19 @@ const PM_FILE_OR_SHARED: u64 = 1 << 61;
 /// The runs of guest RAM pages this process holds privately: written (by the guest or by
 /// us) since the RAM was mapped copy-on-write. Ranges never merge across the MMIO gap.
 pub fn private_runs(ram: &GuestRam) -> std::io::Result<Vec<PageRun>> {
+    private_runs_in(ram, &mut vec![0u8; 8 * 8192])
+}
+
+/// [`private_runs`], reading the page map through `buf` (a whole number of 8-byte entries,
+/// at least one).
+pub fn private_runs_in(ram: &GuestRam, buf: &mut [u8]) -> std::io::Result<Vec<PageRun>> {
+    if buf.len() < 8 {
+        return Err(std::io::Error::other("a page map buffer under one entry"));
+    }
+    let whole = buf.len() / 8 * 8;
+    let buf = &mut buf[..whole];
     let pagemap = File::open("/proc/self/pagemap")?;
     let mut runs: Vec<PageRun> = Vec::new();
-    let mut buf = vec![0u8; 8 * 8192];
     for (range, host) in ram
         .host_ranges()
         .map_err(|e| std::io::Error::other(e.to_string()))?
@@ -93,6 +103,34 @@ pub fn private_runs(ram: &GuestRam) -> std::io::Result<Vec<PageRun>> {
         runs.extend(open);
     }
     Ok(runs)
+}
+
+/// Call `f(first, count)` for each stretch of whole pages in which `held` equals `image` (two
+/// views of the same pages), in order; returns how many pages differ.
+pub fn for_each_equal_stretch<E>(
+    held: &[u8],
+    image: &[u8],
+    mut f: impl FnMut(u64, u64) -> Result<(), E>,
+) -> Result<u64, E> {
+    let pages = (held.len().min(image.len()) as u64) / PAGE;
+    let page = |i: u64| (i * PAGE) as usize..((i + 1) * PAGE) as usize;
+    let mut differ = 0;
+    let mut stretch: Option<u64> = None;
+    for i in 0..=pages {
+        let same = i < pages && held[page(i)] == image[page(i)];
+        match (same, stretch) {
+            (true, None) => stretch = Some(i),
+            (false, Some(start)) => {
+                f(start, i - start)?;
+                stretch = None;
+            }
+            _ => {}
+        }
+        if i < pages && !same {
+            differ += 1;
+        }
+    }
+    Ok(differ)
 }
 
 /// Write the pages of `runs` from guest RAM to `path`, packed in order, and sync it. The VM
@@ -214,6 +252,27 @@ pub fn union(a: &[PageRun], b: &[PageRun]) -> Vec<PageRun> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn equal_stretches_are_whole_runs_of_equal_pages() {
+        use super::{for_each_equal_stretch, PAGE};
+        let p = PAGE as usize;
+        let image = vec![0u8; 6 * p];
+        let mut held = image.clone();
+        // Pages 2 and 5 differ (5 in its last byte only).
+        held[2 * p + 7] = 1;
+        held[6 * p - 1] = 1;
+        let mut seen = Vec::new();
+        let differ = for_each_equal_stretch(&held, &image, |first, count| {
+            seen.push((first, count));
+            Ok::<(), ()>(())
+        });
+        assert_eq!(differ, Ok(2));
+        assert_eq!(seen, [(0, 2), (3, 2)]);
+        // An error stops the walk and is returned.
+        let stopped = for_each_equal_stretch(&held, &image, |_, _| Err("no"));
+        assert_eq!(stopped, Err("no"));
+    }
+
     #[test]
     fn union_merges_overlapping_and_touching_runs() {
         use super::{union, PageRun};
