@@ -200,15 +200,22 @@ fn give_back(vm: &RunningVm) -> Option<Instant> {
     };
     let t0 = Instant::now();
     let line = match vm.give_back_unchanged() {
+        Ok(Some(g)) if g.skipped => format!(
+            "tine-vmm: no guest RAM pages given back: {} private pages, more than a pass compares\n",
+            g.private_pages
+        ),
         Ok(Some(g)) => format!(
-            "tine-vmm: gave back {} of {} private guest RAM pages, unchanged from the snapshot, in {:.1} ms (guest paused {:.1} ms)\n",
+            "tine-vmm: gave back {} of {} private guest RAM pages, unchanged from the snapshot ({} equal while the guest ran), in {:.1} ms; guest pauses {}, the longest {:.1} ms\n",
             g.given_back,
             g.private_pages,
+            g.candidates,
             t0.elapsed().as_secs_f64() * 1e3,
+            g.pauses,
             g.paused.as_secs_f64() * 1e3
         ),
-        // Not RAM over a sole snapshot image: nothing to say.
+        // Not RAM over a sole snapshot image, or the guest is stopping: nothing to say.
         Ok(None) => return None,
+        Err(e) if e.is_stopping() => return None,
         Err(e) => format!("tine-vmm: guest RAM pages not given back: {e}\n"),
     };
     let _ = std::io::stderr().write_all(line.as_bytes());

@@ -1046,9 +1046,10 @@ fn run_job() -> anyhow::Result<Outcome> {
     });
     // Never dropped: the process ends with it (its device threads are never joined).
     let running: &'static tine_vmm::vm::RunningVm = Box::leak(Box::new(running));
+    // A time past what an Instant holds is never.
     let give_back_at = job
         .give_back_after_ms
-        .map(|ms| Instant::now() + Duration::from_millis(ms));
+        .and_then(|ms| Instant::now().checked_add(Duration::from_millis(ms)));
     Ok(Outcome::Running {
         vm: running,
         loops,

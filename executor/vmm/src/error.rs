@@ -56,6 +56,15 @@ pub enum Error {
 }
 
 impl Error {
+    /// The VM is stopping (or stopped while being paused): what was asked of it no longer
+    /// matters.
+    pub fn is_stopping(&self) -> bool {
+        matches!(
+            self,
+            Error::Vcpu(VcpuError::Stopping | VcpuError::StoppedWhilePausing { .. })
+        )
+    }
+
     pub fn kvm(call: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> Error {
         move |source| Error::Kvm { call, source }
     }

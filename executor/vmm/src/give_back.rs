@@ -14,14 +14,41 @@ use crate::error::{MemoryError, Result};
 use crate::memory::GuestRam;
 use crate::snapshot::diff::{for_each_equal_stretch, private_runs_in, PageRun, PAGE};
 
-/// What one pass found: the guest RAM pages this process held privately, and how many of
-/// them it gave back for holding the snapshot's bytes.
+/// What one pass found and did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GivenBack {
+    /// Guest RAM pages this process held privately.
     pub private_pages: u64,
+    /// Of those, the pages equal to the image's while the guest ran.
+    pub candidates: u64,
+    /// Of those, the pages still equal with the guest paused, and given back.
     pub given_back: u64,
-    /// How long the guest was paused for it (set by whoever paused it).
+    /// More private pages than a pass looks at ([`MAX_PRIVATE_PAGES`]): none compared.
+    pub skipped: bool,
+    /// How many times the guest was paused, and the longest of those pauses.
+    pub pauses: u32,
     pub paused: std::time::Duration,
+}
+
+/// The most private pages a pass looks at (64 MiB). A child that copied more is busy rather
+/// than idle, and comparing them all would hold the VMM's main thread, which also serves the
+/// devices, for that long.
+pub const MAX_PRIVATE_PAGES: u64 = 16 * 1024;
+/// Pages compared again and given back per pause of the guest.
+pub const STEP_PAGES: u64 = 256;
+
+/// What [`scan`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Scan {
+    /// The RAM is not mapped over a sole snapshot image: nothing can be given back.
+    NotSole,
+    /// More than [`MAX_PRIVATE_PAGES`] private pages: not compared.
+    TooMany { private_pages: u64 },
+    /// The private pages, and those of them equal to the image's at the scan.
+    Candidates {
+        private_pages: u64,
+        equal: Vec<PageRun>,
+    },
 }
 
 /// Pages of the image read at a time to compare with.
@@ -81,60 +108,80 @@ impl Drop for Scratch {
     }
 }
 
-/// The pages `ram` holds privately, to pass to [`give_back_unchanged`]: read while the guest
-/// runs (the scan reads an entry per page of guest RAM), since a page the guest copies meanwhile
-/// stays its own until given back. None for RAM not restored over a sole snapshot image
-/// (booted, page-by-page, or with diff layers), where the image does not back every page.
-pub fn private_pages(ram: &GuestRam) -> Result<Option<Vec<PageRun>>> {
-    if ram.sole_image().is_none() {
-        return Ok(None);
-    }
+/// While the guest runs: the pages `ram` holds privately, and which of them equal the image's
+/// now. A page the guest copies or changes after this is only left out or compared again under
+/// the pause ([`give_back_unchanged`]), so nothing here needs the guest to stand still; its
+/// pages are read through volatile copies.
+pub fn scan(ram: &GuestRam) -> Result<Scan> {
+    let Some(image) = ram.sole_image() else {
+        return Ok(Scan::NotSole);
+    };
     let io = |step| move |source| MemoryError::GiveBack { step, source };
     let mut buf = Scratch::new(SCAN_BYTES).map_err(io("a buffer for /proc/self/pagemap"))?;
     let runs = private_runs_in(ram, &mut buf).map_err(io("reading /proc/self/pagemap"))?;
-    Ok(Some(runs))
+    drop(buf);
+    let private_pages = crate::snapshot::diff::page_count(&runs);
+    if private_pages > MAX_PRIVATE_PAGES {
+        return Ok(Scan::TooMany { private_pages });
+    }
+    let len = (CHUNK_PAGES * PAGE) as usize;
+    let mut image_bytes = Scratch::new(len).map_err(io("a buffer for the image's pages"))?;
+    let mut held = Scratch::new(len).map_err(io("a buffer for guest RAM"))?;
+    let mut equal = Vec::new();
+    for (piece, _) in crate::snapshot::diff::page_steps(&runs, CHUNK_PAGES)
+        .into_iter()
+        .flatten()
+    {
+        let n = piece.len() as usize;
+        image
+            .read_exact_at(&mut image_bytes[..n], piece.offset())
+            .map_err(io("reading the snapshot's memory image"))?;
+        ram.read_image_bytes(piece, &mut held[..n])?;
+        for_each_equal_stretch(&held[..n], &image_bytes[..n], |start, count| {
+            equal.push(PageRun {
+                first: piece.first + start,
+                count,
+            });
+            Ok::<(), MemoryError>(())
+        })?;
+    }
+    Ok(Scan::Candidates {
+        private_pages,
+        equal,
+    })
 }
 
-/// Give back those of the pages of `runs` (see [`private_pages`]) whose bytes equal the image's
-/// at their place. Nothing may write guest RAM meanwhile: the vCPUs and devices are paused.
-pub fn give_back_unchanged(ram: &GuestRam, runs: &[PageRun]) -> Result<GivenBack> {
+/// Give back those of the pages of `runs` (found by [`scan`]) whose bytes equal the image's
+/// at their place; returns how many. Nothing may write guest RAM meanwhile: the vCPUs and
+/// devices are paused.
+pub fn give_back_unchanged(ram: &GuestRam, runs: &[PageRun]) -> Result<u64> {
     let image = ram.sole_image().ok_or(MemoryError::GiveBack {
         step: "finding the snapshot's image",
         source: std::io::Error::other("guest RAM is no longer over a sole image"),
     })?;
-    let mut found = GivenBack::default();
-    let mut file_bytes =
-        Scratch::new((CHUNK_PAGES * PAGE) as usize).map_err(|source| MemoryError::GiveBack {
-            step: "a buffer for the image's pages",
-            source,
-        })?;
-    for run in runs {
-        found.private_pages += run.count;
-        let mut done = 0;
-        while done < run.count {
-            let piece = PageRun {
-                first: run.first + done,
-                count: (run.count - done).min(CHUNK_PAGES),
-            };
-            let bytes = &mut file_bytes[..piece.len() as usize];
-            image
-                .read_exact_at(bytes, piece.offset())
-                .map_err(|source| MemoryError::GiveBack {
-                    step: "reading the snapshot's memory image",
-                    source,
-                })?;
-            found.given_back += give_back_equal(ram, piece, bytes)?;
-            done += piece.count;
-        }
+    let io = |step| move |source| MemoryError::GiveBack { step, source };
+    let mut image_bytes = Scratch::new((CHUNK_PAGES * PAGE) as usize)
+        .map_err(io("a buffer for the image's pages"))?;
+    let mut given = 0;
+    for (piece, _) in crate::snapshot::diff::page_steps(runs, CHUNK_PAGES)
+        .into_iter()
+        .flatten()
+    {
+        let bytes = &mut image_bytes[..piece.len() as usize];
+        image
+            .read_exact_at(bytes, piece.offset())
+            .map_err(io("reading the snapshot's memory image"))?;
+        given += give_back_equal(ram, piece, bytes)?;
     }
-    Ok(found)
+    Ok(given)
 }
 
 /// Drop this process's copies of the pages of `piece` that equal `image` (the image's bytes
 /// at its place), one call per stretch of equal pages; returns how many.
 fn give_back_equal(ram: &GuestRam, piece: PageRun, image: &[u8]) -> Result<u64> {
-    // Nothing writes guest RAM meanwhile.
-    let held = ram.run_bytes(piece)?;
+    // SAFETY: the caller keeps the guest and the devices paused: nothing writes these pages
+    // while they are read, and the slice is gone before the guest runs again.
+    let held = unsafe { ram.run_bytes(piece)? };
     let host = held.as_ptr() as *mut u8;
     let mut given = 0;
     for_each_equal_stretch(held, image, |start, count| {
@@ -148,9 +195,10 @@ fn give_back_equal(ram: &GuestRam, piece: PageRun, image: &[u8]) -> Result<u64> 
             )
         };
         if rc != 0 {
+            let offset = piece.offset() + start * PAGE;
             return Err(MemoryError::Advise {
                 advice: "MADV_DONTNEED",
-                guest_addr: piece.offset() + start * PAGE,
+                guest_addr: ram.guest_addr_of(offset).unwrap_or(offset),
                 source: std::io::Error::last_os_error(),
             });
         }
@@ -210,30 +258,39 @@ mod tests {
             |ram: &GuestRam| crate::snapshot::diff::page_count(&private_runs(ram).unwrap());
         assert_eq!(private(&ram), 4);
 
-        let runs = private_pages(&ram).unwrap().expect("a sole image");
-        let found = give_back_unchanged(&ram, &runs).unwrap();
+        let Scan::Candidates {
+            private_pages,
+            equal,
+        } = scan(&ram).unwrap()
+        else {
+            panic!("a sole image")
+        };
+        assert_eq!(private_pages, 4);
         assert_eq!(
-            found,
-            GivenBack {
-                private_pages: 4,
-                given_back: 2,
-                paused: std::time::Duration::ZERO,
-            }
+            equal,
+            [PageRun {
+                first: 10,
+                count: 2
+            }]
         );
+        // Under the pause only those are compared again; a candidate changed since is kept.
+        mem.write_obj(0x77u8, GuestAddress(11 * PAGE + 5)).unwrap();
+        assert_eq!(give_back_unchanged(&ram, &equal).unwrap(), 1);
         assert_eq!(
             private(&ram),
-            2,
+            3,
             "the changed pages stay this process's own"
         );
         // The guest reads what it read before, from every page.
         let read = |at: u64| mem.read_obj::<u8>(GuestAddress(at)).unwrap();
         assert_eq!(read(10 * PAGE + 100), page_byte(10));
+        assert_eq!(read(11 * PAGE + 5), 0x77);
         assert_eq!(read(11 * PAGE), page_byte(11));
         assert_eq!(read(20 * PAGE), 0xEE);
         assert_eq!(read(30 * PAGE + 4095), page_byte(30).wrapping_add(1));
         // A page given back is copied again by its next write, and the image is untouched.
         mem.write_obj(0x55u8, GuestAddress(10 * PAGE)).unwrap();
-        assert_eq!(private(&ram), 3);
+        assert_eq!(private(&ram), 4);
         let mut b = [0u8; 1];
         ram.file()
             .unwrap()
@@ -246,7 +303,7 @@ mod tests {
     fn ram_not_over_a_sole_image_is_left_alone() {
         // Booted RAM: shared with its file, so nothing is private and the file is the guest's.
         let booted = GuestRam::from_file(image(), 32 * MIB, Sharing::Shared).unwrap();
-        assert_eq!(private_pages(&booted).unwrap(), None);
+        assert_eq!(scan(&booted).unwrap(), Scan::NotSole);
         // A diff layer over the image: its pages are not the image's.
         let mut layer = tempfile::tempfile().unwrap();
         layer.write_all(&[7u8; PAGE as usize]).unwrap();
@@ -259,7 +316,7 @@ mod tests {
             .memory()
             .write_obj(7u8, GuestAddress(5 * PAGE))
             .unwrap();
-        assert_eq!(private_pages(&layered).unwrap(), None);
+        assert_eq!(scan(&layered).unwrap(), Scan::NotSole);
         assert_eq!(
             crate::snapshot::diff::page_count(&private_runs(&layered).unwrap()),
             1

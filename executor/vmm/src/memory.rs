@@ -65,6 +65,9 @@ struct Layers {
     /// Snapshots a diff of this RAM can be taken over, oldest first: the one it was restored
     /// from, then each branch it was rebased onto.
     bases: Vec<Base>,
+    /// A rebase mapped pages from a layer (set by its first step, before the layer is
+    /// recorded in `overlays` at its end): the image no longer backs every page.
+    rebased: bool,
 }
 
 struct Base {
@@ -265,6 +268,7 @@ impl GuestRam {
             layers: Mutex::new(Layers {
                 overlays: Vec::new(),
                 bases: Vec::new(),
+                rebased: false,
             }),
             mergeable: std::sync::atomic::AtomicBool::new(false),
         })
@@ -326,6 +330,7 @@ impl GuestRam {
         *ram.layers() = Layers {
             overlays,
             bases: vec![Base { origin, layers }],
+            rebased: false,
         };
         Ok(ram)
     }
@@ -400,6 +405,7 @@ impl GuestRam {
         pieces: &[(PageRun, u64)],
         done: &mut Rebased,
     ) -> Result<()> {
+        self.layers().rebased = true;
         self.map_unchanged(layer, view.bytes(), pieces, done)
     }
 
@@ -434,8 +440,8 @@ impl GuestRam {
         done: &mut Rebased,
     ) -> Result<()> {
         for &(r, file_offset) in pieces {
-            // The guest is paused.
-            let ram = self.run_bytes(r)?;
+            // SAFETY: the guest is paused (see rebase_step) until the slice is dropped.
+            let ram = unsafe { self.run_bytes(r)? };
             let f = file_offset as usize;
             let image = &file_bytes[f..f + r.len() as usize];
             done.pages_kept +=
@@ -452,17 +458,51 @@ impl GuestRam {
         Ok(())
     }
 
-    /// The bytes of image pages `r`, which must lie inside one RAM range. Nothing may write
-    /// them while they are read (the guest and the devices are paused).
-    pub fn run_bytes(&self, r: PageRun) -> Result<&[u8]> {
+    /// The bytes of image pages `r`, which must lie inside one RAM range.
+    ///
+    /// # Safety
+    /// Nothing may write those pages while the slice lives: the guest and the devices are
+    /// paused until it is dropped.
+    pub(crate) unsafe fn run_bytes(&self, r: PageRun) -> Result<&[u8]> {
         let ptr = self
             .image_host_ptr(r.offset(), r.len())
             .ok_or(MemoryError::OverlayOutside {
                 offset: r.offset(),
                 len: r.len(),
             })?;
-        // SAFETY: inside one of our RAM mappings (checked above), which live as long as self.
+        // SAFETY: inside one of our RAM mappings (checked above), which live as long as self;
+        // the caller keeps writers away.
         Ok(unsafe { std::slice::from_raw_parts(ptr as *const u8, r.len() as usize) })
+    }
+
+    /// Copy image pages `r` (inside one RAM range) into `buf` (as long as `r`) while the guest
+    /// may be writing them, as the guest's memory is always read (volatile): a page that
+    /// changes meanwhile may read as torn, never as anything else.
+    pub fn read_image_bytes(&self, r: PageRun, buf: &mut [u8]) -> Result<()> {
+        use vm_memory::Bytes;
+        let outside = MemoryError::OverlayOutside {
+            offset: r.offset(),
+            len: r.len(),
+        };
+        let at = self
+            .guest_addr_of(r.offset())
+            .filter(|_| self.image_host_ptr(r.offset(), r.len()).is_some())
+            .ok_or(outside)?;
+        self.memory
+            .read_slice(buf, GuestAddress(at))
+            .map_err(|source| MemoryError::HostAddress {
+                guest_addr: at,
+                source,
+            })?;
+        Ok(())
+    }
+
+    /// The guest-physical address of image byte `offset`, if it is guest RAM.
+    pub fn guest_addr_of(&self, offset: u64) -> Option<u64> {
+        self.ranges
+            .iter()
+            .find(|r| offset >= r.file_offset && offset - r.file_offset < r.size)
+            .map(|r| r.guest_addr + (offset - r.file_offset))
     }
 
     /// Host address of image bytes `[offset, offset + len)` if they lie inside one RAM range.
@@ -492,7 +532,7 @@ impl GuestRam {
     /// from a snapshot's complete image, with no diff layer mapped over it. None otherwise.
     pub fn sole_image(&self) -> Option<&File> {
         let l = self.layers();
-        let sole = !l.bases.is_empty() && l.overlays.is_empty();
+        let sole = !l.bases.is_empty() && l.overlays.is_empty() && !l.rebased;
         drop(l);
         sole.then_some(self.file.as_deref()).flatten()
     }

@@ -924,20 +924,40 @@ impl RunningVm {
     }
 
     /// Give back the guest RAM pages this VMM holds privately but unchanged from the snapshot
-    /// (see [`crate::give_back`]); the guest is paused only to compare them with the image.
+    /// (see [`crate::give_back`]). The pages are found and compared once while the guest runs;
+    /// only those equal then are compared again, and given back, with the guest paused, in
+    /// steps of at most [`crate::give_back::STEP_PAGES`] with the guest running in between.
     /// None: this VM's RAM is not mapped over a sole snapshot image (booted, page-by-page, or
-    /// with diff layers); it is not paused then.
+    /// with diff layers), and nothing was paused. Like a branch or a rebase, it must not run
+    /// while another of them pauses this VM (the VMM's owner serializes them).
     pub fn give_back_unchanged(&self) -> Result<Option<crate::give_back::GivenBack>> {
-        // Found while the guest runs; only the comparisons need it paused.
-        let Some(runs) = crate::give_back::private_pages(&self.ram)? else {
-            return Ok(None);
+        use crate::give_back::{Scan, STEP_PAGES};
+        let (private_pages, equal) = match crate::give_back::scan(&self.ram)? {
+            Scan::NotSole => return Ok(None),
+            Scan::Candidates {
+                private_pages,
+                equal,
+            } => (private_pages, equal),
+            Scan::TooMany { private_pages } => (private_pages, Vec::new()),
         };
-        let t0 = Instant::now();
-        self.pause()?;
-        let found = crate::give_back::give_back_unchanged(&self.ram, &runs);
-        self.resume();
-        let paused = t0.elapsed();
-        found.map(|g| Some(crate::give_back::GivenBack { paused, ..g }))
+        let mut found = crate::give_back::GivenBack {
+            private_pages,
+            candidates: diff::page_count(&equal),
+            skipped: private_pages > crate::give_back::MAX_PRIVATE_PAGES,
+            ..Default::default()
+        };
+        for step in diff::page_steps(&equal, STEP_PAGES) {
+            let runs: Vec<diff::PageRun> = step.into_iter().map(|(r, _)| r).collect();
+            let t0 = Instant::now();
+            let given = self
+                .pause()
+                .and_then(|()| crate::give_back::give_back_unchanged(&self.ram, &runs));
+            self.resume();
+            found.paused = found.paused.max(t0.elapsed());
+            found.pauses += 1;
+            found.given_back += given?;
+        }
+        Ok(Some(found))
     }
 
     /// Pause, save the whole machine into `dir` (atomically), and leave the VM paused.
@@ -1341,29 +1361,7 @@ const REBASE_STEP_PAGES: u64 = 2048;
 /// `runs` (packed in this order in their page file) cut into steps of at most
 /// [`REBASE_STEP_PAGES`], each piece with its offset in the page file.
 fn rebase_steps(runs: &[diff::PageRun]) -> Vec<Vec<(diff::PageRun, u64)>> {
-    let mut steps = vec![Vec::new()];
-    let (mut in_step, mut offset) = (0u64, 0u64);
-    for r in runs {
-        let mut left = *r;
-        while left.count > 0 {
-            if in_step == REBASE_STEP_PAGES {
-                steps.push(Vec::new());
-                in_step = 0;
-            }
-            let take = left.count.min(REBASE_STEP_PAGES - in_step);
-            let piece = diff::PageRun {
-                first: left.first,
-                count: take,
-            };
-            steps.last_mut().expect("never empty").push((piece, offset));
-            offset += piece.len();
-            in_step += take;
-            left.first += take;
-            left.count -= take;
-        }
-    }
-    steps.retain(|s| !s.is_empty());
-    steps
+    diff::page_steps(runs, REBASE_STEP_PAGES)
 }
 
 #[cfg(test)]

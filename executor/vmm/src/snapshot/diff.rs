@@ -105,6 +105,35 @@ pub fn private_runs_in(ram: &GuestRam, buf: &mut [u8]) -> std::io::Result<Vec<Pa
     Ok(runs)
 }
 
+/// `runs` cut into steps of at most `max` pages (at least 1), in order, each piece with its
+/// offset in the runs packed one after another (as in a diff's page file).
+pub fn page_steps(runs: &[PageRun], max: u64) -> Vec<Vec<(PageRun, u64)>> {
+    let max = max.max(1);
+    let mut steps = vec![Vec::new()];
+    let (mut in_step, mut offset) = (0u64, 0u64);
+    for r in runs {
+        let mut left = *r;
+        while left.count > 0 {
+            if in_step == max {
+                steps.push(Vec::new());
+                in_step = 0;
+            }
+            let take = left.count.min(max - in_step);
+            let piece = PageRun {
+                first: left.first,
+                count: take,
+            };
+            steps.last_mut().expect("never empty").push((piece, offset));
+            offset += piece.len();
+            in_step += take;
+            left.first += take;
+            left.count -= take;
+        }
+    }
+    steps.retain(|s| !s.is_empty());
+    steps
+}
+
 /// Call `f(first, count)` for each stretch of whole pages in which `held` equals `image` (two
 /// views of the same pages), in order; returns how many pages differ.
 pub fn for_each_equal_stretch<E>(

@@ -58,7 +58,7 @@ pub struct NetStats {
     pub irqs: IrqCounts,
 }
 
-/// Everything the vCPU threads (queue notifications without ioeventfds) and the device thread
+/// Everything the vCPU threads (queue notifications without ioeventfds) and the device's loop
 /// share, under one lock.
 pub(super) struct DeviceState {
     pub(super) mem: Option<GuestMemoryMmap>,
@@ -66,7 +66,7 @@ pub(super) struct DeviceState {
     pub(super) irq: Option<IrqLine>,
     /// Set while the VM is paused for a snapshot: no guest memory is touched.
     pub(super) paused: bool,
-    /// Set when the device is dropped: the thread exits.
+    /// Set when the device is dropped: the loop stops.
     pub(super) stopped: bool,
     tap: Option<Tap>,
     /// A frame read from the tap that found no guest buffer yet (the tap is edge-triggered:
@@ -75,7 +75,7 @@ pub(super) struct DeviceState {
     rx_len: Option<usize>,
     tx_buf: Vec<u8>,
     pub(super) queue_events: QueueEvents,
-    /// Written when a pass stops at its budget with work left: the device thread goes on.
+    /// Written when a pass stops at its budget with work left: the device's loop goes on.
     kick: Arc<EventFd>,
     /// The guest accepted frames with partial checksums (otherwise header flags must be 0).
     guest_csum: bool,
@@ -105,13 +105,13 @@ impl DeviceState {
         }
     }
 
-    /// Work is left after a pass's budget: the device thread takes it up after the others
+    /// Work is left after a pass's budget: the device's loop takes it up after the others
     /// holding the lock had their turn.
     fn more_later(&self) {
         let _ = self.kick.write(1);
     }
 
-    /// The device thread's wake-up: carry on with both queues.
+    /// The device's loop's wake-up: carry on with both queues.
     pub(super) fn kicked(&mut self) {
         if self.kick.read().is_ok() {
             self.process_tx();
@@ -310,9 +310,12 @@ impl Net {
 
     /// Its thread, if nobody runs its loop yet (see [`Net::prepare`]).
     fn start_thread(&mut self) -> Result<(), DeviceError> {
-        let pump = self.pump();
+        let (state, epoll) = (&self.state, &self.epoll);
         self.runner
-            .start_thread("net", || move || pump.run())
+            .start_thread("net", || {
+                let pump = event_loop::Pump::new(state.clone(), epoll.clone());
+                move || pump.run()
+            })
             .map_err(|source| DeviceError::NetThread { source })
     }
 
