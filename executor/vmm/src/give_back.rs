@@ -124,27 +124,21 @@ pub fn scan(ram: &GuestRam) -> Result<Scan> {
     if private_pages > MAX_PRIVATE_PAGES {
         return Ok(Scan::TooMany { private_pages });
     }
-    let len = (CHUNK_PAGES * PAGE) as usize;
-    let mut image_bytes = Scratch::new(len).map_err(io("a buffer for the image's pages"))?;
-    let mut held = Scratch::new(len).map_err(io("a buffer for guest RAM"))?;
+    let mut held =
+        Scratch::new((CHUNK_PAGES * PAGE) as usize).map_err(io("a buffer for guest RAM"))?;
     let mut equal = Vec::new();
-    for (piece, _) in crate::snapshot::diff::page_steps(&runs, CHUNK_PAGES)
-        .into_iter()
-        .flatten()
-    {
-        let n = piece.len() as usize;
-        image
-            .read_exact_at(&mut image_bytes[..n], piece.offset())
-            .map_err(io("reading the snapshot's memory image"))?;
-        ram.read_image_bytes(piece, &mut held[..n])?;
-        for_each_equal_stretch(&held[..n], &image_bytes[..n], |start, count| {
+    for_each_image_chunk(image, &runs, |piece, image_bytes| {
+        let held = &mut held[..image_bytes.len()];
+        ram.read_image_bytes(piece, held)?;
+        for_each_equal_stretch(held, image_bytes, |start, count| {
             equal.push(PageRun {
                 first: piece.first + start,
                 count,
             });
             Ok::<(), MemoryError>(())
         })?;
-    }
+        Ok(())
+    })?;
     Ok(Scan::Candidates {
         private_pages,
         equal,
@@ -159,21 +153,35 @@ pub fn give_back_unchanged(ram: &GuestRam, runs: &[PageRun]) -> Result<u64> {
         step: "finding the snapshot's image",
         source: std::io::Error::other("guest RAM is no longer over a sole image"),
     })?;
-    let io = |step| move |source| MemoryError::GiveBack { step, source };
-    let mut image_bytes = Scratch::new((CHUNK_PAGES * PAGE) as usize)
-        .map_err(io("a buffer for the image's pages"))?;
     let mut given = 0;
+    for_each_image_chunk(image, runs, |piece, image_bytes| {
+        given += give_back_equal(ram, piece, image_bytes)?;
+        Ok(())
+    })?;
+    Ok(given)
+}
+
+/// Call `f` with each piece of `runs`, at most [`CHUNK_PAGES`] long, and the image's bytes
+/// there, read through one buffer mapped for the call.
+fn for_each_image_chunk(
+    image: &std::fs::File,
+    runs: &[PageRun],
+    mut f: impl FnMut(PageRun, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let io = |step| move |source| MemoryError::GiveBack { step, source };
+    let mut buf = Scratch::new((CHUNK_PAGES * PAGE) as usize)
+        .map_err(io("a buffer for the image's pages"))?;
     for (piece, _) in crate::snapshot::diff::page_steps(runs, CHUNK_PAGES)
         .into_iter()
         .flatten()
     {
-        let bytes = &mut image_bytes[..piece.len() as usize];
+        let bytes = &mut buf[..piece.len() as usize];
         image
             .read_exact_at(bytes, piece.offset())
             .map_err(io("reading the snapshot's memory image"))?;
-        given += give_back_equal(ram, piece, bytes)?;
+        f(piece, bytes)?;
     }
-    Ok(given)
+    Ok(())
 }
 
 /// Drop this process's copies of the pages of `piece` that equal `image` (the image's bytes
