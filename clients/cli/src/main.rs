@@ -81,7 +81,11 @@ enum Command {
     Executors(remote::ExecutorsCommand),
     /// (internal) A pre-started VMM process waiting for a snapshot to restore.
     #[command(name = "__vmm-worker", hide = true)]
-    VmmWorker,
+    VmmWorker {
+        /// Fork workers on request instead (read by the worker itself).
+        #[arg(long)]
+        zygote: bool,
+    },
     /// Benchmarks that print figures and how they were measured.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -114,7 +118,7 @@ fn main() -> ExitCode {
         Command::Sandbox(c) => remote::sandbox(c),
         Command::Snapshots(c) => remote::snapshots(c),
         Command::Executors(c) => remote::executors(c),
-        Command::VmmWorker => tine_host::worker_main(),
+        Command::VmmWorker { .. } => tine_host::worker_main(),
         Command::Store(c) => tine_snapshot_store::cli::run_blocking(c).map(|()| 0),
         Command::Agent(c) => tine_agent::cli::run_with(
             &cli.agent,

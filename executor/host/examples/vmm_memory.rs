@@ -40,6 +40,7 @@ struct Args {
     children: usize,
     idle: Duration,
     json: Option<PathBuf>,
+    start: tine_host::WorkerStart,
 }
 
 fn args() -> anyhow::Result<Args> {
@@ -52,6 +53,7 @@ fn args() -> anyhow::Result<Args> {
         children: 10,
         idle: Duration::from_secs(1),
         json: None,
+        start: tine_host::WorkerStart::default(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -63,8 +65,9 @@ fn args() -> anyhow::Result<Args> {
                 a.idle = Duration::from_secs_f64(value()?.parse().context("--idle-secs")?)
             }
             "--json" => a.json = Some(value()?.into()),
+            "--worker-start" => a.start = value()?.parse().map_err(anyhow::Error::msg)?,
             other => {
-                bail!("unknown argument {other:?} (--worker, --children, --idle-secs, --json)")
+                bail!("unknown argument {other:?} (--worker, --children, --idle-secs, --json, --worker-start)")
             }
         }
     }
@@ -123,6 +126,7 @@ fn main() -> anyhow::Result<()> {
     let mut cfg = test_host_config(tmp.path(), a.children as u32 + 1, a.children);
     cfg.worker_exe = worker.clone();
     cfg.cgroups = tine_host::CgroupMode::Auto;
+    cfg.limits.worker_start = a.start;
     let host = Host::open_exclusive(cfg)?;
     host.fill_pool();
     let ids: Vec<SandboxId> = (0..a.children).map(|_| SandboxId::random("m")).collect();
@@ -159,10 +163,11 @@ fn main() -> anyhow::Result<()> {
 
     println!(
         "VMM private memory per idle child: {} children of an idle hand-made guest (1 vCPU, \
-         32 MiB, vsock), worker {}, read {:.1} s after all were ready; Private_Clean + \
-         Private_Dirty from /proc/PID/smaps, guest RAM left out.\n",
+         32 MiB, vsock), worker {} (--worker-start {}), read {:.1} s after all were ready; \
+         Private_Clean + Private_Dirty from /proc/PID/smaps, guest RAM left out.\n",
         per_child.len(),
         worker.display(),
+        a.start,
         a.idle.as_secs_f64()
     );
     println!("| part | mean KiB | min KiB | max KiB |");
@@ -208,6 +213,7 @@ fn main() -> anyhow::Result<()> {
             "children": per_child.len(),
             "worker": worker,
             "idle_secs": a.idle.as_secs_f64(),
+            "worker_start": a.start.to_string(),
             "parts": json,
             "kernel": kernel_json,
         });

@@ -83,6 +83,10 @@ pub struct Limits {
     /// primed worker holds the pages that working set writes (under 1 MiB for python-numpy),
     /// charged to the executor rather than to a child.
     pub prime_workers: bool,
+    /// How VMM workers are started: forked from a zygote, sharing the pages their program's
+    /// loading wrote (the default), or each from the program, with an address-space layout
+    /// of its own (see [`crate::zygote`]).
+    pub worker_start: crate::zygote::WorkerStart,
 }
 
 /// Late enough that a child's Wake and the guest's own work after its resume are done.
@@ -102,6 +106,7 @@ impl Default for Limits {
             merge_pages: false,
             give_back_after: Some(DEFAULT_GIVE_BACK_AFTER),
             prime_workers: true,
+            worker_start: crate::zygote::WorkerStart::Fork,
         }
     }
 }

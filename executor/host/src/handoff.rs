@@ -116,9 +116,23 @@ pub fn recv_image(
 
 /// `body`, with `fd` as ancillary data, in one message.
 fn send_with_fd(sock: BorrowedFd<'_>, fd: BorrowedFd<'_>, body: &[u8]) -> std::io::Result<()> {
+    send_with_fds(sock, &[fd], body)
+}
+
+/// `body`, with `fds` (at most [`MAX_FDS`]) as ancillary data, in one message.
+pub(crate) fn send_with_fds(
+    sock: BorrowedFd<'_>,
+    fds: &[BorrowedFd<'_>],
+    body: &[u8],
+) -> std::io::Result<()> {
+    assert!(
+        !fds.is_empty() && fds.len() <= MAX_FDS,
+        "1 to {MAX_FDS} descriptors"
+    );
     let iov = [IoSlice::new(body)];
+    let bytes = std::mem::size_of_val(fds) as u32;
     // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(bytes) } as usize;
     let mut control = vec![0u8; space];
     // SAFETY: zeroed msghdr is a valid empty header; the pointers set below outlive the call.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -126,13 +140,16 @@ fn send_with_fd(sock: BorrowedFd<'_>, fd: BorrowedFd<'_>, body: &[u8]) -> std::i
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
     msg.msg_controllen = space;
-    // SAFETY: msg_control points at `space` bytes, enough for one cmsg holding one fd.
+    // SAFETY: msg_control points at `space` bytes, enough for one cmsg holding `fds`.
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd.as_raw_fd());
+        (*cmsg).cmsg_len = libc::CMSG_LEN(bytes) as usize;
+        let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+        for (i, fd) in fds.iter().enumerate() {
+            std::ptr::write_unaligned(data.add(i), fd.as_raw_fd());
+        }
     }
     // SAFETY: a valid socket and a fully initialised msghdr.
     let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
@@ -180,6 +197,28 @@ fn recv_with_fd(
     timeout: Duration,
     max: usize,
 ) -> std::io::Result<Option<(Option<OwnedFd>, Vec<u8>)>> {
+    let Some((mut fds, body)) = recv_with_fds(sock, timeout, max)? else {
+        return Ok(None);
+    };
+    if fds.len() > 1 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "more than one descriptor in a hand-off",
+        ));
+    }
+    Ok(Some((fds.pop(), body)))
+}
+
+/// Descriptors one message may carry ([`send_with_fds`], [`recv_with_fds`]).
+pub(crate) const MAX_FDS: usize = 4;
+
+/// One message of at most `max` bytes and the descriptors riding along with it (at most
+/// [`MAX_FDS`]), waiting up to `timeout`. Ok(None): the peer closed the socket first.
+pub(crate) fn recv_with_fds(
+    sock: BorrowedFd<'_>,
+    timeout: Duration,
+    max: usize,
+) -> std::io::Result<Option<(Vec<OwnedFd>, Vec<u8>)>> {
     crate::ready::wait_readable(&sock, timeout)?;
     // One byte more than allowed, so an oversized message shows as one.
     let mut body = vec![0u8; max + 1];
@@ -188,9 +227,10 @@ fn recv_with_fd(
         iov_len: body.len(),
     };
     // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let space =
+        unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
     let mut control = vec![0u8; space];
-    // SAFETY: as in `send_with_fd`; the buffers outlive the call.
+    // SAFETY: as in `send_with_fds`; the buffers outlive the call.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
@@ -201,15 +241,19 @@ fn recv_with_fd(
     if n < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    // Take ownership of any descriptor first, so a malformed message does not leak it.
-    let mut fd = None;
-    // SAFETY: walking the control buffer the kernel filled in.
+    // Take ownership of every descriptor first, so a malformed message does not leak them.
+    let mut fds = Vec::new();
+    // SAFETY: walking the control buffer the kernel filled in; each SCM_RIGHTS entry's data
+    // holds (cmsg_len - CMSG_LEN(0)) / 4 descriptors.
     unsafe {
         let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
         while !cmsg.is_null() {
             if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>());
-                fd = Some(OwnedFd::from_raw_fd(raw));
+                let data_len = (*cmsg).cmsg_len - libc::CMSG_LEN(0) as usize;
+                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+                for i in 0..data_len / std::mem::size_of::<RawFd>() {
+                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                }
             }
             cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
         }
@@ -225,7 +269,7 @@ fn recv_with_fd(
         ));
     }
     body.truncate(n);
-    Ok(Some((fd, body)))
+    Ok(Some((fds, body)))
 }
 
 #[cfg(test)]

@@ -1,9 +1,9 @@
 //! [`Host`]: the one owner of the VMs on a host. The executor daemon and the `tine` CLI both
 //! go through it, so there is one spawn path, one set of limits and one record format.
 
+use crate::process::VmmProcess;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tine_vmm::kvm_stats::Counters;
@@ -72,7 +72,7 @@ pub struct Resumed {
 struct Live {
     record: VmRecord,
     /// Our own child process (None for one adopted after a restart).
-    child: Option<Child>,
+    child: Option<VmmProcess>,
     /// Made ready; until then its spawn thread owns it (the reaper leaves it alone).
     ready: bool,
 }
@@ -318,6 +318,7 @@ impl Host {
             },
             cfg.limits.auto_refill,
             cgroups.clone(),
+            cfg.limits.worker_start,
         );
         let fetcher = match &cfg.store {
             Some(store) => Some(Arc::new(Fetcher::new(
@@ -1741,7 +1742,7 @@ impl Host {
         plan: &ChildPlan<'_>,
         id: &SandboxId,
         memory: Memory<'_>,
-    ) -> Result<(VmRecord, Child, std::fs::File, Duration)> {
+    ) -> Result<(VmRecord, VmmProcess, std::fs::File, Duration)> {
         let &ChildPlan {
             tag,
             snapshot,

@@ -30,6 +30,7 @@ pub mod stack;
 pub mod testing;
 pub mod worker;
 pub mod worker_log;
+pub mod zygote;
 
 pub use cgroup::{CgroupMode, CgroupName, ChildLimits, Usage};
 pub use config::{HostConfig, Limits, Owner, Readiness};
@@ -48,3 +49,4 @@ pub use records::VmRecord;
 /// How a parent names its image (store only, or also a local directory).
 pub use tine_image::ImageRef;
 pub use worker::{worker_main, WORKER_SUBCOMMAND};
+pub use zygote::WorkerStart;

@@ -2,8 +2,8 @@
 //! host waits until its agent is ready, runs the warm-up code, and has the VMM pause and
 //! write the snapshot. The user's warm-up code never runs beside an unconfined VMM.
 
+use crate::process::VmmProcess;
 use std::path::{Path, PathBuf};
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use tine_agent::client::{AnswerWait, ClientError, WAIT_READY_MAX_PERIOD};
@@ -94,12 +94,12 @@ pub(crate) fn warm_and_snapshot(
     work: &Path,
     staging: &Path,
     ready_timeout: Duration,
-    vmm: &mut Child,
+    vmm: &mut VmmProcess,
     report: &std::fs::File,
     started: Instant,
 ) -> Result<MadeSnapshot> {
     let console = work.join("console.log");
-    let exited = |vmm: &mut Child| -> Option<HostError> {
+    let exited = |vmm: &mut VmmProcess| -> Option<HostError> {
         matches!(vmm.try_wait(), Ok(Some(_)) | Err(_))
             .then(|| HostError::VmmExited { log: vmm_log(work) })
     };

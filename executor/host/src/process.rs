@@ -59,6 +59,14 @@ fn stat(pid: u32) -> Option<(char, u64)> {
     Some((state, start))
 }
 
+/// The parent pid of `pid`, from /proc (None once it is gone).
+pub fn parent_of(pid: u32) -> Option<u32> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, fields) = stat_fields(&text)?;
+    // Fields start at field 3 (state); the parent is field 4.
+    fields.get(1)?.parse().ok()
+}
+
 impl ProcessIdentity {
     /// The identity of the running process `pid`.
     pub fn of(pid: u32) -> std::io::Result<ProcessIdentity> {
@@ -129,6 +137,85 @@ impl ProcessIdentity {
         // SAFETY: one valid pollfd.
         unsafe { libc::poll(&mut pfd, 1, 2000) };
         Ok(true)
+    }
+}
+
+/// A VMM worker process of ours, to signal and reap: one this process started, or one it
+/// adopted (a worker forked by the zygote is orphaned at once and comes to this process as
+/// the subreaper, see [`crate::zygote`]). Unlike std's `Child` it can be made from a pid. Its
+/// pid cannot be reused while it is not reaped, so signalling it by pid is safe until then.
+#[derive(Debug)]
+pub struct VmmProcess {
+    pid: u32,
+    /// Set once reaped.
+    status: Option<std::process::ExitStatus>,
+}
+
+impl VmmProcess {
+    /// A child std started (its handle is dropped: this type reaps it).
+    pub fn started(child: std::process::Child) -> VmmProcess {
+        VmmProcess {
+            pid: child.id(),
+            status: None,
+        }
+    }
+
+    /// A process that is this process's child, by adoption. The caller has checked that.
+    pub(crate) fn adopted(pid: u32) -> VmmProcess {
+        VmmProcess { pid, status: None }
+    }
+
+    pub fn id(&self) -> u32 {
+        self.pid
+    }
+
+    /// SIGKILL it, unless it has been reaped already.
+    pub fn kill(&mut self) -> std::io::Result<()> {
+        if self.status.is_some() {
+            return Ok(());
+        }
+        // SAFETY: kill takes a pid and a signal; the pid is our unreaped child's.
+        if unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGKILL) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Wait for it to exit and reap it.
+    pub fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        loop {
+            if let Some(s) = self.reap(0)? {
+                return Ok(s);
+            }
+        }
+    }
+
+    /// Reap it if it has exited.
+    pub fn try_wait(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        self.reap(libc::WNOHANG)
+    }
+
+    fn reap(&mut self, flags: libc::c_int) -> std::io::Result<Option<std::process::ExitStatus>> {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(s) = self.status {
+            return Ok(Some(s));
+        }
+        let mut raw = 0;
+        // SAFETY: waitpid on our own child's pid, into a local.
+        let r = unsafe { libc::waitpid(self.pid as libc::pid_t, &mut raw, flags) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.kind() {
+                std::io::ErrorKind::Interrupted => Ok(None),
+                _ => Err(e),
+            };
+        }
+        if r == 0 {
+            return Ok(None);
+        }
+        let s = std::process::ExitStatus::from_raw(raw);
+        self.status = Some(s);
+        Ok(Some(s))
     }
 }
 

@@ -15,7 +15,10 @@
 use std::io::{BufRead, Write};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Command, Stdio};
+
+use crate::process::VmmProcess;
+use crate::zygote::{WorkerStart, Zygote};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -208,8 +211,8 @@ const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// A started worker waiting for its job.
 pub struct Worker {
     /// Taken when the job is handed over; a worker dropped before that is killed and reaped.
-    child: Option<Child>,
-    stdin: Option<ChildStdin>,
+    child: Option<VmmProcess>,
+    stdin: Option<std::io::PipeWriter>,
     stdout: Option<OwnedFd>,
     /// It said it waits for its job ([`IDLE`] was read).
     waiting: bool,
@@ -223,31 +226,44 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// Start a worker, in a cgroup of its own made from `cgroups` if there are any (without
-    /// one, said in the log, it is moved into its child's at its spawn).
-    fn start(exe: &Path, cgroups: Option<&Cgroups>) -> Result<Worker> {
-        let (ours, theirs) = socket_pair().map_err(|source| HostError::Worker {
-            exe: exe.to_path_buf(),
-            source,
-        })?;
+    /// Start a worker, forked by `zygote` if there is one, else from `exe`; in a cgroup of its
+    /// own made from `cgroups` if there are any (without one, said in the log, it is moved
+    /// into its child's at its spawn). A zygote's failure is returned as `Err(Ok(..))`, so the
+    /// caller can start it from the program instead.
+    fn start(
+        exe: &Path,
+        cgroups: Option<&Cgroups>,
+        zygote: Option<&mut Zygote>,
+    ) -> std::result::Result<Worker, std::result::Result<std::io::Error, HostError>> {
+        use std::os::fd::AsFd;
+        let failed = |source| {
+            Err::<std::io::Error, _>(HostError::Worker {
+                exe: exe.to_path_buf(),
+                source,
+            })
+        };
+        let (ours, theirs) = socket_pair(libc::SOCK_STREAM).map_err(failed)?;
+        let (stdin_r, stdin) = std::io::pipe().map_err(failed)?;
+        let child = match zygote {
+            Some(z) => z.fork(stdin_r.as_fd(), theirs.as_fd()).map_err(Ok)?,
+            // No code between fork and exec, so the standard library starts it with posix_spawn
+            // (a vfork): the executor's page tables are not copied for each worker (a cost that
+            // grows with the executor's memory, and the copy-on-write faults after it).
+            None => VmmProcess::started(
+                Command::new(exe)
+                    .arg(WORKER_SUBCOMMAND)
+                    .stdin(Stdio::from(stdin_r))
+                    .stdout(Stdio::from(theirs))
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .map_err(failed)?,
+            ),
+        };
         let cgroup = cgroups.and_then(|c| {
             c.make_idle()
                 .map_err(|e| tracing::warn!("VMM worker pool: a cgroup for a worker: {e}"))
                 .ok()
         });
-        // No code between fork and exec, so the standard library starts it with posix_spawn (a
-        // vfork): the executor's page tables are not copied for each worker (a cost that grows
-        // with the executor's memory, and the copy-on-write faults after it).
-        let mut child = Command::new(exe)
-            .arg(WORKER_SUBCOMMAND)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::from(theirs))
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|source| HostError::Worker {
-                exe: exe.to_path_buf(),
-                source,
-            })?;
         // Moved into its cgroup as it starts: what it maps from then on is charged there; the
         // few pages its loader touched before stay charged to the executor until it exits.
         let cgroup = cgroup.and_then(|cg| match cg.enter(child.id()) {
@@ -260,12 +276,10 @@ impl Worker {
             }
         });
         let identity = ProcessIdentity::of(child.id()).ok();
-        let stdin = child.stdin.take().expect("piped stdin");
-        let stdout = ours;
         Ok(Worker {
             child: Some(child),
             stdin: Some(stdin),
-            stdout: Some(stdout),
+            stdout: Some(ours),
             waiting: false,
             primed: None,
             identity,
@@ -311,7 +325,7 @@ impl Worker {
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().map_or(0, Child::id)
+        self.child.as_ref().map_or(0, VmmProcess::id)
     }
 
     /// Whether it is primed for the snapshot in `dir`: a job for it needs no held image sent.
@@ -359,7 +373,10 @@ impl Worker {
     /// Hand over the job. Returns the process (to reap), the "restored" signal pipe and the
     /// cgroup it waited in, which the caller keeps ([`IdleCgroup::keep`]) or drops once the
     /// process is reaped.
-    pub fn run(mut self, job: &WorkerJob) -> Result<(Child, std::fs::File, Option<IdleCgroup>)> {
+    pub fn run(
+        mut self,
+        job: &WorkerJob,
+    ) -> Result<(VmmProcess, std::fs::File, Option<IdleCgroup>)> {
         // `Order::Run(job)`, written around the borrowed job.
         let mut line = b"{\"run\":".to_vec();
         serde_json::to_writer(&mut line, job).expect("job serializes");
@@ -388,15 +405,16 @@ impl Drop for Worker {
     }
 }
 
-/// A connected pair of stream sockets (close-on-exec; the child's end becomes its stdout).
-fn socket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
+/// A connected pair of Unix sockets of `kind` (close-on-exec); for a worker, stream sockets,
+/// and the child's end becomes its stdout.
+pub(crate) fn socket_pair(kind: libc::c_int) -> std::io::Result<(OwnedFd, OwnedFd)> {
     use std::os::fd::FromRawFd;
     let mut fds = [0; 2];
     // SAFETY: socketpair fills two descriptors that we then own.
     let r = unsafe {
         libc::socketpair(
             libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            kind | libc::SOCK_CLOEXEC,
             0,
             fds.as_mut_ptr(),
         )
@@ -445,6 +463,18 @@ pub struct WorkerPool {
     /// The workers' program read once by this process before the first starts in a cgroup
     /// of its own, so its file pages are charged here, not to that worker's child.
     program_charged: std::sync::Once,
+    /// How workers are started, and the zygote that forks them (see [`crate::zygote`]).
+    start: WorkerStart,
+    zygote: Mutex<ZygoteSlot>,
+}
+
+/// The pool's zygote.
+enum ZygoteSlot {
+    /// None yet (or the last one was ended): started by the next worker start.
+    NotStarted,
+    Up(Zygote),
+    /// A new zygote failed at its first fork: workers are started from the program.
+    Unavailable,
 }
 
 impl WorkerPool {
@@ -453,6 +483,7 @@ impl WorkerPool {
         bounds: PoolBounds,
         auto_refill: bool,
         cgroups: Option<Arc<Cgroups>>,
+        start: WorkerStart,
     ) -> Arc<WorkerPool> {
         Arc::new(WorkerPool {
             exe,
@@ -465,6 +496,8 @@ impl WorkerPool {
             hot: Mutex::new(None),
             cgroups,
             program_charged: std::sync::Once::new(),
+            start,
+            zygote: Mutex::new(ZygoteSlot::NotStarted),
         })
     }
 
@@ -477,7 +510,59 @@ impl WorkerPool {
                 }
             });
         }
-        Worker::start(&self.exe, self.cgroups.as_deref())
+        let cgroups = self.cgroups.as_deref();
+        let exec = || {
+            Worker::start(&self.exe, cgroups, None).map_err(|e| match e {
+                Ok(source) => HostError::Worker {
+                    exe: self.exe.clone(),
+                    source,
+                },
+                Err(e) => e,
+            })
+        };
+        if self.start == WorkerStart::Exec {
+            return exec();
+        }
+        let mut slot = self.zygote.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(*slot, ZygoteSlot::NotStarted) {
+            *slot = match Zygote::start(&self.exe) {
+                Ok(z) => ZygoteSlot::Up(z),
+                Err(e) => {
+                    tracing::warn!(exe = %self.exe.display(), "VMM worker pool: no zygote, workers are started from the program: {e}");
+                    ZygoteSlot::Unavailable
+                }
+            };
+        }
+        let ZygoteSlot::Up(z) = &mut *slot else {
+            return exec();
+        };
+        match Worker::start(&self.exe, cgroups, Some(z)) {
+            Ok(w) => {
+                // A new layout for the next ones (see FORKS_PER_ZYGOTE).
+                if z.forks() >= crate::zygote::FORKS_PER_ZYGOTE {
+                    *slot = ZygoteSlot::NotStarted;
+                }
+                Ok(w)
+            }
+            Err(Err(e)) => Err(e),
+            Err(Ok(e)) => {
+                // One that never forked will not: its program cannot be a zygote. One that has
+                // is replaced by the next start.
+                let first = z.forks() == 0;
+                tracing::warn!(
+                    exe = %self.exe.display(),
+                    "VMM worker pool: the zygote failed to fork a worker ({e}); {}",
+                    if first { "workers are started from the program" } else { "a new one is started for the next" }
+                );
+                *slot = if first {
+                    ZygoteSlot::Unavailable
+                } else {
+                    ZygoteSlot::NotStarted
+                };
+                drop(slot);
+                exec()
+            }
+        }
     }
 
     /// An idle worker, or a freshly started one when the pool is empty.
@@ -778,6 +863,15 @@ fn one_malloc_arena() {
 /// Body of `<worker_exe> __vmm-worker`: wait for a job on stdin (EOF: the daemon went away, exit
 /// quietly), restore, signal, run.
 pub fn worker_main() -> anyhow::Result<i32> {
+    // `__vmm-worker --zygote`: fork workers on request; this returns in each of them.
+    if std::env::args_os().nth(2).as_deref()
+        == Some(std::ffi::OsStr::new(crate::zygote::ZYGOTE_ARG))
+    {
+        match crate::zygote::serve().context("serving as the VMM workers' zygote")? {
+            crate::zygote::Role::Exit(code) => return Ok(code),
+            crate::zygote::Role::Worker => {}
+        }
+    }
     match run_job()? {
         Outcome::Exit(code) => Ok(code),
         Outcome::Running {

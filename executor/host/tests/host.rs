@@ -18,7 +18,7 @@ use tine_host::testing::{
 use tine_host::{
     BranchKind, CgroupMode, CgroupName, ErrorKind, FetchMode, Host, HostConfig, HostError,
     Liveness, Owner, ProcessIdentity, Resources, SpawnOptions, SpawnOutcome, StoreConfig, VmRecord,
-    WORKER_SUBCOMMAND,
+    WorkerStart, WORKER_SUBCOMMAND,
 };
 use tine_proto::names::{SandboxId, Tag};
 
@@ -642,6 +642,175 @@ fn adoption_takes_only_ready_vmm_workers() {
     assert_eq!(ready.wait().unwrap().signal(), Some(libc::SIGKILL));
     let _ = other.kill();
     let _ = other.wait();
+}
+
+fn cmdline_of(pid: u32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .unwrap_or_default()
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect()
+}
+
+/// Whether worker `pid` was forked by a zygote (it carries the zygote's command line).
+fn forked(pid: u32) -> bool {
+    cmdline_of(pid)
+        .iter()
+        .any(|a| a == tine_host::zygote::ZYGOTE_ARG)
+}
+
+/// Live zygotes started by this process: its children with the zygote's command line and a
+/// socket for stdin (the workers they fork have a pipe).
+fn zygotes() -> Vec<u32> {
+    let me = std::process::id();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| tine_host::process::parent_of(pid) == Some(me) && forked(pid))
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/fd/0"))
+                .is_ok_and(|l| l.to_string_lossy().starts_with("socket:"))
+        })
+        .collect()
+}
+
+/// KiB of the test binary's own mappings in `pid` that are dirty and its alone.
+fn binary_private_dirty(pid: u32) -> u64 {
+    let exe = std::env::current_exe().unwrap();
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut private = 0;
+    tine_host::smaps::for_each_field(&smaps, |path, field, kib| {
+        if Path::new(path) == exe && field == "Private_Dirty:" {
+            private += kib;
+        }
+    });
+    private
+}
+
+/// Workers forked from the zygote are this process's children (adopted), and share the pages
+/// the loader wrote into the program's data with it, where workers started from the program
+/// each hold a private copy.
+fn forked_workers_share_what_loading_wrote() {
+    let tmp = data_dir_with_snapshot();
+    let mut dirty = Vec::new();
+    for start in [WorkerStart::Fork, WorkerStart::Exec] {
+        let mut cfg = config(tmp.path(), 4, 0);
+        cfg.limits.worker_start = start;
+        let host = Host::open_exclusive(cfg).unwrap();
+        let outcomes = spawn(&host, ids(2));
+        for o in &outcomes {
+            o.result.as_ref().unwrap();
+            let pid = pid_of(&host, &o.id);
+            assert_eq!(
+                forked(pid),
+                start == WorkerStart::Fork,
+                "{start}: {:?}",
+                cmdline_of(pid)
+            );
+            assert_eq!(
+                tine_host::process::parent_of(pid),
+                Some(std::process::id()),
+                "{start}: adopted"
+            );
+            dirty.push((start, binary_private_dirty(pid)));
+        }
+        // A subreaper only while a worker was being forked.
+        let mut subreaper: libc::c_int = -1;
+        // SAFETY: prctl writes the setting into our local.
+        unsafe {
+            libc::prctl(
+                libc::PR_GET_CHILD_SUBREAPER,
+                &mut subreaper as *mut libc::c_int,
+            )
+        };
+        assert_eq!(subreaper, 0);
+        // Each runs its guest.
+        for o in &outcomes {
+            assert_eq!(
+                host.list().iter().filter(|v| v.record.id == o.id).count(),
+                1
+            );
+        }
+        host.kill_all();
+    }
+    eprintln!("     the program's private dirty KiB per worker: {dirty:?}");
+    let most = |s| {
+        dirty
+            .iter()
+            .filter(|d| d.0 == s)
+            .map(|d| d.1)
+            .max()
+            .unwrap()
+    };
+    // Started from the program, the relocated data is each worker's own; forked, it is
+    // shared with the zygote and the other workers, and only what is written after is not.
+    assert!(
+        most(WorkerStart::Fork) * 4 < most(WorkerStart::Exec),
+        "{dirty:?}"
+    );
+}
+
+/// A worker program that cannot be a zygote (it exits at once): workers are started from
+/// the program, and children spawn as before.
+fn workers_come_from_the_program_when_no_zygote_can_be_had() {
+    let tmp = data_dir_with_snapshot();
+    let exe = tmp.path().join("no-zygote");
+    std::fs::write(
+        &exe,
+        format!(
+            "#!/bin/sh\nif [ \"$2\" = {} ]; then exit 3; fi\nexec '{}' \"$@\"\n",
+            tine_host::zygote::ZYGOTE_ARG,
+            std::env::current_exe().unwrap().display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut cfg = config(tmp.path(), 4, 0);
+    cfg.worker_exe = exe;
+    let host = Host::open_exclusive(cfg).unwrap();
+    for _ in 0..2 {
+        let o = spawn(&host, ids(1)).pop().unwrap();
+        o.result.as_ref().unwrap();
+        let pid = pid_of(&host, &o.id);
+        assert!(!forked(pid), "{:?}", cmdline_of(pid));
+    }
+    host.kill_all();
+}
+
+/// A zygote that dies is replaced: the worker asked of it meanwhile is started from the
+/// program, and the next is forked by a new zygote.
+fn a_zygote_that_died_is_replaced() {
+    let tmp = data_dir_with_snapshot();
+    let before = zygotes();
+    let host = Host::open_exclusive(config(tmp.path(), 4, 0)).unwrap();
+    let first = spawn(&host, ids(1)).pop().unwrap();
+    first.result.as_ref().unwrap();
+    assert!(forked(pid_of(&host, &first.id)));
+    let zygote: Vec<u32> = zygotes()
+        .into_iter()
+        .filter(|z| !before.contains(z))
+        .collect();
+    assert_eq!(zygote.len(), 1, "{zygote:?}");
+    // SAFETY: signals our own unreaped child (its pool reaps it).
+    assert_eq!(unsafe { libc::kill(zygote[0] as i32, libc::SIGKILL) }, 0);
+    let second = spawn(&host, ids(1)).pop().unwrap();
+    second.result.as_ref().unwrap();
+    assert!(!forked(pid_of(&host, &second.id)));
+    let third = spawn(&host, ids(1)).pop().unwrap();
+    third.result.as_ref().unwrap();
+    assert!(forked(pid_of(&host, &third.id)));
+    let now: Vec<u32> = zygotes()
+        .into_iter()
+        .filter(|z| !before.contains(z))
+        .collect();
+    assert_eq!(now.len(), 1, "{now:?}");
+    assert_ne!(now[0], zygote[0]);
+    // All three are this host's, and end with it.
+    assert_eq!(host.live_ids().len(), 3);
+    host.kill_all();
+    assert!(host.live_ids().is_empty());
 }
 
 /// Run as `host __bystander`, this binary is an unrelated process that merely waits.
@@ -2162,7 +2331,19 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 27] = [
+    let tests: [(&str, fn()); 30] = [
+        (
+            "forked_workers_share_what_loading_wrote",
+            forked_workers_share_what_loading_wrote,
+        ),
+        (
+            "workers_come_from_the_program_when_no_zygote_can_be_had",
+            workers_come_from_the_program_when_no_zygote_can_be_had,
+        ),
+        (
+            "a_zygote_that_died_is_replaced",
+            a_zygote_that_died_is_replaced,
+        ),
         (
             "children_give_back_pages_they_hold_unchanged",
             children_give_back_pages_they_hold_unchanged,

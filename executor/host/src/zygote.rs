@@ -1,0 +1,345 @@
+//! VMM workers forked from one started process, the zygote, instead of each started from the
+//! program.
+//!
+//! Why: the worker is a position-independent executable, so the dynamic loader writes every
+//! relocation into its data as the program loads (for `tine-vmm-worker` about 100 KiB of
+//! `.data.rel.ro` and `.got`, and the C library's and the loader's own data), and a worker
+//! started from the program keeps that private copy for the life of the child it runs. Workers
+//! forked from one process that loaded once share those pages with it copy-on-write: they are
+//! written at load and only read after.
+//!
+//! The price: forked workers share their zygote's address-space layout and the C library's
+//! stack-protector and pointer-guard values, with it and with each other. Each guest can reach
+//! only its own VMM, so a layout learnt by one guest helps against no other child's VMM; and a
+//! new zygote, with a new layout, is started for every [`FORKS_PER_ZYGOTE`] workers and with
+//! every executor. `WorkerStart::Exec` starts every worker from the program instead, each
+//! with a layout of its own.
+//!
+//! How: the pool starts `<worker_exe> __vmm-worker --zygote` with one end of a
+//! `SOCK_SEQPACKET` pair as its stdin, and sends one message per worker carrying that worker's
+//! stdin (a pipe's read end) and stdout (its report socket). The zygote forks a go-between,
+//! which forks the worker and exits; the orphaned worker is adopted by the pool's process,
+//! which is a child subreaper (`PR_SET_CHILD_SUBREAPER`) for the length of that exchange, so
+//! the host signals and reaps it as it does a worker it started itself ([`VmmProcess`]). The zygote reaps the
+//! go-between and answers with the worker's pid. Nothing of the zygote's is left in the
+//! worker: its socket was its stdin, which the worker's own replaces.
+
+use std::io::Read;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::handoff::{recv_with_fds, send_with_fds};
+use crate::process::VmmProcess;
+
+/// The argument after `__vmm-worker` that makes the process a zygote.
+pub const ZYGOTE_ARG: &str = "--zygote";
+
+/// Workers one zygote forks before the pool starts a new one (with a new address-space
+/// layout). Workers of different zygotes share nothing; 64 keeps nearly all of the saving.
+pub const FORKS_PER_ZYGOTE: u32 = 64;
+
+/// How the pool starts a VMM worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerStart {
+    /// Forked from a zygote (the default; see the module's doc), or started from the program
+    /// where no zygote can be had.
+    #[default]
+    Fork,
+    /// Each started from the program, with an address-space layout of its own.
+    Exec,
+}
+
+impl std::str::FromStr for WorkerStart {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fork" => Ok(WorkerStart::Fork),
+            "exec" => Ok(WorkerStart::Exec),
+            other => Err(format!("{other:?}: expected fork or exec")),
+        }
+    }
+}
+
+impl std::fmt::Display for WorkerStart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WorkerStart::Fork => "fork",
+            WorkerStart::Exec => "exec",
+        })
+    }
+}
+
+/// The pool's request: fork a worker (its stdin and stdout ride along).
+const FORK: u8 = b'F';
+/// The zygote's answers: a worker's pid (u32 LE), or an errno (i32 LE) and no worker.
+const FORKED: u8 = b'P';
+const FAILED: u8 = b'E';
+/// How long the pool waits for a fork's answer.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What [`serve`] returns as.
+pub enum Role {
+    /// The zygote, at its end (its pool went away): exit with this code.
+    Exit(i32),
+    /// A forked worker, its stdin and stdout in place: run the worker.
+    Worker,
+}
+
+/// Body of `<worker_exe> __vmm-worker --zygote`: fork a worker for each request on stdin until
+/// it closes. Returns in the zygote at the end, and in every worker it forks.
+pub fn serve() -> std::io::Result<Role> {
+    // SAFETY: fd 0 is the socket the pool started us with; it stays open while we serve.
+    let sock = unsafe { BorrowedFd::borrow_raw(0) };
+    loop {
+        let (fds, body) = match recv_with_fds(sock, Duration::from_secs(3600), 1) {
+            Ok(Some(m)) => m,
+            Ok(None) => return Ok(Role::Exit(0)),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => continue,
+            Err(e) => return Err(e),
+        };
+        let answer = match (body.as_slice(), <[OwnedFd; 2]>::try_from(fds)) {
+            ([FORK], Ok([stdin, stdout])) => match fork_worker()? {
+                Forked::Worker => {
+                    become_worker(stdin, stdout)?;
+                    return Ok(Role::Worker);
+                }
+                Forked::Started(pid) => [&[FORKED][..], &pid.to_le_bytes()].concat(),
+                Forked::Failed(errno) => [&[FAILED][..], &errno.to_le_bytes()].concat(),
+            },
+            _ => [&[FAILED][..], &libc::EINVAL.to_le_bytes()].concat(),
+        };
+        send(sock, &answer)?;
+    }
+}
+
+enum Forked {
+    /// In the worker.
+    Worker,
+    /// In the zygote: the worker's pid.
+    Started(u32),
+    /// In the zygote: no worker (an errno).
+    Failed(i32),
+}
+
+/// Fork a go-between that forks the worker and exits at once, so the worker is orphaned and
+/// adopted by the nearest subreaper, the pool's process. The go-between says the worker's pid
+/// (or the negated errno) through a pipe.
+fn fork_worker() -> std::io::Result<Forked> {
+    let (mut said, say) = std::io::pipe()?;
+    // SAFETY: the zygote is single-threaded, so the go-between may run any code.
+    match unsafe { libc::fork() } {
+        -1 => Ok(Forked::Failed(errno())),
+        0 => {
+            drop(said);
+            // SAFETY: as above; the go-between is single-threaded too.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                drop(say);
+                return Ok(Forked::Worker);
+            }
+            let word: i64 = if pid < 0 {
+                -i64::from(errno())
+            } else {
+                pid.into()
+            };
+            let bytes = word.to_le_bytes();
+            // SAFETY: writes our own buffer to our pipe, then ends this process without
+            // running anything of the zygote's (no destructors, no atexit).
+            unsafe {
+                libc::write(say.as_raw_fd(), bytes.as_ptr().cast(), bytes.len());
+                libc::_exit(0)
+            }
+        }
+        between => {
+            drop(say);
+            let mut bytes = [0u8; 8];
+            let read = said.read_exact(&mut bytes);
+            let mut status = 0;
+            // SAFETY: reaps our own child into a local.
+            while unsafe { libc::waitpid(between, &mut status, 0) } < 0 && errno() == libc::EINTR {}
+            if read.is_err() {
+                return Ok(Forked::Failed(libc::ECHILD));
+            }
+            let word = i64::from_le_bytes(bytes);
+            Ok(match u32::try_from(word) {
+                Ok(pid) if pid > 0 => Forked::Started(pid),
+                _ => Forked::Failed(i32::try_from(-word).unwrap_or(libc::EIO)),
+            })
+        }
+    }
+}
+
+/// In a forked worker: its stdin and stdout in place of the zygote's socket and null.
+fn become_worker(stdin: OwnedFd, stdout: OwnedFd) -> std::io::Result<()> {
+    for (fd, to) in [(&stdin, 0), (&stdout, 1)] {
+        // SAFETY: dup2 onto our own standard descriptors.
+        if unsafe { libc::dup2(fd.as_raw_fd(), to) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+fn send(sock: BorrowedFd<'_>, body: &[u8]) -> std::io::Result<()> {
+    // SAFETY: sends our own buffer on a valid socket.
+    let n = unsafe {
+        libc::send(
+            sock.as_raw_fd(),
+            body.as_ptr().cast(),
+            body.len(),
+            libc::MSG_NOSIGNAL,
+        )
+    };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
+}
+
+/// The pool's side: a started zygote.
+pub(crate) struct Zygote {
+    process: std::process::Child,
+    sock: OwnedFd,
+    forks: u32,
+}
+
+impl Zygote {
+    /// Start `<exe> __vmm-worker --zygote`, having made this process a child subreaper so that
+    /// the workers it forks are adopted here.
+    pub(crate) fn start(exe: &Path) -> std::io::Result<Zygote> {
+        // Started while this process is a subreaper, so that the kernel looks for one when
+        // its go-betweens exit (a process knows whether an ancestor was one when it forked).
+        let _subreaper = Subreaper::for_now()?;
+        let (ours, theirs) = crate::worker::socket_pair(libc::SOCK_SEQPACKET)?;
+        let process = Command::new(exe)
+            .arg(crate::worker::WORKER_SUBCOMMAND)
+            .arg(ZYGOTE_ARG)
+            .stdin(Stdio::from(theirs))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        Ok(Zygote {
+            process,
+            sock: ours,
+            forks: 0,
+        })
+    }
+
+    /// Workers forked so far.
+    pub(crate) fn forks(&self) -> u32 {
+        self.forks
+    }
+
+    /// Fork a worker with `stdin` and `stdout`: a child of this process from then on.
+    pub(crate) fn fork(
+        &mut self,
+        stdin: BorrowedFd<'_>,
+        stdout: BorrowedFd<'_>,
+    ) -> std::io::Result<VmmProcess> {
+        let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+        // A subreaper only until the answer (the go-between has exited and the worker is
+        // adopted by then): orphans of other descendants, such as a VMM's own forks that
+        // outlive it, go on being reaped by init, not left with the executor.
+        let subreaper = Subreaper::for_now()?;
+        send_with_fds(self.sock.as_fd(), &[stdin, stdout], &[FORK])?;
+        let (fds, body) =
+            recv_with_fds(self.sock.as_fd(), ANSWER_TIMEOUT, 5)?.ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the zygote exited (a worker program without --zygote?)",
+                )
+            })?;
+        if !fds.is_empty() {
+            return Err(bad("the zygote answered with descriptors".into()));
+        }
+        let word = |b: &[u8]| <[u8; 4]>::try_from(b).ok();
+        let pid = match (body.first(), body.get(1..).and_then(word)) {
+            (Some(&FORKED), Some(w)) => u32::from_le_bytes(w),
+            (Some(&FAILED), Some(w)) => {
+                return Err(std::io::Error::from_raw_os_error(i32::from_le_bytes(w)))
+            }
+            _ => return Err(bad(format!("unexpected answer from the zygote: {body:?}"))),
+        };
+        drop(subreaper);
+        self.forks += 1;
+        // The go-between was reaped before the answer, so the worker has been adopted by now:
+        // it is ours only if its parent is this process.
+        // SAFETY: getpid has no memory effects.
+        let me = unsafe { libc::getpid() } as u32;
+        match crate::process::parent_of(pid) {
+            Some(p) if p == me => Ok(VmmProcess::adopted(pid)),
+            other => {
+                // Not ours to reap: end it through a pidfd, which is safe from pid reuse.
+                if let Ok(fd) = crate::process::pidfd_open(pid) {
+                    crate::process::pidfd_kill(&fd);
+                }
+                Err(std::io::Error::other(format!(
+                    "the forked worker {pid} was adopted by {other:?}, not by this process"
+                )))
+            }
+        }
+    }
+}
+
+impl Drop for Zygote {
+    fn drop(&mut self) {
+        // Its workers are ours, not its: they go on.
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+/// This process as a child subreaper until dropped, then back to what it was.
+struct Subreaper {
+    was: bool,
+}
+
+impl Subreaper {
+    fn for_now() -> std::io::Result<Subreaper> {
+        let mut was: libc::c_int = 0;
+        // SAFETY: prctl writes the current setting into our local.
+        if unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut was as *mut libc::c_int) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: prctl with integer arguments.
+        if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Subreaper { was: was != 0 })
+    }
+}
+
+impl Drop for Subreaper {
+    fn drop(&mut self) {
+        if !self.was {
+            // SAFETY: prctl with integer arguments.
+            unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_start_mode_parses_and_prints_back() {
+        for m in [WorkerStart::Fork, WorkerStart::Exec] {
+            assert_eq!(m.to_string().parse::<WorkerStart>(), Ok(m));
+        }
+        assert_eq!(WorkerStart::default(), WorkerStart::Fork);
+        let e = "spawn".parse::<WorkerStart>().unwrap_err();
+        assert!(e.contains("fork or exec"), "{e}");
+    }
+}
