@@ -43,6 +43,9 @@ pub struct BurstBench {
     /// Children without networks (an executor run with --no-network).
     #[arg(long)]
     no_network: bool,
+    /// How VMM workers are started, as `tine up --worker-start`.
+    #[arg(long, default_value_t = tine_host::WorkerStart::Fork)]
+    worker_start: tine_host::WorkerStart,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -161,6 +164,7 @@ pub fn run(b: BurstBench) -> Result<i32> {
     let limits = Limits {
         pool_size: b.pool,
         pool_max: b.pool_max,
+        worker_start: b.worker_start,
         ..Limits::default()
     };
     let base =
@@ -216,8 +220,8 @@ fn print_table(b: &BurstBench, rows: &[Burst]) {
         "burst benchmark: image {:?}, {} bursts of {} children, as an executor daemon serves them",
         b.image, b.bursts, b.size
     );
-    println!("how: one host configured as `tine up`'s executor (workers: --pool {} growing to {}; child networks: {}), a parent booted and snapshotted, one child spawned (the pool primes for its snapshot), then each burst once both pools hold their targets (or after {} s); its children are killed after it.",
-        b.pool, b.pool_max,
+    println!("how: one host configured as `tine up`'s executor (workers: --pool {} growing to {}, started by {} (--worker-start); child networks: {}), a parent booted and snapshotted, one child spawned (the pool primes for its snapshot), then each burst once both pools hold their targets (or after {} s); its children are killed after it.",
+        b.pool, b.pool_max, b.worker_start,
         if b.no_network { "none".to_string() } else { format!("--net-pool {} growing to {}", b.net_pool, b.net_pool_max) },
         SETTLE.as_secs());
     println!("     all ready = wall time of the spawn call until every child is ready; ready p50 = when the median child was; CPU/child = the whole machine's busy CPU (/proc/stat) over the call, divided by N; phases = mean ms per ready child; pools = target/ready at the burst's start (workers primed for the snapshot, networks prepared).");
@@ -272,6 +276,7 @@ fn json(b: &BurstBench, rows: &[Burst]) -> serde_json::Value {
         "size": b.size,
         "pool": b.pool,
         "pool_max": b.pool_max,
+        "worker_start": b.worker_start.to_string(),
         "net_pool": if b.no_network { None } else { Some(b.net_pool) },
         "net_pool_max": if b.no_network { None } else { Some(b.net_pool_max) },
         "bursts": rows.iter().map(|r| serde_json::json!({

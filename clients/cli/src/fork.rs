@@ -48,7 +48,7 @@ pub struct SnapshotArgs {
 
 pub fn snapshot(a: SnapshotArgs) -> Result<i32> {
     refuse_pvm(a.allow_pvm)?;
-    let host = cli_host(Readiness::Agent, true)?;
+    let host = cli_host(Readiness::Agent, true, Default::default())?;
     let made = host.create_snapshot(&ParentSpec {
         image: tine_image::ImageRef::Local(a.image),
         tag: a.tag.clone(),
@@ -124,6 +124,11 @@ pub struct ForkArgs {
     /// the snapshot and maps its working set after its job arrives; see docs/performance.md).
     #[arg(long)]
     no_prime: bool,
+    /// How the VMM workers are started: fork (from a zygote that loaded the worker program
+    /// once, so they share the pages its loading wrote) or exec (each from the program, with
+    /// an address-space layout of its own).
+    #[arg(long, default_value_t = tine_host::WorkerStart::Fork)]
+    worker_start: tine_host::WorkerStart,
     #[arg(long)]
     allow_pvm: bool,
 }
@@ -135,7 +140,7 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
     } else {
         Readiness::Agent
     };
-    let host = cli_host(readiness, !a.no_prime)?;
+    let host = cli_host(readiness, !a.no_prime, a.worker_start)?;
     let opts = SpawnOptions {
         ready_timeout: a.ready_timeout_secs.map(Duration::from_secs),
         parallel: a.parallel,
@@ -206,7 +211,7 @@ pub fn fork(a: ForkArgs) -> Result<i32> {
 pub struct LsArgs {}
 
 pub fn ls(_: LsArgs) -> Result<i32> {
-    let host = cli_host(Readiness::Agent, true)?;
+    let host = cli_host(Readiness::Agent, true, Default::default())?;
     let now = tine_host::records::now_ms();
     println!(
         "{:<28} {:<8} {:<9} {:<20} {:<18} {:>8}",
@@ -248,7 +253,7 @@ pub fn kill(a: KillArgs) -> Result<i32> {
     if !a.all && a.ids.is_empty() {
         bail!("name VM ids to kill, or pass --all");
     }
-    let host = cli_host(Readiness::Agent, true)?;
+    let host = cli_host(Readiness::Agent, true, Default::default())?;
     let targets: Vec<SandboxId> = if a.all {
         let all = host.list();
         let skipped = all

@@ -291,12 +291,14 @@ pub fn give_back_after(secs: f64) -> Option<std::time::Duration> {
 }
 
 /// The host as the CLI's own commands (`tine snapshot/fork/ls/kill`, benches) see it.
-/// `prime`: idle workers prime themselves for the snapshot forked from ([`Limits::prime_workers`]).
-pub fn cli_host(readiness: Readiness, prime: bool) -> Result<Host> {
+/// `prime`: idle workers prime themselves for the snapshot forked from ([`Limits::prime_workers`]);
+/// `start`: how its VMM workers are started ([`Limits::worker_start`]).
+pub fn cli_host(readiness: Readiness, prime: bool, start: tine_host::WorkerStart) -> Result<Host> {
     Ok(Host::open(host_config(
         Owner::Cli,
         Limits {
             prime_workers: prime,
+            worker_start: start,
             ..Limits::one_shot()
         },
         readiness,

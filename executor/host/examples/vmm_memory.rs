@@ -85,6 +85,22 @@ fn args() -> anyhow::Result<Args> {
     Ok(a)
 }
 
+/// The steps of a vmm.log's `main thread CPU ms` line: `main 1.2, ahead 0.4, ...`.
+fn cpu_steps(log: &str) -> Vec<(String, f64)> {
+    let Some(line) = log
+        .lines()
+        .find_map(|l| l.strip_prefix("tine-vmm: main thread CPU ms: "))
+    else {
+        return Vec::new();
+    };
+    line.split(", ")
+        .filter_map(|kv| {
+            let (k, v) = kv.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
 /// KiB per part of one VMM's smaps.
 fn parts_of(smaps: &str, worker: &Path) -> BTreeMap<&'static str, u64> {
     let mut out: BTreeMap<&'static str, u64> = BTreeMap::new();
@@ -128,7 +144,9 @@ fn main() -> anyhow::Result<()> {
     cfg.cgroups = tine_host::CgroupMode::Auto;
     cfg.limits.worker_start = a.start;
     let host = Host::open_exclusive(cfg)?;
+    let t0 = std::time::Instant::now();
     host.fill_pool();
+    let pool_filled = t0.elapsed();
     let ids: Vec<SandboxId> = (0..a.children).map(|_| SandboxId::random("m")).collect();
     let failed = Mutex::new(Vec::new());
     host.spawn(&Tag::parse("idle")?, ids, &SpawnOptions::default(), |o| {
@@ -143,7 +161,13 @@ fn main() -> anyhow::Result<()> {
     std::thread::sleep(a.idle);
     let mut per_child = Vec::new();
     let mut kernel: Vec<BTreeMap<&'static str, u64>> = Vec::new();
+    // Each worker's main-thread CPU per step, from its vmm.log.
+    let mut cpu: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     for v in host.list() {
+        let log = std::fs::read_to_string(v.record.dir.join("vmm.log")).unwrap_or_default();
+        for (step, ms) in cpu_steps(&log) {
+            cpu.entry(step).or_default().push(ms);
+        }
         let pid = v.record.process.pid;
         let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))
             .with_context(|| format!("reading the smaps of VMM {pid}"))?;
@@ -182,6 +206,22 @@ fn main() -> anyhow::Result<()> {
         println!("{line}");
         json.insert(part.to_string(), figures);
     }
+    println!(
+        "\nThe pool of {} workers started and waiting for their jobs in {:.1} ms (wall). Each \
+         worker's main thread, CPU ms per step from its vmm.log (median over the children; \
+         main and ahead are its start before any job):\n",
+        per_child.len(),
+        pool_filled.as_secs_f64() * 1e3
+    );
+    println!("| step | median CPU ms |");
+    println!("|-|--:|");
+    let mut cpu_json = serde_json::Map::new();
+    for (step, mut v) in cpu {
+        v.sort_by(f64::total_cmp);
+        let median = v[v.len() / 2];
+        println!("| {step} | {median:.2} |");
+        cpu_json.insert(step, serde_json::json!(median));
+    }
     let mut kernel_json = serde_json::Map::new();
     if kernel.is_empty() {
         println!(
@@ -214,6 +254,8 @@ fn main() -> anyhow::Result<()> {
             "worker": worker,
             "idle_secs": a.idle.as_secs_f64(),
             "worker_start": a.start.to_string(),
+            "pool_filled_ms": pool_filled.as_secs_f64() * 1e3,
+            "main_thread_cpu_ms": cpu_json,
             "parts": json,
             "kernel": kernel_json,
         });

@@ -300,29 +300,41 @@ impl Drop for Zygote {
     }
 }
 
-/// This process as a child subreaper until dropped, then back to what it was.
-struct Subreaper {
-    was: bool,
-}
+/// This process as a child subreaper until dropped, then back to what it was. Process-wide:
+/// the exchanges of several pools in one process (tests, a CLI and a daemon's host) overlap,
+/// and the setting goes back only when the last one ends.
+struct Subreaper;
+
+/// Exchanges in flight, and whether this process was a subreaper before the first of them.
+static SUBREAPERS: std::sync::Mutex<(usize, bool)> = std::sync::Mutex::new((0, false));
 
 impl Subreaper {
     fn for_now() -> std::io::Result<Subreaper> {
-        let mut was: libc::c_int = 0;
-        // SAFETY: prctl writes the current setting into our local.
-        if unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut was as *mut libc::c_int) } != 0 {
-            return Err(std::io::Error::last_os_error());
+        let mut held = SUBREAPERS.lock().unwrap_or_else(|p| p.into_inner());
+        if held.0 == 0 {
+            let mut was: libc::c_int = 0;
+            // SAFETY: prctl writes the current setting into our local.
+            if unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut was as *mut libc::c_int) }
+                != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: prctl with integer arguments.
+            if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            held.1 = was != 0;
         }
-        // SAFETY: prctl with integer arguments.
-        if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(Subreaper { was: was != 0 })
+        held.0 += 1;
+        Ok(Subreaper)
     }
 }
 
 impl Drop for Subreaper {
     fn drop(&mut self) {
-        if !self.was {
+        let mut held = SUBREAPERS.lock().unwrap_or_else(|p| p.into_inner());
+        held.0 -= 1;
+        if held.0 == 0 && !held.1 {
             // SAFETY: prctl with integer arguments.
             unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0) };
         }
