@@ -361,7 +361,7 @@ pub struct ForkBench {
     #[arg(long, default_value_t = 2.0, value_parser = crate::local::parse_give_back_after)]
     give_back_after: f64,
     /// How VMM workers are started: fork (from a zygote that loaded the worker program once,
-    /// so workers share the pages its loading wrote: about 0.13 MiB less per child) or exec
+    /// so workers share the pages its loading wrote: about 0.15 MiB less per child) or exec
     /// (each from the program, with an address-space layout of its own).
     #[arg(long, default_value_t = tine_host::WorkerStart::Fork)]
     worker_start: tine_host::WorkerStart,

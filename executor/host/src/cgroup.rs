@@ -209,6 +209,13 @@ impl IdleCgroup {
         write(&self.dir.join("cgroup.procs"), &pid.to_string())
     }
 
+    /// Its `cgroup.procs`, open for writing: a process that writes `0` to it moves itself in.
+    pub fn procs_file(&self) -> std::io::Result<std::fs::File> {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(self.dir.join("cgroup.procs"))
+    }
+
     pub fn name(&self) -> &CgroupName {
         &self.name
     }

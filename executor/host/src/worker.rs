@@ -13,7 +13,7 @@
 //! (see [`crate::handoff`]).
 
 use std::io::{BufRead, Write};
-use std::os::fd::OwnedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -226,26 +226,36 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// Start a worker, forked by `zygote` if there is one, else from `exe`; in a cgroup of its
-    /// own made from `cgroups` if there are any (without one, said in the log, it is moved
-    /// into its child's at its spawn). A zygote's failure is returned as `Err(Ok(..))`, so the
-    /// caller can start it from the program instead.
+    /// Start a worker: forked by `fork` if that gives one (see [`WorkerPool::fork`]), else from
+    /// `exe`; in a cgroup of its own made from `cgroups` if there are any (without one, said
+    /// in the log, it is moved into its child's at its spawn).
     fn start(
         exe: &Path,
         cgroups: Option<&Cgroups>,
-        zygote: Option<&mut Zygote>,
-    ) -> std::result::Result<Worker, std::result::Result<std::io::Error, HostError>> {
+        fork: impl FnOnce(WorkerEnds<'_>) -> Option<VmmProcess>,
+    ) -> Result<Worker> {
         use std::os::fd::AsFd;
-        let failed = |source| {
-            Err::<std::io::Error, _>(HostError::Worker {
-                exe: exe.to_path_buf(),
-                source,
-            })
+        let failed = |source| HostError::Worker {
+            exe: exe.to_path_buf(),
+            source,
         };
         let (ours, theirs) = socket_pair(libc::SOCK_STREAM).map_err(failed)?;
         let (stdin_r, stdin) = std::io::pipe().map_err(failed)?;
-        let child = match zygote {
-            Some(z) => z.fork(stdin_r.as_fd(), theirs.as_fd()).map_err(Ok)?,
+        let cgroup = cgroups.and_then(|c| {
+            c.make_idle()
+                .map_err(|e| tracing::warn!("VMM worker pool: a cgroup for a worker: {e}"))
+                .ok()
+        });
+        // A forked worker is made inside its cgroup where it can be, so what its fork makes
+        // (its memory map, its page tables) is charged there, not to the executor.
+        let procs = cgroup.as_ref().and_then(|cg| cg.procs_file().ok());
+        let ends = WorkerEnds {
+            stdin: stdin_r.as_fd(),
+            stdout: theirs.as_fd(),
+            cgroup_procs: procs.as_ref().map(|f| f.as_fd()),
+        };
+        let child = match fork(ends) {
+            Some(child) => child,
             // No code between fork and exec, so the standard library starts it with posix_spawn
             // (a vfork): the executor's page tables are not copied for each worker (a cost that
             // grows with the executor's memory, and the copy-on-write faults after it).
@@ -259,13 +269,9 @@ impl Worker {
                     .map_err(failed)?,
             ),
         };
-        let cgroup = cgroups.and_then(|c| {
-            c.make_idle()
-                .map_err(|e| tracing::warn!("VMM worker pool: a cgroup for a worker: {e}"))
-                .ok()
-        });
-        // Moved into its cgroup as it starts: what it maps from then on is charged there; the
-        // few pages its loader touched before stay charged to the executor until it exits.
+        // Moved into its cgroup as it starts (a forked one is there already: this does nothing
+        // then): what it maps from then on is charged there; the few pages an exec'd worker's
+        // loader touched before stay charged to the executor until it exits.
         let cgroup = cgroup.and_then(|cg| match cg.enter(child.id()) {
             Ok(()) => Some(cg),
             // A host that lets us make a cgroup but not move into it: it is moved into its
@@ -473,8 +479,16 @@ enum ZygoteSlot {
     /// None yet (or the last one was ended): started by the next worker start.
     NotStarted,
     Up(Zygote),
-    /// A new zygote failed at its first fork: workers are started from the program.
+    /// The program could not serve as one: workers are started from the program.
     Unavailable,
+}
+
+/// What a worker starts with: its stdin (a pipe's read end), its stdout (the report socket),
+/// and its idle cgroup's `cgroup.procs` opened for writing, if it has one.
+pub(crate) struct WorkerEnds<'a> {
+    pub stdin: BorrowedFd<'a>,
+    pub stdout: BorrowedFd<'a>,
+    pub cgroup_procs: Option<BorrowedFd<'a>>,
 }
 
 impl WorkerPool {
@@ -510,19 +524,16 @@ impl WorkerPool {
                 }
             });
         }
-        let cgroups = self.cgroups.as_deref();
-        let exec = || {
-            Worker::start(&self.exe, cgroups, None).map_err(|e| match e {
-                Ok(source) => HostError::Worker {
-                    exe: self.exe.clone(),
-                    source,
-                },
-                Err(e) => e,
-            })
-        };
-        if self.start == WorkerStart::Exec {
-            return exec();
-        }
+        Worker::start(&self.exe, self.cgroups.as_deref(), |ends| {
+            (self.start == WorkerStart::Fork)
+                .then(|| self.fork(ends))
+                .flatten()
+        })
+    }
+
+    /// A worker forked by the pool's zygote (started first if there is none), or None: start
+    /// it from the program. The zygote's lock is held for the exchange only.
+    fn fork(&self, ends: WorkerEnds<'_>) -> Option<VmmProcess> {
         let mut slot = self.zygote.lock().unwrap_or_else(|p| p.into_inner());
         if matches!(*slot, ZygoteSlot::NotStarted) {
             *slot = match Zygote::start(&self.exe) {
@@ -534,33 +545,27 @@ impl WorkerPool {
             };
         }
         let ZygoteSlot::Up(z) = &mut *slot else {
-            return exec();
+            return None;
         };
-        match Worker::start(&self.exe, cgroups, Some(z)) {
-            Ok(w) => {
+        match z.fork(ends) {
+            Ok(child) => {
                 // A new layout for the next ones (see FORKS_PER_ZYGOTE).
                 if z.forks() >= crate::zygote::FORKS_PER_ZYGOTE {
                     *slot = ZygoteSlot::NotStarted;
                 }
-                Ok(w)
+                Some(child)
             }
-            Err(Err(e)) => Err(e),
-            Err(Ok(e)) => {
-                // One that never forked will not: its program cannot be a zygote. One that has
-                // is replaced by the next start.
-                let first = z.forks() == 0;
-                tracing::warn!(
-                    exe = %self.exe.display(),
-                    "VMM worker pool: the zygote failed to fork a worker ({e}); {}",
-                    if first { "workers are started from the program" } else { "a new one is started for the next" }
-                );
-                *slot = if first {
-                    ZygoteSlot::Unavailable
-                } else {
-                    ZygoteSlot::NotStarted
-                };
-                drop(slot);
-                exec()
+            // It answered that this fork failed (out of processes or memory): it stays, and
+            // this worker is started from the program.
+            Err(crate::zygote::ForkError::Refused(e)) => {
+                tracing::warn!(exe = %self.exe.display(), "VMM worker pool: the zygote could not fork a worker ({e}); started from the program");
+                None
+            }
+            // It is gone or stuck: replaced at the next start.
+            Err(crate::zygote::ForkError::Lost(e)) => {
+                tracing::warn!(exe = %self.exe.display(), "VMM worker pool: the zygote failed ({e}); this worker is started from the program, and a new zygote at the next start");
+                *slot = ZygoteSlot::NotStarted;
+                None
             }
         }
     }

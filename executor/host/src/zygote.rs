@@ -74,13 +74,19 @@ impl std::fmt::Display for WorkerStart {
     }
 }
 
-/// The pool's request: fork a worker (its stdin and stdout ride along).
+/// The zygote's first word, once it serves: an older worker program given `--zygote` says
+/// the worker's `I` instead, on the same socket.
+const HELLO: u8 = b'Z';
+/// How long a zygote may take to say it serves (a loaded host starts processes slowly).
+const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
+/// The pool's request: fork a worker (its stdin, stdout and, if it has one, its cgroup's
+/// `cgroup.procs` ride along).
 const FORK: u8 = b'F';
 /// The zygote's answers: a worker's pid (u32 LE), or an errno (i32 LE) and no worker.
 const FORKED: u8 = b'P';
 const FAILED: u8 = b'E';
-/// How long the pool waits for a fork's answer.
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the pool waits for a fork's answer (a fork takes a millisecond or so).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What [`serve`] returns as.
 pub enum Role {
@@ -95,6 +101,7 @@ pub enum Role {
 pub fn serve() -> std::io::Result<Role> {
     // SAFETY: fd 0 is the socket the pool started us with; it stays open while we serve.
     let sock = unsafe { BorrowedFd::borrow_raw(0) };
+    send(sock, &[HELLO])?;
     loop {
         let (fds, body) = match recv_with_fds(sock, Duration::from_secs(3600), 1) {
             Ok(Some(m)) => m,
@@ -102,14 +109,25 @@ pub fn serve() -> std::io::Result<Role> {
             Err(e) if e.kind() == std::io::ErrorKind::TimedOut => continue,
             Err(e) => return Err(e),
         };
-        let answer = match (body.as_slice(), <[OwnedFd; 2]>::try_from(fds)) {
-            ([FORK], Ok([stdin, stdout])) => match fork_worker()? {
-                Forked::Worker => {
+        let mut fds = fds.into_iter();
+        let answer = match (
+            body.as_slice(),
+            fds.next(),
+            fds.next(),
+            fds.next(),
+            fds.next(),
+        ) {
+            ([FORK], Some(stdin), Some(stdout), procs, None) => match fork_worker(procs.as_ref()) {
+                Ok(Forked::Worker) => {
                     become_worker(stdin, stdout)?;
                     return Ok(Role::Worker);
                 }
-                Forked::Started(pid) => [&[FORKED][..], &pid.to_le_bytes()].concat(),
-                Forked::Failed(errno) => [&[FAILED][..], &errno.to_le_bytes()].concat(),
+                Ok(Forked::Started(pid)) => [&[FORKED][..], &pid.to_le_bytes()].concat(),
+                Ok(Forked::Failed(errno)) => [&[FAILED][..], &errno.to_le_bytes()].concat(),
+                Err(e) => {
+                    let errno = e.raw_os_error().unwrap_or(libc::EIO);
+                    [&[FAILED][..], &errno.to_le_bytes()].concat()
+                }
             },
             _ => [&[FAILED][..], &libc::EINVAL.to_le_bytes()].concat(),
         };
@@ -127,15 +145,21 @@ enum Forked {
 }
 
 /// Fork a go-between that forks the worker and exits at once, so the worker is orphaned and
-/// adopted by the nearest subreaper, the pool's process. The go-between says the worker's pid
-/// (or the negated errno) through a pipe.
-fn fork_worker() -> std::io::Result<Forked> {
+/// adopted by the nearest subreaper, the pool's process. The go-between first moves itself
+/// into the worker's cgroup through `procs`, if given, so the worker is made there; and says
+/// the worker's pid (or the negated errno) through a pipe.
+fn fork_worker(procs: Option<&OwnedFd>) -> std::io::Result<Forked> {
     let (mut said, say) = std::io::pipe()?;
     // SAFETY: the zygote is single-threaded, so the go-between may run any code.
     match unsafe { libc::fork() } {
         -1 => Ok(Forked::Failed(errno())),
         0 => {
             drop(said);
+            if let Some(procs) = procs {
+                // Where this fails the pool moves the worker in after, as an exec'd one.
+                // SAFETY: writes our own two bytes to a descriptor we hold.
+                unsafe { libc::write(procs.as_raw_fd(), b"0\n".as_ptr().cast(), 2) };
+            }
             // SAFETY: as above; the go-between is single-threaded too.
             let pid = unsafe { libc::fork() };
             if pid == 0 {
@@ -174,9 +198,11 @@ fn fork_worker() -> std::io::Result<Forked> {
     }
 }
 
-/// In a forked worker: its stdin and stdout in place of the zygote's socket and null.
+/// In a forked worker: its stdin and stdout in place of the zygote's socket, and its stderr
+/// null until its job (as an exec'd worker's; the zygote's is the executor's).
 fn become_worker(stdin: OwnedFd, stdout: OwnedFd) -> std::io::Result<()> {
-    for (fd, to) in [(&stdin, 0), (&stdout, 1)] {
+    let null = OwnedFd::from(std::fs::File::options().write(true).open("/dev/null")?);
+    for (fd, to) in [(&stdin, 0), (&stdout, 1), (&null, 2)] {
         // SAFETY: dup2 onto our own standard descriptors.
         if unsafe { libc::dup2(fd.as_raw_fd(), to) } < 0 {
             return Err(std::io::Error::last_os_error());
@@ -207,6 +233,17 @@ fn errno() -> i32 {
         .unwrap_or(libc::EIO)
 }
 
+/// Why a fork through the zygote gave no worker.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ForkError {
+    /// The zygote answered that the fork failed (out of processes or memory); it still serves.
+    #[error("the zygote could not fork: {0}")]
+    Refused(std::io::Error),
+    /// The zygote is gone, stuck or confused; no use any more.
+    #[error("{0}")]
+    Lost(std::io::Error),
+}
+
 /// The pool's side: a started zygote.
 pub(crate) struct Zygote {
     process: std::process::Child,
@@ -215,25 +252,43 @@ pub(crate) struct Zygote {
 }
 
 impl Zygote {
-    /// Start `<exe> __vmm-worker --zygote`, having made this process a child subreaper so that
-    /// the workers it forks are adopted here.
+    /// Start `<exe> __vmm-worker --zygote` and wait until it serves. It is started while this
+    /// process is a subreaper, so that the kernel looks for one when its go-betweens exit (a
+    /// process knows whether an ancestor was one when it forked).
     pub(crate) fn start(exe: &Path) -> std::io::Result<Zygote> {
-        // Started while this process is a subreaper, so that the kernel looks for one when
-        // its go-betweens exit (a process knows whether an ancestor was one when it forked).
-        let _subreaper = Subreaper::for_now()?;
         let (ours, theirs) = crate::worker::socket_pair(libc::SOCK_SEQPACKET)?;
-        let process = Command::new(exe)
-            .arg(crate::worker::WORKER_SUBCOMMAND)
-            .arg(ZYGOTE_ARG)
-            .stdin(Stdio::from(theirs))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?;
-        Ok(Zygote {
+        let process = {
+            let _subreaper = Subreaper::for_now()?;
+            Command::new(exe)
+                .arg(crate::worker::WORKER_SUBCOMMAND)
+                .arg(ZYGOTE_ARG)
+                // Its stdout is the socket too, so an older program that runs as a plain
+                // worker says so at once.
+                .stdout(Stdio::from(theirs.try_clone()?))
+                .stdin(Stdio::from(theirs))
+                .stderr(Stdio::inherit())
+                .spawn()?
+        };
+        let mut z = Zygote {
             process,
             sock: ours,
             forks: 0,
-        })
+        };
+        let mut b = [0u8; 1];
+        match crate::ready::read_with_timeout(&z.sock, &mut b, HELLO_TIMEOUT) {
+            Ok(1) if b[0] == HELLO => Ok(z),
+            Ok(0) => Err(std::io::Error::other(format!(
+                "it exited before serving ({})",
+                z.exit_status()
+            ))),
+            Ok(_) => Err(std::io::Error::other(
+                "the program does not serve as a zygote (a worker program from an older build?)",
+            )),
+            Err(e) => Err(std::io::Error::new(
+                e.kind(),
+                format!("waiting {HELLO_TIMEOUT:?} for it to serve: {e}"),
+            )),
+        }
     }
 
     /// Workers forked so far.
@@ -241,53 +296,66 @@ impl Zygote {
         self.forks
     }
 
-    /// Fork a worker with `stdin` and `stdout`: a child of this process from then on.
+    /// How its process ended, if it has, for errors.
+    fn exit_status(&mut self) -> String {
+        match self.process.try_wait() {
+            Ok(Some(s)) => s.to_string(),
+            Ok(None) => "still running".into(),
+            Err(e) => format!("its status unknown: {e}"),
+        }
+    }
+
+    /// Fork a worker with `ends`: a child of this process from then on.
     pub(crate) fn fork(
         &mut self,
-        stdin: BorrowedFd<'_>,
-        stdout: BorrowedFd<'_>,
-    ) -> std::io::Result<VmmProcess> {
-        let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+        ends: crate::worker::WorkerEnds<'_>,
+    ) -> Result<VmmProcess, ForkError> {
+        let lost = |what: String| ForkError::Lost(std::io::Error::other(what));
+        let mut fds = vec![ends.stdin, ends.stdout];
+        fds.extend(ends.cgroup_procs);
         // A subreaper only until the answer (the go-between has exited and the worker is
-        // adopted by then): orphans of other descendants, such as a VMM's own forks that
-        // outlive it, go on being reaped by init, not left with the executor.
-        let subreaper = Subreaper::for_now()?;
-        send_with_fds(self.sock.as_fd(), &[stdin, stdout], &[FORK])?;
-        let (fds, body) =
-            recv_with_fds(self.sock.as_fd(), ANSWER_TIMEOUT, 5)?.ok_or_else(|| {
-                std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "the zygote exited (a worker program without --zygote?)",
-                )
-            })?;
-        if !fds.is_empty() {
-            return Err(bad("the zygote answered with descriptors".into()));
-        }
-        let word = |b: &[u8]| <[u8; 4]>::try_from(b).ok();
-        let pid = match (body.first(), body.get(1..).and_then(word)) {
-            (Some(&FORKED), Some(w)) => u32::from_le_bytes(w),
-            (Some(&FAILED), Some(w)) => {
-                return Err(std::io::Error::from_raw_os_error(i32::from_le_bytes(w)))
-            }
-            _ => return Err(bad(format!("unexpected answer from the zygote: {body:?}"))),
-        };
+        // adopted by then), so the window in which another descendant orphaned would be
+        // adopted too, and left unreaped, is that short.
+        let subreaper = Subreaper::for_now().map_err(ForkError::Lost)?;
+        send_with_fds(self.sock.as_fd(), &fds, &[FORK]).map_err(|e| {
+            lost(format!(
+                "asking the zygote to fork: {e} (the zygote: {})",
+                self.exit_status()
+            ))
+        })?;
+        let answer = recv_with_fds(self.sock.as_fd(), ANSWER_TIMEOUT, 5);
         drop(subreaper);
+        let (fds, body) = match answer {
+            Ok(Some(m)) => m,
+            Ok(None) => return Err(lost(format!("the zygote exited ({})", self.exit_status()))),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                return Err(lost(format!(
+                    "no answer from the zygote within {ANSWER_TIMEOUT:?}"
+                )))
+            }
+            Err(e) => return Err(lost(format!("reading the zygote's answer: {e}"))),
+        };
+        let word = |b: &[u8]| <[u8; 4]>::try_from(b).ok();
+        let pid = match (fds.is_empty(), body.first(), body.get(1..).and_then(word)) {
+            (true, Some(&FORKED), Some(w)) => u32::from_le_bytes(w),
+            (true, Some(&FAILED), Some(w)) => {
+                return Err(ForkError::Refused(std::io::Error::from_raw_os_error(
+                    i32::from_le_bytes(w),
+                )))
+            }
+            _ => return Err(lost(format!("unexpected answer from the zygote: {body:?}"))),
+        };
         self.forks += 1;
         // The go-between was reaped before the answer, so the worker has been adopted by now:
-        // it is ours only if its parent is this process.
+        // it is ours only if its parent is this process. One that is not was left with no
+        // stdin writer by our error: it exits on its own.
         // SAFETY: getpid has no memory effects.
         let me = unsafe { libc::getpid() } as u32;
         match crate::process::parent_of(pid) {
             Some(p) if p == me => Ok(VmmProcess::adopted(pid)),
-            other => {
-                // Not ours to reap: end it through a pidfd, which is safe from pid reuse.
-                if let Ok(fd) = crate::process::pidfd_open(pid) {
-                    crate::process::pidfd_kill(&fd);
-                }
-                Err(std::io::Error::other(format!(
-                    "the forked worker {pid} was adopted by {other:?}, not by this process"
-                )))
-            }
+            other => Err(lost(format!(
+                "the forked worker {pid} was adopted by {other:?}, not by this process"
+            ))),
         }
     }
 }

@@ -813,6 +813,73 @@ fn a_zygote_that_died_is_replaced() {
     assert!(host.live_ids().is_empty());
 }
 
+/// Children of this process that have exited and wait to be reaped, named as this process is
+/// (workers, zygotes and go-betweens all run this binary).
+fn our_zombies() -> Vec<u32> {
+    let me = std::process::id();
+    let comm = |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    let ours = comm(me);
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| tine_host::process::parent_of(pid) == Some(me) && comm(pid) == ours)
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|t| {
+                    let (_, f) = tine_host::process::stat_fields(&t)?;
+                    Some(f.first()? == &"Z")
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// An idle forked worker holds nothing of its zygote's: its stdin is its own pipe, its stderr
+/// null, and no descriptor of it is the zygote's socket. And once its host is gone, no worker,
+/// zygote or go-between is left unreaped.
+fn forked_workers_hold_nothing_of_the_zygote_s() {
+    let tmp = data_dir_with_snapshot();
+    let before = zygotes();
+    let host = Host::open_exclusive(config(tmp.path(), 4, 2)).unwrap();
+    host.prestart_workers(2);
+    let zygote: Vec<u32> = zygotes()
+        .into_iter()
+        .filter(|z| !before.contains(z))
+        .collect();
+    assert_eq!(zygote.len(), 1, "{zygote:?}");
+    let link = |pid: u32, fd: &str| {
+        std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
+            .map(|l| l.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    };
+    let zygote_socket = link(zygote[0], "0");
+    assert!(zygote_socket.starts_with("socket:"), "{zygote_socket}");
+    for pid in host.idle_worker_pids() {
+        assert!(forked(pid), "{:?}", cmdline_of(pid));
+        assert!(link(pid, "0").starts_with("pipe:"), "{}", link(pid, "0"));
+        assert!(link(pid, "1").starts_with("socket:"), "{}", link(pid, "1"));
+        assert_eq!(link(pid, "2"), "/dev/null");
+        for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
+            let fd = fd.unwrap().file_name().to_string_lossy().into_owned();
+            assert_ne!(link(pid, &fd), zygote_socket, "worker {pid} fd {fd}");
+        }
+    }
+    let o = spawn(&host, ids(1)).pop().unwrap();
+    o.result.as_ref().unwrap();
+    host.kill_all();
+    drop(host);
+    // The pool goes with its last user (a refill may hold it a few seconds).
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(15)
+        && (zygotes().iter().any(|z| !before.contains(z)) || !our_zombies().is_empty())
+    {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(our_zombies().is_empty(), "{:?}", our_zombies());
+    assert!(!zygotes().iter().any(|z| !before.contains(z)));
+}
+
 /// Run as `host __bystander`, this binary is an unrelated process that merely waits.
 const BYSTANDER: &str = "__bystander";
 
@@ -2331,7 +2398,11 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 30] = [
+    let tests: [(&str, fn()); 31] = [
+        (
+            "forked_workers_hold_nothing_of_the_zygote_s",
+            forked_workers_hold_nothing_of_the_zygote_s,
+        ),
         (
             "forked_workers_share_what_loading_wrote",
             forked_workers_share_what_loading_wrote,
