@@ -779,6 +779,41 @@ fn workers_come_from_the_program_when_no_zygote_can_be_had() {
     host.kill_all();
 }
 
+/// A zygote forks at most `FORKS_PER_ZYGOTE` workers: the next is forked by a new one, with
+/// an address-space layout of its own.
+fn a_zygote_is_replaced_after_its_forks() {
+    let tmp = data_dir_with_snapshot();
+    let before = zygotes();
+    let new_zygotes = || -> Vec<u32> {
+        zygotes()
+            .into_iter()
+            .filter(|z| !before.contains(z))
+            .collect()
+    };
+    let host = Host::open_exclusive(config(tmp.path(), 2, 0)).unwrap();
+    let mut first = None;
+    for n in 1..=tine_host::zygote::FORKS_PER_ZYGOTE + 1 {
+        let o = spawn(&host, ids(1)).pop().unwrap();
+        o.result.as_ref().unwrap();
+        assert!(forked(pid_of(&host, &o.id)), "child {n}");
+        let z = new_zygotes();
+        let last = tine_host::zygote::FORKS_PER_ZYGOTE;
+        match (n, first) {
+            (1, _) => first = z.first().copied(),
+            // The first ends right after its last fork.
+            (n, _) if n == last => assert!(z.is_empty(), "child {n}: {z:?}"),
+            (n, Some(f)) if n < last => assert_eq!(z, vec![f], "child {n}"),
+            (n, f) => {
+                assert_eq!(z.len(), 1, "child {n}: {z:?}");
+                assert_ne!(Some(z[0]), f, "child {n} came from the first zygote");
+            }
+        }
+        assert!(first.is_some());
+        assert!(host.kill(&o.id).unwrap());
+    }
+    host.kill_all();
+}
+
 /// A zygote that dies is replaced: the worker asked of it meanwhile is started from the
 /// program, and the next is forked by a new zygote.
 fn a_zygote_that_died_is_replaced() {
@@ -2398,7 +2433,11 @@ fn main() {
         return;
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
-    let tests: [(&str, fn()); 31] = [
+    let tests: [(&str, fn()); 32] = [
+        (
+            "a_zygote_is_replaced_after_its_forks",
+            a_zygote_is_replaced_after_its_forks,
+        ),
         (
             "forked_workers_hold_nothing_of_the_zygote_s",
             forked_workers_hold_nothing_of_the_zygote_s,
