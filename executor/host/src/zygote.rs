@@ -9,20 +9,23 @@
 //! written at load and only read after.
 //!
 //! The price: forked workers share their zygote's address-space layout and the C library's
-//! stack-protector and pointer-guard values, with it and with each other. Each guest can reach
-//! only its own VMM, so a layout learnt by one guest helps against no other child's VMM; and a
-//! new zygote, with a new layout, is started for every [`FORKS_PER_ZYGOTE`] workers and with
-//! every executor. `WorkerStart::Exec` starts every worker from the program instead, each
-//! with a layout of its own.
+//! stack-protector and pointer-guard values, with it and with each other. A guest reaches only
+//! its own VMM, so across tenants this gives nothing; within one tenant, a leak in one VMM and
+//! a corruption bug in a sibling could be combined (docs/security.md). A new zygote, with a new
+//! layout, is started for every [`FORKS_PER_ZYGOTE`] workers and with every executor.
+//! `WorkerStart::Exec` starts every worker from the program instead, each with a layout of its
+//! own.
 //!
 //! How: the pool starts `<worker_exe> __vmm-worker --zygote` with one end of a
-//! `SOCK_SEQPACKET` pair as its stdin, and sends one message per worker carrying that worker's
-//! stdin (a pipe's read end) and stdout (its report socket). The zygote forks a go-between,
-//! which forks the worker and exits; the orphaned worker is adopted by the pool's process,
-//! which is a child subreaper (`PR_SET_CHILD_SUBREAPER`) for the length of that exchange, so
-//! the host signals and reaps it as it does a worker it started itself ([`VmmProcess`]). The zygote reaps the
-//! go-between and answers with the worker's pid. Nothing of the zygote's is left in the
-//! worker: its socket was its stdin, which the worker's own replaces.
+//! `SOCK_SEQPACKET` pair as its stdin and stdout, and waits for it to say it serves. Then it
+//! sends one message per worker carrying that worker's stdin (a pipe's read end), stdout (its
+//! report socket) and, if it has one, its idle cgroup's `cgroup.procs`. The zygote forks a
+//! go-between, which moves itself into that cgroup, forks the worker and exits; the orphaned
+//! worker is adopted by the pool's process, which is a child subreaper
+//! (`PR_SET_CHILD_SUBREAPER`) for the length of that exchange, so the host signals and reaps
+//! it as it does a worker it started itself ([`VmmProcess`]). The zygote reaps the go-between
+//! and answers with the worker's pid. Nothing of the zygote's is left in the worker: its
+//! socket was its stdin and stdout, which the worker's own replace.
 
 use std::io::Read;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
