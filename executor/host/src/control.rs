@@ -200,7 +200,7 @@ fn give_back(vm: &RunningVm) -> Option<Instant> {
     };
     let t0 = Instant::now();
     let line = match vm.give_back_unchanged() {
-        Ok(Some(g)) if g.skipped => format!(
+        Ok(Some(g)) if g.skipped() => format!(
             "tine-vmm: no guest RAM pages given back: {} private pages, more than a pass compares\n",
             g.private_pages
         ),

@@ -675,6 +675,14 @@ fn zygotes() -> Vec<u32> {
         .collect()
 }
 
+/// Live zygotes of this process that were not among `before` (those of earlier tests' hosts).
+fn zygotes_since(before: &[u32]) -> Vec<u32> {
+    zygotes()
+        .into_iter()
+        .filter(|z| !before.contains(z))
+        .collect()
+}
+
 /// KiB of the test binary's own mappings in `pid` that are dirty and its alone.
 fn binary_private_dirty(pid: u32) -> u64 {
     let exe = std::env::current_exe().unwrap();
@@ -784,19 +792,13 @@ fn workers_come_from_the_program_when_no_zygote_can_be_had() {
 fn a_zygote_is_replaced_after_its_forks() {
     let tmp = data_dir_with_snapshot();
     let before = zygotes();
-    let new_zygotes = || -> Vec<u32> {
-        zygotes()
-            .into_iter()
-            .filter(|z| !before.contains(z))
-            .collect()
-    };
     let host = Host::open_exclusive(config(tmp.path(), 2, 0)).unwrap();
     let mut first = None;
     for n in 1..=tine_host::zygote::FORKS_PER_ZYGOTE + 1 {
         let o = spawn(&host, ids(1)).pop().unwrap();
         o.result.as_ref().unwrap();
         assert!(forked(pid_of(&host, &o.id)), "child {n}");
-        let z = new_zygotes();
+        let z = zygotes_since(&before);
         let last = tine_host::zygote::FORKS_PER_ZYGOTE;
         match (n, first) {
             (1, _) => first = z.first().copied(),
@@ -823,10 +825,7 @@ fn a_zygote_that_died_is_replaced() {
     let first = spawn(&host, ids(1)).pop().unwrap();
     first.result.as_ref().unwrap();
     assert!(forked(pid_of(&host, &first.id)));
-    let zygote: Vec<u32> = zygotes()
-        .into_iter()
-        .filter(|z| !before.contains(z))
-        .collect();
+    let zygote: Vec<u32> = zygotes_since(&before);
     assert_eq!(zygote.len(), 1, "{zygote:?}");
     // SAFETY: signals our own unreaped child (its pool reaps it).
     assert_eq!(unsafe { libc::kill(zygote[0] as i32, libc::SIGKILL) }, 0);
@@ -836,10 +835,7 @@ fn a_zygote_that_died_is_replaced() {
     let third = spawn(&host, ids(1)).pop().unwrap();
     third.result.as_ref().unwrap();
     assert!(forked(pid_of(&host, &third.id)));
-    let now: Vec<u32> = zygotes()
-        .into_iter()
-        .filter(|z| !before.contains(z))
-        .collect();
+    let now: Vec<u32> = zygotes_since(&before);
     assert_eq!(now.len(), 1, "{now:?}");
     assert_ne!(now[0], zygote[0]);
     // All three are this host's, and end with it.
@@ -878,10 +874,7 @@ fn forked_workers_hold_nothing_of_the_zygote_s() {
     let before = zygotes();
     let host = Host::open_exclusive(config(tmp.path(), 4, 2)).unwrap();
     host.prestart_workers(2);
-    let zygote: Vec<u32> = zygotes()
-        .into_iter()
-        .filter(|z| !before.contains(z))
-        .collect();
+    let zygote: Vec<u32> = zygotes_since(&before);
     assert_eq!(zygote.len(), 1, "{zygote:?}");
     let link = |pid: u32, fd: &str| {
         std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
@@ -907,12 +900,12 @@ fn forked_workers_hold_nothing_of_the_zygote_s() {
     // The pool goes with its last user (a refill may hold it a few seconds).
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_secs(15)
-        && (zygotes().iter().any(|z| !before.contains(z)) || !our_zombies().is_empty())
+        && (!zygotes_since(&before).is_empty() || !our_zombies().is_empty())
     {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(our_zombies().is_empty(), "{:?}", our_zombies());
-    assert!(!zygotes().iter().any(|z| !before.contains(z)));
+    assert!(zygotes_since(&before).is_empty());
 }
 
 /// Run as `host __bystander`, this binary is an unrelated process that merely waits.

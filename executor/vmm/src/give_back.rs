@@ -23,11 +23,16 @@ pub struct GivenBack {
     pub candidates: u64,
     /// Of those, the pages still equal with the guest paused, and given back.
     pub given_back: u64,
-    /// More private pages than a pass looks at ([`MAX_PRIVATE_PAGES`]): none compared.
-    pub skipped: bool,
     /// How many times the guest was paused, and the longest of those pauses.
     pub pauses: u32,
     pub paused: std::time::Duration,
+}
+
+impl GivenBack {
+    /// More private pages than a pass looks at ([`MAX_PRIVATE_PAGES`]): none compared.
+    pub fn skipped(&self) -> bool {
+        self.private_pages > MAX_PRIVATE_PAGES
+    }
 }
 
 /// The most private pages a pass looks at (64 MiB). A child that copied more is busy rather

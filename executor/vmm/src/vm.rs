@@ -943,7 +943,6 @@ impl RunningVm {
         let mut found = crate::give_back::GivenBack {
             private_pages,
             candidates: diff::page_count(&equal),
-            skipped: private_pages > crate::give_back::MAX_PRIVATE_PAGES,
             ..Default::default()
         };
         for step in diff::page_steps(&equal, STEP_PAGES) {

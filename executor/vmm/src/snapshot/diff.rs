@@ -185,16 +185,9 @@ pub fn write_diff_files(ram: &GuestRam, runs: &[PageRun], dir: &Path) -> std::io
 }
 
 fn ram_bytes<'a>(ram: &'a GuestRam, r: &PageRun) -> std::io::Result<&'a [u8]> {
-    let ptr = ram.image_host_ptr(r.offset(), r.len()).ok_or_else(|| {
-        std::io::Error::other(format!(
-            "pages {}..{} are not guest RAM",
-            r.first,
-            r.first + r.count
-        ))
-    })?;
-    // SAFETY: `image_host_ptr` checked that the run lies inside one mapped RAM range, which
-    // lives as long as `ram`; the caller keeps the guest paused while we read.
-    Ok(unsafe { std::slice::from_raw_parts(ptr, r.len() as usize) })
+    // SAFETY: our callers' contract: nothing writes guest RAM while they read (the VM is
+    // paused, or this is a fork's copy).
+    unsafe { ram.run_bytes(*r) }.map_err(std::io::Error::other)
 }
 
 /// Write guest RAM as a complete image at `path` (sparse): the chain it was restored from
